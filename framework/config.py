@@ -1,0 +1,70 @@
+"""Engine configuration (pydantic, extra='forbid')."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    model: str | None = None
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = Field(None, ge=2)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+    block_size: int = Field(16, ge=1, le=1024)
+    kv_cache_memory: int | None = Field(None, ge=1 << 16, description="bytes for the KV cache")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    num_gpu_blocks_override: int | None = Field(None, ge=1)
+    device: Literal["auto", "cpu", "cuda"] | str = "auto"
+    speculative_config: dict[str, Any] | None = None
+    trust_remote_code: bool = False
+    enforce_eager: bool = False
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        v = str(v).replace("torch.", "")
+        if v != "auto" and v not in _DTYPES:
+            raise ValueError(f"unknown dtype {v!r}; use auto, float32, float16 or bfloat16")
+        return v
+
+    @field_validator("trust_remote_code")
+    @classmethod
+    def _remote(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("trust_remote_code=True is not supported: speculant runs its own model "
+                             "implementations and never executes code from a checkpoint")
+        return v
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available; use device='cpu'")
+        return dev
+
+    def torch_dtype(self, device: torch.device, checkpoint_dtype: Any) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32  # CPU: exact, and fast enough for small models
+        if isinstance(checkpoint_dtype, str):
+            checkpoint_dtype = _DTYPES.get(checkpoint_dtype.replace("torch.", ""), None)
+        if checkpoint_dtype in (torch.float16, torch.bfloat16):
+            return checkpoint_dtype
+        return torch.bfloat16

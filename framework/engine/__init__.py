@@ -1,0 +1,1 @@
+"""Engine internals: sequences, block manager, scheduler, model runner, sampler, steps."""

@@ -1,0 +1,153 @@
+"""Attention over the paged KV cache: metadata for one forward, the torch path (CPU) and the
+seam to the Triton kernels (CUDA)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the tokens of one flat forward batch live in the paged cache."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor  # [num_seqs] int32: cached tokens after this step's writes
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
+    query_lens: list[int]  # per sequence
+    context_lens_list: list[int]  # per sequence
+    block_size: int
+    # Torch-path helpers, built lazily once per forward and shared by all layers.
+    _torch_cache: dict = field(default_factory=dict)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens) if self.query_lens else 0
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        slots: list[int] = []
+        for ql, cl, bt in zip(query_lens, context_lens, block_tables):
+            for pos in range(cl - ql, cl):
+                slots.append(bt[pos // block_size] * block_size + pos % block_size)
+        max_blocks = max((len(bt) for bt in block_tables), default=1) or 1
+        bt_pad = [bt + [0] * (max_blocks - len(bt)) for bt in block_tables]
+        qsl = [0]
+        for ql in query_lens:
+            qsl.append(qsl[-1] + ql)
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(bt_pad, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            query_lens=list(query_lens),
+            context_lens_list=list(context_lens),
+            block_size=block_size,
+        )
+
+    def torch_indices(self) -> dict:
+        """Gather indices and the causal mask for the padded torch attention path."""
+        if self._torch_cache:
+            return self._torch_cache
+        dev = self.slot_mapping.device
+        S = len(self.query_lens)
+        Q = max(self.query_lens)
+        C = max(self.context_lens_list)
+        pos = torch.arange(C, device=dev)
+        block_idx = self.block_tables.long().gather(
+            1, (pos // self.block_size).clamp(max=self.block_tables.shape[1] - 1).expand(S, C)
+        )
+        gather = block_idx * self.block_size + (pos % self.block_size)  # [S, C] slots
+        ctx = self.context_lens.long()[:, None]  # [S, 1]
+        qlen = torch.tensor(self.query_lens, device=dev)[:, None]  # [S, 1]
+        qpos = torch.arange(Q, device=dev)[None, :]  # [1, Q]
+        q_valid = qpos < qlen  # [S, Q]
+        abs_q = ctx - qlen + qpos  # [S, Q] absolute position of each query row
+        mask = pos[None, None, :] <= abs_q[:, :, None]  # [S, Q, C]
+        mask &= pos[None, None, :] < ctx[:, :, None]
+        mask[~q_valid] = False
+        mask[..., 0] |= ~q_valid  # padded rows attend somewhere (discarded), avoids NaN
+        starts = self.query_start_loc.long()[:-1, None]  # [S, 1]
+        q_index = torch.where(q_valid, starts + qpos, torch.zeros_like(qpos))  # [S, Q]
+        self._torch_cache = {
+            "gather": torch.where(pos[None, :] < ctx, gather, torch.zeros_like(gather)),
+            "mask": mask.unsqueeze(1),  # [S, 1, Q, C]
+            "q_index": q_index,
+            "q_valid": q_valid,
+        }
+        return self._torch_cache
+
+
+def paged_attention_torch(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    idx = meta.torch_indices()
+    nkv, d = k_cache.shape[2], k_cache.shape[3]
+    keys = k_cache.view(-1, nkv, d)[idx["gather"]].transpose(1, 2)  # [S, nkv, C, d]
+    vals = v_cache.view(-1, nkv, d)[idx["gather"]].transpose(1, 2)  # [S, nkv, C, d]
+    qp = q[idx["q_index"]].transpose(1, 2)  # [S, nh, Q, d]
+    out = F.scaled_dot_product_attention(
+        qp, keys, vals, attn_mask=idx["mask"], scale=scale, enable_gqa=True
+    )  # [S, nh, Q, d]
+    return out.transpose(1, 2)[idx["q_valid"]]  # [num_tokens, nh, d]
+
+
+def attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Write this step's K/V into the cache, then attend causally over the whole context."""
+    if q.is_cuda:
+        from speculant.kernels.kv_cache import store_kv
+        from speculant.kernels.paged_attention import paged_attention
+
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+        return paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.query_start_loc,
+            scale,
+            max_query_len=meta.max_query_len,
+        )
+    nkv, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, nkv, d)[meta.slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(-1, nkv, d)[meta.slot_mapping] = v.to(v_cache.dtype)
+    return paged_attention_torch(q, k_cache, v_cache, meta, scale)
+
+
+@dataclass
+class ForwardContext:
+    """Everything a model forward needs besides the token ids and positions."""
+
+    meta: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    aux_layers: tuple[int, ...] = ()  # layers whose output (residual stream) to collect
+    aux_hidden: list[torch.Tensor] = field(default_factory=list)  # filled: [num_tokens, hidden] each
+
+    def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
+        k_cache, v_cache = self.kv_caches[layer]
+        return attention(q, k, v, k_cache, v_cache, self.meta, scale)

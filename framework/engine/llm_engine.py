@@ -1,0 +1,305 @@
+"""The engine: load the model, schedule, run a step, emit outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from speculant.config import EngineConfig
+from speculant.engine.block_manager import BlockManager
+from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
+from speculant.engine.sampler import Row, sample, token_logprobs, topn_dict
+from speculant.engine.scheduler import Scheduler
+from speculant.engine.sequence import Sequence
+from speculant.models.loader import load_config, load_model, load_tokenizer, resolve_model
+from speculant.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecMetrics
+from speculant.sampling_params import SamplingParams
+
+logger = logging.getLogger("speculant")
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    emitted: bool = False
+    aborted: bool = field(default=False)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        folder = resolve_model(config.model)
+        self.model_path = folder
+        self.hf_config = load_config(folder)
+        self.dtype = config.torch_dtype(self.device, getattr(self.hf_config, "torch_dtype", None)
+                                        or getattr(self.hf_config, "dtype", None))
+        self.max_model_len = self._max_model_len()
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
+        self.model = load_model(folder, self.hf_config, self.dtype, self.device, self.max_model_len)
+        self.vocab_size = self.model.lm_head.weight.shape[0]
+        self.eos_token_id = self._eos_id()
+        self.block_size = config.block_size
+        num_blocks = self._num_blocks()
+        self.block_manager = BlockManager(num_blocks, self.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype)
+        batched = config.max_num_batched_tokens or max(self.max_model_len, 2048)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.requests: dict[str, Request] = {}
+        self.spec = None
+        if config.speculative_config is not None:
+            from speculant.engine.spec_decode import SpecDecoder
+
+            self.spec = SpecDecoder(self, config.speculative_config)
+        logger.info("speculant engine: %s on %s (%s), %d KV blocks of %d", folder, self.device,
+                    self.dtype, num_blocks, self.block_size)
+
+    # ----------------------------------------------------------------- set-up helpers
+    def _max_model_len(self) -> int:
+        limit = None
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            if getattr(self.hf_config, key, None):
+                limit = int(getattr(self.hf_config, key))
+                break
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window and getattr(self.hf_config, "use_sliding_window", True) is not False:
+            limit = min(limit or window, int(window))
+        want = self.config.max_model_len
+        if want is None:
+            return min(limit or 4096, 4096) if self.device.type == "cpu" else (limit or 4096)
+        if limit is not None and want > limit:
+            raise ValueError(
+                f"max_model_len={want} exceeds what the model supports ({limit}, from its config: "
+                "max_position_embeddings / sliding_window); lower max_model_len"
+            )
+        return want
+
+    def _eos_id(self) -> int | None:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = self.tokenizer.eos_token_id
+        return eos
+
+    def _num_blocks(self) -> int:
+        if self.config.num_gpu_blocks_override:
+            return self.config.num_gpu_blocks_override
+        per_block = kv_bytes_per_block(self.model, self.block_size, self.dtype)
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _total = torch.cuda.mem_get_info(self.device)
+                budget = int(free * self.config.gpu_memory_utilization) - (1 << 30)
+            else:
+                need = self.config.max_num_seqs * (self.max_model_len + self.block_size) // self.block_size
+                budget = min(_CPU_DEFAULT_KV_BYTES, max(need, 1) * per_block)
+        num = budget // per_block
+        min_blocks = -(-self.max_model_len // self.block_size) + 1
+        if num < min_blocks:
+            raise ValueError(
+                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num} blocks of "
+                f"{self.block_size} tokens, fewer than one sequence of max_model_len="
+                f"{self.max_model_len} needs ({min_blocks}); raise kv_cache_memory / "
+                "gpu_memory_utilization or lower max_model_len"
+            )
+        return int(num)
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> Request:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id}: the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id}: the prompt has {len(prompt_token_ids)} tokens but "
+                f"max_model_len is {self.max_model_len} (room is needed for at least one new "
+                "token); shorten the prompt or raise max_model_len"
+            )
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id}: prompt token ids {bad[:5]} are outside the "
+                             f"vocabulary [0, {self.vocab_size})")
+        metrics = RequestMetrics(arrival_time=time.perf_counter())
+        seqs = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator().manual_seed(params.seed * 1000003 + i)
+            seqs.append(Sequence(request_id, i, prompt_token_ids, params, metrics, gen))
+        req = Request(request_id, prompt, list(prompt_token_ids), params, seqs, metrics)
+        self.requests[request_id] = req
+        for s in seqs:
+            self.scheduler.add(s)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for s in req.seqs:
+            if not s.is_finished:
+                s.finish_reason = "abort"
+                self.scheduler.finish(s)
+        req.aborted = True
+        if self.spec:
+            self.spec.release([s.seq_id for s in req.seqs])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step: a prefill of newly admitted sequences or one decode step of all
+        running ones (speculative when a strategy is configured). Returns finished requests."""
+        lookahead = self.spec.max_lookahead() if self.spec else 0
+        seqs, is_prefill = self.scheduler.schedule(lookahead)
+        if is_prefill:
+            self._prefill(seqs)
+        elif self.spec is not None:
+            self.spec.step(seqs)
+        elif seqs:
+            self._decode(seqs)
+        released = self.scheduler.take_preempted() + [s.seq_id for s in seqs if s.is_finished]
+        if self.spec is not None and released:
+            self.spec.release(released)
+        return self._collect_finished()
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        now = time.perf_counter()
+        for s in seqs:
+            s.metrics.first_scheduled_time = s.metrics.first_scheduled_time or now
+        new_tokens = [s.token_ids[s.num_cached_tokens :] for s in seqs]
+        aux = self.spec.aux_layers if self.spec else ()
+        hidden, aux_hidden = self.runner.forward(seqs, new_tokens, aux)
+        ends = torch.tensor([len(t) for t in new_tokens]).cumsum(0) - 1
+        last = hidden[ends.to(hidden.device)]
+        logits = self.runner.logits(last)
+        self._maybe_prompt_logprobs(seqs, new_tokens, hidden)
+        tokens = self._sample_and_append(seqs, logits)
+        if self.spec is not None:
+            counts = [len(t) for t in new_tokens]
+            self.spec.record_hidden(seqs, counts, hidden, aux_hidden, counts, [0] * len(seqs), reset=True)
+        del tokens
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        hidden, _ = self.runner.forward(seqs, [[s.last_token] for s in seqs])
+        self._sample_and_append(seqs, self.runner.logits(hidden))
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        rows = [Row(s, []) for s in seqs]
+        tokens = sample(logits, rows, self.generator, self.eos_token_id)
+        lps, dicts = token_logprobs(logits, tokens, rows, self.tokenizer)
+        for s, t, lp, d in zip(seqs, tokens, lps, dicts):
+            self.append_token(s, t, lp, d)
+        return tokens
+
+    def _maybe_prompt_logprobs(self, seqs, new_tokens, hidden) -> None:
+        start = 0
+        for s, toks in zip(seqs, new_tokens):
+            n = s.params.prompt_logprobs
+            if n is not None and s.prompt_logprobs is None and s.num_output_tokens == 0:
+                logits = self.runner.logits(hidden[start : start + len(toks) - 1])
+                lp = torch.log_softmax(logits, dim=-1)
+                s.prompt_logprobs = [None] + [
+                    topn_dict(lp[i], toks[i + 1], n, self.tokenizer) for i in range(len(toks) - 1)
+                ]
+            start += len(toks)
+
+    # ----------------------------------------------------------------- appending and stopping
+    def append_token(self, seq: Sequence, token: int, logprob: float | None = None,
+                     top: dict | None = None) -> bool:
+        """Append one generated token and apply the stop rules. Returns True if seq finished."""
+        seq.token_ids.append(token)
+        now = time.perf_counter()
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        if seq.index == 0:
+            m.num_output_tokens += 1
+        if logprob is not None:
+            seq.cumulative_logprob += logprob
+        if seq.logprobs is not None and top is not None:
+            seq.logprobs.append(top)
+        p = seq.params
+        n_out = seq.num_output_tokens
+        reason = stop_reason = None
+        if token == self.eos_token_id and not p.ignore_eos and n_out >= p.min_tokens:
+            reason = "stop"
+        elif p.stop_token_ids and token in p.stop_token_ids and n_out >= p.min_tokens:
+            reason, stop_reason = "stop", token
+        elif p.stop and n_out >= p.min_tokens and (hit := self._stop_string(seq)) is not None:
+            reason, stop_reason = "stop", hit
+        elif p.max_tokens is not None and n_out >= p.max_tokens:
+            reason = "length"
+        elif len(seq) >= self.max_model_len:
+            reason = "length"
+        if reason is None:
+            return False
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+        if all(s.is_finished for s in self.requests[seq.request_id].seqs):
+            m.finished_time = now
+        return True
+
+    def _stop_string(self, seq: Sequence) -> str | None:
+        if self.tokenizer is None:
+            return None
+        p = seq.params
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+        longest = max(len(s) for s in p.stop_strings)
+        prev = seq.stop_text_len or 0
+        window_start = max(0, prev - longest)
+        best = None
+        for s in p.stop_strings:
+            i = text.find(s, window_start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        seq.stop_text_len = len(text)
+        if best is None:
+            return None
+        i, s = best
+        seq.output_text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
+        return s
+
+    # ----------------------------------------------------------------- outputs
+    def _collect_finished(self) -> list[RequestOutput]:
+        outs = []
+        for rid, req in list(self.requests.items()):
+            if all(s.is_finished for s in req.seqs):
+                outs.append(self.make_output(req))
+                del self.requests[rid]
+        return outs
+
+    def make_output(self, req: Request) -> RequestOutput:
+        completions = []
+        for s in req.seqs:
+            text = s.output_text
+            if text is None and self.tokenizer is not None:
+                text = self.tokenizer.decode(
+                    s.output_token_ids, skip_special_tokens=s.params.skip_special_tokens
+                )
+            completions.append(CompletionOutput(
+                index=s.index, text=text or "", token_ids=s.output_token_ids,
+                cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+            ))
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=req.seqs[0].prompt_logprobs, outputs=completions,
+            finished=all(s.is_finished for s in req.seqs), metrics=req.metrics,
+        )
+
+    def spec_metrics(self) -> SpecMetrics:
+        return self.spec.total if self.spec else SpecMetrics()

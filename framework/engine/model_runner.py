@@ -1,0 +1,56 @@
+"""Owns a model and its paged KV cache; runs one flat forward over many sequences."""
+
+from __future__ import annotations
+
+import torch
+
+from speculant.engine.attention import AttentionMetadata, ForwardContext
+from speculant.engine.sequence import Sequence
+
+
+def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+    nkv, d = model.kv_cache_shape()
+    return 2 * model.num_layers * block_size * nkv * d * torch.empty(0, dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        nkv, d = model.kv_cache_shape()
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.zeros(model.num_layers, 2, num_blocks, block_size, nkv, d,
+                                    dtype=dtype, device=device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model.num_layers)]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        seqs: list[Sequence],
+        new_tokens: list[list[int]],
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed ``new_tokens[i]`` at positions ``seqs[i].num_cached_tokens ...`` (their K/V are
+        written to the cache) and return the final hidden states ``[num_tokens, hidden]`` and, if
+        ``aux_layers`` is set, the residual stream entering those layers ``[num_tokens, n*hidden]``.
+        """
+        query_lens = [len(t) for t in new_tokens]
+        ctx_lens = [s.num_cached_tokens + q for s, q in zip(seqs, query_lens)]
+        flat = [t for toks in new_tokens for t in toks]
+        positions = [p for s, q in zip(seqs, query_lens) for p in range(s.num_cached_tokens, s.num_cached_tokens + q)]
+        meta = AttentionMetadata.build(query_lens, ctx_lens, [s.block_table for s in seqs],
+                                       self.block_size, self.device)
+        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, aux_layers=tuple(aux_layers))
+        ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, ctx)
+        for s, q in zip(seqs, query_lens):
+            s.num_cached_tokens += q
+        aux = torch.cat(ctx.aux_hidden, dim=-1) if ctx.aux_hidden else None
+        return hidden, aux
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden)  # [rows, vocab] float32

@@ -1,0 +1,68 @@
+"""One generated sequence: its tokens, cache blocks, sampling state and stop conditions."""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum, auto
+
+import torch
+
+from speculant.outputs import Logprob, RequestMetrics
+from speculant.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        metrics: RequestMetrics,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.index = index  # which of the request's n outputs
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.metrics = metrics
+        self.generator = generator  # per-request seeded RNG, or None for the engine's
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0  # tokens whose K/V are in the cache
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.output_text: str | None = None  # set at finish (truncated at a stop string)
+        self.stop_text_len: int | None = None  # where the stop string cut the text
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]

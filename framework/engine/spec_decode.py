@@ -1,0 +1,239 @@
+"""The speculative decode step: propose -> score -> verify -> append, through the hooks of a
+per-engine plugin manager holding the chosen strategy, the scorer and the verifier."""
+
+from __future__ import annotations
+
+import logging
+
+import pluggy
+import torch
+
+from speculant import hookspecs
+from speculant.engine.sequence import Sequence
+from speculant.hookspecs import hookimpl
+from speculant.outputs import SpecMetrics
+from speculant.spec_registry import (
+    SpeculativeConfig,
+    StrategyError,
+    build_strategy_config,
+    get_strategy,
+)
+from speculant.spec_types import Proposal, ScoreResult, SpecBatch, SpecSequence, StrategyContext
+
+logger = logging.getLogger("speculant")
+
+
+class ProposalError(RuntimeError):
+    pass
+
+
+class TargetScorer:
+    """Default ``score``: one target forward over [last token, drafts...] per sequence."""
+
+    def __init__(self, decoder: SpecDecoder) -> None:
+        self.d = decoder
+
+    @hookimpl(trylast=True)
+    def score(self, batch: SpecBatch, proposal: Proposal) -> ScoreResult:
+        eng = self.d.engine
+        seqs = [self.d.seq_by_id[s.seq_id] for s in batch.seqs]
+        new_tokens = [[s.last_token, *drafts] for s, drafts in zip(seqs, proposal.token_ids)]
+        hidden, aux = eng.runner.forward(seqs, new_tokens, self.d.aux_layers)
+        return ScoreResult(logits=eng.runner.logits(hidden), hidden_states=hidden,
+                           aux_hidden_states=aux)
+
+
+class SpecDecoder:
+    def __init__(self, engine, speculative_config: dict) -> None:
+        self.engine = engine
+        try:
+            spec = SpeculativeConfig(**speculative_config)
+        except Exception as e:
+            raise StrategyError(f"invalid speculative_config: {e}") from None
+        self.spec_config = spec
+        ctx = StrategyContext(
+            target_model=engine.model, target_config=engine.hf_config, vocab_size=engine.vocab_size,
+            device=engine.device, dtype=engine.dtype, block_size=engine.block_size,
+            max_model_len=engine.max_model_len, max_num_seqs=engine.config.max_num_seqs,
+            tokenizer=engine.tokenizer, eos_token_id=engine.eos_token_id, seed=engine.config.seed,
+        )
+        self.ctx = ctx
+        cls = get_strategy(spec.method, "proposer")
+        self.name = cls.name
+        self.strategy_config = build_strategy_config(cls, spec)
+        self.strategy = cls(self.strategy_config, ctx)
+        k = getattr(self.strategy, "num_speculative_tokens", None)
+        k = k or getattr(self.strategy_config, "num_speculative_tokens", None) or spec.num_speculative_tokens
+        if not k:
+            raise StrategyError(f"speculative_config for {cls.name!r} needs num_speculative_tokens")
+        self.k = int(k)
+        self.needs_hidden = bool(getattr(self.strategy, "needs_hidden_states", False))
+        self.aux_layers = tuple(getattr(self.strategy, "aux_hidden_layers", ()) or ())
+
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self.pm.register(self.strategy, name=f"strategy:{cls.name}")
+        self.pm.register(TargetScorer(self), name="scorer:target")
+        verifier_cls = get_strategy(spec.acceptance_method, "verifier")
+        self.pm.register(verifier_cls(None, ctx), name=f"verifier:{verifier_cls.name}")
+        if spec.disable_by_batch_size is not None:
+            mod_cls = get_strategy("batch_size_disable", "modifier")
+            mod_cfg = mod_cls.Config(disable_by_batch_size=spec.disable_by_batch_size)
+            self.pm.register(mod_cls(mod_cfg, ctx), name="modifier:batch_size_disable")
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            raise StrategyError(f"strategy {cls.name!r} implements an unknown hook: {e}") from None
+        self.enabled = True
+        self.last_batch_size = 0
+        self.total = SpecMetrics()
+        self.seq_by_id: dict[int, Sequence] = {}
+        # hidden states not yet handed to the proposer, per seq id: (start_pos, [tensors], [aux])
+        self.pending: dict[int, tuple[int, list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    # ----------------------------------------------------------------- engine callbacks
+    def max_lookahead(self) -> int:
+        return self.k if self.enabled else 0
+
+    def release(self, seq_ids: list[int]) -> None:
+        for i in seq_ids:
+            self.pending.pop(i, None)
+            self.seq_by_id.pop(i, None)
+        self.pm.hook.on_requests_finished(seq_ids=list(seq_ids))
+
+    def record_hidden(self, seqs, counts, hidden, aux, keep, starts, reset: bool = False) -> None:
+        """Remember target hidden states of newly verified positions for the proposer.
+        Rows [0, keep[i]) of the ``counts[i]`` rows of seqs[i] are kept; they cover positions
+        starting at ``starts[i]``. ``reset`` drops what was pending (prefill / recompute)."""
+        if not self.needs_hidden:
+            return
+        row = 0
+        for s, c, kp, p0 in zip(seqs, counts, keep, starts):
+            if reset or s.seq_id not in self.pending:
+                self.pending[s.seq_id] = (p0, [], [])
+            entry = self.pending[s.seq_id]
+            entry[1].append(hidden[row : row + kp])
+            if aux is not None:
+                entry[2].append(aux[row : row + kp])
+            row += c
+
+    # ----------------------------------------------------------------- the step
+    def step(self, seqs: list[Sequence]) -> None:
+        eng = self.engine
+        for s in seqs:
+            self.seq_by_id[s.seq_id] = s
+        if len(seqs) != self.last_batch_size:
+            votes = self.pm.hook.on_batch_size_change(old_size=self.last_batch_size, new_size=len(seqs))
+            was = self.enabled
+            self.enabled = not any(v is False for v in votes)
+            if was != self.enabled:
+                logger.info("speculation %s at batch size %d", "on" if self.enabled else "off", len(seqs))
+            self.last_batch_size = len(seqs)
+        batch = self._batch(seqs)
+        proposal = self._propose(batch) if self.enabled else None
+        if proposal is None or not any(proposal.token_ids):
+            self._plain_step(seqs)
+            return
+        scores = self.pm.hook.score(batch=batch, proposal=proposal)
+        result = self.pm.hook.verify(batch=batch, proposal=proposal, scores=scores)
+        self._apply(seqs, proposal, scores, result)
+
+    def _batch(self, seqs: list[Sequence]) -> SpecBatch:
+        room = [min(self.k, eng_room) for eng_room in
+                (self.engine.max_model_len - len(s) - 1 for s in seqs)]
+        sp = [SpecSequence(s.seq_id, s.token_ids, s.num_prompt_tokens, max(0, r), s.params, s.generator)
+              for s, r in zip(seqs, room)]
+        batch = SpecBatch(seqs=sp)
+        if self.needs_hidden:
+            hs, aux, counts, starts = [], [], [], []
+            for s in seqs:
+                pos0, h, a = self.pending.pop(s.seq_id, (len(s) - 1, [], []))
+                t = torch.cat(h) if h else torch.empty(0, self.engine.model.hidden_size,
+                                                       device=self.engine.device, dtype=self.engine.dtype)
+                hs.append(t)
+                if a:
+                    aux.append(torch.cat(a))
+                counts.append(t.shape[0])
+                starts.append(pos0)
+            batch.hidden_states = torch.cat(hs)
+            batch.aux_hidden_states = torch.cat(aux) if aux else None
+            batch.hidden_counts, batch.hidden_start = counts, starts
+        return batch
+
+    def _propose(self, batch: SpecBatch) -> Proposal | None:
+        proposal = self.pm.hook.propose(batch=batch)
+        if proposal is None:
+            return None
+        if not isinstance(proposal, Proposal):
+            raise ProposalError(f"strategy {self.name!r}: propose() returned {type(proposal).__name__}, "
+                                "expected speculant.spec_types.Proposal")
+        proposal.proposer = self.name
+        if len(proposal.token_ids) != len(batch.seqs):
+            raise ProposalError(f"strategy {self.name!r} proposed for {len(proposal.token_ids)} "
+                                f"sequences but the batch has {len(batch.seqs)}")
+        V = self.engine.vocab_size
+        for s, toks in zip(batch.seqs, proposal.token_ids):
+            if len(toks) > s.max_draft:
+                raise ProposalError(f"strategy {self.name!r} proposed {len(toks)} tokens for sequence "
+                                    f"{s.seq_id}, more than its limit k={s.max_draft}")
+            if any((not isinstance(t, int)) or t < 0 or t >= V for t in toks):
+                raise ProposalError(f"strategy {self.name!r} proposed token ids outside the "
+                                    f"vocabulary [0, {V}): {toks}")
+        if proposal.probs is not None:
+            p = proposal.probs
+            need = (len(batch.seqs), max(proposal.lengths), V)
+            if p.dim() != 3 or p.shape[0] != need[0] or p.shape[1] < need[1] or p.shape[2] != V:
+                raise ProposalError(f"strategy {self.name!r}: draft probs have shape {tuple(p.shape)}, "
+                                    f"expected [batch, >= max_len, vocab] = {need}")
+        return proposal
+
+    def _plain_step(self, seqs: list[Sequence]) -> None:
+        eng = self.engine
+        hidden, aux = eng.runner.forward(seqs, [[s.last_token] for s in seqs], self.aux_layers)
+        for s in seqs:
+            s.metrics.spec.num_plain_steps += 1
+            s.metrics.spec.num_emitted_tokens += 1
+        self.total.num_plain_steps += 1
+        self.total.num_emitted_tokens += len(seqs)
+        ones = [1] * len(seqs)
+        self.record_hidden(seqs, ones, hidden, aux, ones, [len(s) - 1 for s in seqs])
+        eng._sample_and_append(seqs, eng.runner.logits(hidden))
+        self._rollback(seqs)
+
+    def _apply(self, seqs, proposal: Proposal, scores: ScoreResult, result) -> None:
+        eng = self.engine
+        counts = [n + 1 for n in proposal.lengths]
+        lp_all = torch.log_softmax(scores.logits, dim=-1)
+        keep, starts = [], [len(s) - 1 for s in seqs]
+        row = 0
+        step_total = SpecMetrics()
+        for s, drafts, toks, acc in zip(seqs, proposal.token_ids, result.token_ids, result.num_accepted):
+            base = len(s)  # tokens before this step; cache now holds base + len(drafts)
+            m = s.metrics.spec
+            m.record(len(drafts), acc)
+            m.num_spec_steps += 1
+            step_total.record(len(drafts), acc)
+            keep.append(acc + 1)
+            for j, t in enumerate(toks):
+                lp = lp_all[row + j]
+                top = None
+                if s.params.logprobs is not None:
+                    from speculant.engine.sampler import topn_dict
+
+                    top = topn_dict(lp, t, s.params.logprobs, eng.tokenizer)
+                m.num_emitted_tokens += 1
+                step_total.num_emitted_tokens += 1
+                if eng.append_token(s, t, float(lp[t]), top):
+                    break
+            row += len(drafts) + 1
+            # the cache is valid for the last token and the accepted drafts only
+            if not s.is_finished:
+                eng.block_manager.rollback(s, base + acc)
+        step_total.num_spec_steps = 1
+        self.total.merge(step_total)
+        self.record_hidden(seqs, counts, scores.hidden_states, scores.aux_hidden_states, keep, starts)
+
+    def _rollback(self, seqs) -> None:
+        for s in seqs:
+            if not s.is_finished:
+                self.engine.block_manager.rollback(s, len(s) - 1)

@@ -1,0 +1,141 @@
+"""The hook specifications of speculant: the whole plugin API in one file.
+
+A strategy is a plugin. Plugin *modules* are discovered through the entry-point group
+``speculant.strategies`` (built-ins and third-party packages alike) and implement
+:func:`register_strategies`. Each registered strategy is a class; when a user picks it by name
+(``speculative_config={"method": ...}``) the engine instantiates it and registers the instance
+in the engine's own plugin manager, where its :func:`propose` (and optionally
+:func:`on_batch_size_change`, :func:`on_requests_finished`, :func:`score`, :func:`verify`)
+implementations are called every speculative step::
+
+    propose  ->  score (target forward over k+1 tokens per sequence)  ->  verify  ->  append
+
+``score`` and ``verify`` have built-in default implementations (the engine's target scorer and
+the lossless rejection sampler plugin, both ``trylast``) so a strategy usually implements only
+``propose``.
+
+Markers: ``from speculant import hookimpl``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from speculant.spec_types import Proposal, ScoreResult, SpecBatch, VerifyResult
+
+PROJECT_NAME = "speculant"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def register_strategies(register: Callable[..., None]) -> None:
+    """Register the speculation strategies (and verifiers) a plugin module provides.
+
+    Called once per process, on every plugin module loaded from the ``speculant.strategies``
+    entry-point group (collect-all: every module's implementation runs).
+
+    :param register: ``register(strategy_class)``. ``strategy_class`` must have a unique
+        ``name`` (str, the value users pass as ``method``), an optional ``aliases`` tuple, an
+        optional ``Config`` (a pydantic model with ``extra="forbid"`` validating the strategy's
+        own options), an optional ``kind`` (``"proposer"``, the default, or ``"verifier"`` or
+        ``"modifier"``), and a constructor ``__init__(self, config, ctx)`` where ``config`` is the
+        validated ``Config`` instance and ``ctx`` an :class:`~speculant.spec_types.StrategyContext`
+        (target model config, device, dtype, vocab size, the loaded target model).
+    :return: nothing.
+    """
+
+
+@hookspec(firstresult=True)
+def propose(batch: SpecBatch) -> Proposal | None:
+    """Propose draft tokens for every sequence of a decode step.
+
+    First-result: the first non-``None`` return is used. Called by the engine at the start of
+    each speculative decode step, before the target model runs.
+
+    :param batch: the running sequences (token ids so far, prompt lengths, the maximum number of
+        draft tokens ``k`` allowed per sequence, and the target's hidden states for the tokens
+        verified since the previous call when the strategy asked for them).
+    :return: a :class:`~speculant.spec_types.Proposal` holding, per sequence, a list of 0..k draft
+        token ids (different lengths in one batch are fine; 0 means "no speculation for this
+        sequence this step") and optionally the draft probabilities ``[batch, max_len, vocab]``
+        that produced them (needed for lossless sampling with a non-point-mass draft).
+        Return ``None`` to let a later implementation answer.
+    """
+
+
+@hookspec(firstresult=True)
+def score(batch: SpecBatch, proposal: Proposal) -> ScoreResult | None:
+    """Run the target model over each sequence's last token plus its drafts (k_i + 1 tokens).
+
+    First-result. The engine's built-in scorer implements it (``trylast``): one forward pass of the
+    target over the flat batch, writing K/V into the paged cache. Override it only to change how
+    the target is evaluated (e.g. tree attention).
+
+    :param batch: as for :func:`propose`; its sequences already own cache slots for k_i + 1 tokens.
+    :param proposal: the validated proposal.
+    :return: a :class:`~speculant.spec_types.ScoreResult`: target logits ``[sum(k_i + 1), vocab]``
+        (rows grouped per sequence: the k_i draft positions then the bonus position) and, when
+        requested, the hidden states of the same rows.
+    """
+
+
+@hookspec(firstresult=True)
+def verify(batch: SpecBatch, proposal: Proposal, scores: ScoreResult) -> VerifyResult | None:
+    """Decide which draft tokens to accept, and pick the bonus or recovered token.
+
+    First-result. The built-in ``rejection_sampler`` plugin implements it (``trylast``): greedy
+    rows accept while draft == argmax of the processed target logits; random rows use rejection
+    sampling (accept with min(1, p/q), on rejection sample from normalize(max(p - q, 0))), which
+    makes the output distribution exactly the target's. Sampling parameters (temperature, top-k,
+    top-p, min-p, penalties, logits processors) are applied to the target logits first.
+
+    :param batch: as for :func:`propose`, with ``batch.seqs[i].sampling_params``.
+    :param proposal: the drafts being verified.
+    :param scores: the target's output for them.
+    :return: a :class:`~speculant.spec_types.VerifyResult`: per sequence the list of emitted
+        tokens (accepted drafts followed by exactly one bonus/recovered token).
+    """
+
+
+@hookspec
+def on_batch_size_change(old_size: int, new_size: int) -> bool | None:
+    """React to a change in the number of running sequences of decode steps.
+
+    Collect-all: every implementation runs. Called before :func:`propose` whenever the decode
+    batch size differs from the previous decode step (and once for the first decode step, with
+    ``old_size == 0``).
+
+    :param old_size: previous decode batch size (0 at the start).
+    :param new_size: the batch size of the step about to run.
+    :return: ``False`` to turn speculation off until the next change (the step runs as plain
+        decoding and proposers do no work), ``True`` to turn it (back) on, ``None`` for no opinion.
+        Speculation runs when no implementation returned ``False``.
+    """
+
+
+@hookspec
+def on_requests_finished(seq_ids: list[int]) -> None:
+    """Release per-sequence state (draft KV caches, statistics) of sequences that left the batch.
+
+    Collect-all. Called after a step in which sequences finished, were aborted or were preempted
+    (a preempted sequence comes back later with the same id and all its tokens).
+
+    :param seq_ids: ids of the sequences (``SpecSequence.seq_id``).
+    :return: nothing.
+    """
+
+
+HOOK_NAMES: tuple[str, ...] = (
+    "register_strategies",
+    "propose",
+    "score",
+    "verify",
+    "on_batch_size_change",
+    "on_requests_finished",
+)
+
+__all__ = ["hookimpl", "hookspec", "HOOK_NAMES", "Any"]

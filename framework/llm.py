@@ -1,0 +1,179 @@
+"""The offline Python API, vLLM-compatible: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from speculant.config import EngineConfig
+from speculant.engine.llm_engine import LLMEngine
+from speculant.outputs import RequestOutput, SpecMetrics
+from speculant.sampling_params import SamplingParams
+from speculant.spec_registry import pop_legacy_kwargs
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An engine plus a tokenizer, for offline batch generation.
+
+    ``LLM()`` with no model runs the embedded default, SmolLM2-135M-Instruct. Pick a speculation
+    strategy by name with ``speculative_config={"method": "ngram", "num_speculative_tokens": 5}``.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        device: str = "auto",
+        speculative_config: dict[str, Any] | None = None,
+        block_size: int = 16,
+        **kwargs: Any,
+    ) -> None:
+        legacy = pop_legacy_kwargs(kwargs)
+        if legacy is not None:
+            if speculative_config is not None:
+                raise ValueError("pass either speculative_config or the legacy speculative_* "
+                                 "keywords, not both")
+            speculative_config = legacy
+        try:
+            self.config = EngineConfig(
+                model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
+                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+                device=device, speculative_config=speculative_config, block_size=block_size, **kwargs,
+            )
+        except Exception as e:
+            raise ValueError(f"invalid LLM arguments: {e}") from None
+        self.engine = LLMEngine(self.config)
+        self._counter = itertools.count()
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # ----------------------------------------------------------------- generation
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        prompt_token_ids: list[list[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions for ``prompts`` (strings, token-id lists, or
+        ``{"prompt_token_ids": [...]}`` dicts). One SamplingParams for all, or one per prompt."""
+        items = self._normalize_prompts(prompts, prompt_token_ids)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(items)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(items):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(items)} prompts; "
+                                 "pass one, or one per prompt")
+        for p in params_list:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params must be speculant.SamplingParams, got {type(p).__name__}")
+        ids = []
+        for (text, toks), p in zip(items, params_list):
+            rid = str(next(self._counter))
+            self.engine.add_request(rid, text, toks, p)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, using the tokenizer's chat
+        template."""
+        if self.tokenizer is None:
+            raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was given)")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[dict[str, Any]] = []
+        for conv in convs:
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                    chat_template=chat_template,
+                )
+            except Exception as e:
+                raise ValueError(f"cannot apply the chat template: {e}") from None
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            text = self.tokenizer.decode(ids)
+            prompts.append({"prompt_token_ids": list(ids), "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_metrics(self) -> SpecMetrics:
+        """Speculation metrics aggregated over every step this LLM has run."""
+        return self.engine.spec_metrics()
+
+    # ----------------------------------------------------------------- helpers
+    def _normalize_prompts(self, prompts, prompt_token_ids) -> list[tuple[str | None, list[int]]]:
+        if prompt_token_ids is not None:
+            prompts = [{"prompt_token_ids": list(t)} for t in prompt_token_ids]
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("string prompts need a tokenizer; pass token ids instead")
+                out.append((p, list(self.tokenizer(p).input_ids)))
+            elif isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    out.append((p.get("prompt"), list(p["prompt_token_ids"])))
+                elif "prompt" in p:
+                    out.append((p["prompt"], list(self.tokenizer(p["prompt"]).input_ids)))
+                else:
+                    raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+                out.append((None, list(p)))
+            else:
+                raise TypeError(f"unsupported prompt type {type(p).__name__}: pass str, list[int] "
+                                "or {'prompt_token_ids': [...]}")
+        return out
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    done[out.request_id] = out
+                    bar.update(1)
+                    if out.metrics is not None and out.metrics.finished_time is not None:
+                        pass
+                if not self.engine.has_unfinished_requests() and len(done) < len(ids):
+                    missing = [i for i in ids if i not in done]
+                    raise RuntimeError(f"engine stopped with unfinished requests {missing}")
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            self.engine.step() if self.engine.has_unfinished_requests() else None
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

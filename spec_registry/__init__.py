@@ -1,0 +1,174 @@
+"""Strategy registry: names to strategy classes (collected from plugins), and the
+``SpeculativeConfig`` users pass as ``speculative_config``."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from speculant.plugin_manager import get_plugin_manager
+
+
+class StrategyError(ValueError):
+    pass
+
+
+def _collect() -> tuple[dict[str, type], dict[str, list[type]]]:
+    pm = get_plugin_manager()
+    by_name: dict[str, type] = {}
+    by_plugin: dict[str, list[type]] = {}
+    for impl in pm.hook.register_strategies.get_hookimpls():
+        found: list[type] = []
+        impl.function(register=found.append) if "register" in impl.argnames else None
+        for cls in found:
+            name = getattr(cls, "name", None)
+            if not isinstance(name, str) or not name:
+                raise StrategyError(f"plugin {impl.plugin_name!r} registered {cls!r} without a `name`")
+            for key in (name, *getattr(cls, "aliases", ())):
+                if key in by_name and by_name[key] is not cls:
+                    raise StrategyError(
+                        f"strategy name {key!r} is registered twice ({by_name[key].__module__} and "
+                        f"{cls.__module__}); block one with SPECULANT_DISABLE_PLUGINS"
+                    )
+                by_name[key] = cls
+            cls._plugin_name = impl.plugin_name
+            by_plugin.setdefault(impl.plugin_name, []).append(cls)
+    return by_name, by_plugin
+
+
+def available_strategies(kind: str | None = None) -> dict[str, type]:
+    by_name, _ = _collect()
+    return {n: c for n, c in by_name.items()
+            if kind is None or getattr(c, "kind", "proposer") == kind}
+
+
+def strategies_by_plugin() -> dict[str, list[type]]:
+    return _collect()[1]
+
+
+def get_strategy(name: str, kind: str = "proposer") -> type:
+    found = available_strategies(kind)
+    if name not in found:
+        names = sorted({c.name for c in found.values()})
+        raise StrategyError(
+            f"unknown speculative method {name!r}; installed {kind} strategies: "
+            f"{', '.join(names) or '(none)'}. Check the spelling, or install the plugin package "
+            "that provides it (`speculant plugins` lists what is loaded)"
+        )
+    return found[name]
+
+
+class SpeculativeConfig(BaseModel):
+    """vLLM's ``speculative_config``. Fields a strategy defines itself (``prompt_lookup_max``
+    for n-gram, ...) are passed on to that strategy's own ``Config`` which rejects unknown ones."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    method: str | None = None
+    model: str | None = None
+    num_speculative_tokens: int | None = Field(None, ge=1, le=64)
+    draft_tensor_parallel_size: int | None = Field(None, ge=1)
+    disable_by_batch_size: int | None = Field(None, ge=1)
+    acceptance_method: str = "rejection_sampler"
+
+    @model_validator(mode="after")
+    def _method(self) -> SpeculativeConfig:
+        if self.method is None:
+            if self.model in ("[ngram]", "ngram"):
+                self.method, self.model = "ngram", None
+            elif self.model is not None:
+                self.method = infer_method(self.model)
+            else:
+                raise ValueError("speculative_config needs a `method` (e.g. \"ngram\") or a `model`")
+        return self
+
+    @property
+    def strategy_options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+def infer_method(model: str) -> str:
+    """Ask every proposer strategy whether it recognises the checkpoint's config.json."""
+    path = Path(model).expanduser()
+    cfg_file = path / "config.json" if path.is_dir() else None
+    config: dict[str, Any] = {}
+    if cfg_file is not None and cfg_file.exists():
+        try:
+            config = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise StrategyError(f"{cfg_file}: invalid JSON ({e})") from None
+    fallback = None
+    for cls in dict.fromkeys(available_strategies("proposer").values()):
+        detect = getattr(cls, "matches_model", None)
+        if detect is not None and detect(path, config):
+            return cls.name
+        if getattr(cls, "default_for_model", False):
+            fallback = cls.name
+    if fallback is None:
+        raise StrategyError(
+            f"cannot infer the speculative method for model {model!r}; set `method` explicitly"
+        )
+    return fallback
+
+
+_LEGACY = {
+    "speculative_model": "model",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "ngram_prompt_lookup_max": "prompt_lookup_max",
+    "ngram_prompt_lookup_min": "prompt_lookup_min",
+    "speculative_disable_by_batch_size": "disable_by_batch_size",
+    "speculative_draft_tensor_parallel_size": "draft_tensor_parallel_size",
+    "spec_decoding_acceptance_method": "acceptance_method",
+}
+
+
+def pop_legacy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """Turn vLLM's old flat keywords into a speculative_config dict (with a warning)."""
+    found = {k: kwargs.pop(k) for k in list(kwargs) if k in _LEGACY}
+    found = {k: v for k, v in found.items() if v is not None}
+    if not found:
+        return None
+    warnings.warn(
+        f"the flat keywords {sorted(found)} are deprecated (as in vLLM); pass "
+        "speculative_config={...} instead",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return {_LEGACY[k]: v for k, v in found.items()}
+
+
+def build_strategy_config(cls: type, spec: SpeculativeConfig) -> BaseModel | None:
+    """Validate the options meant for strategy ``cls`` with its own pydantic ``Config``."""
+    Config = getattr(cls, "Config", None)
+    data = {k: v for k, v in spec.model_dump(exclude_none=True).items()
+            if k not in ("method", "acceptance_method", "disable_by_batch_size",
+                         "draft_tensor_parallel_size")}
+    data.update(spec.strategy_options)
+    if spec.draft_tensor_parallel_size is not None:
+        data["draft_tensor_parallel_size"] = spec.draft_tensor_parallel_size
+    if Config is None:
+        extra = sorted(set(data) - {"num_speculative_tokens"})
+        if extra:
+            raise StrategyError(f"strategy {cls.name!r} takes no options, got {extra}")
+        return None
+    known = set(Config.model_fields)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise StrategyError(
+            f"speculative_config for method {cls.name!r}: unknown option(s) {unknown}; "
+            f"{cls.name!r} accepts {sorted(known)}"
+        )
+    try:
+        return Config(**data)
+    except ValidationError as e:
+        raise StrategyError(f"speculative_config for method {cls.name!r} is invalid:\n{e}") from None
+
+
+__all__ = [
+    "SpeculativeConfig", "StrategyError", "available_strategies", "get_strategy",
+    "infer_method", "pop_legacy_kwargs", "build_strategy_config", "strategies_by_plugin",
+]
