@@ -193,7 +193,7 @@ class SpecDecoder:
         for s in seqs:
             s.metrics.spec.num_plain_steps += 1
             s.metrics.spec.num_emitted_tokens += 1
-        self.total.num_plain_steps += 1
+        self.total.num_plain_steps += len(seqs)
         self.total.num_emitted_tokens += len(seqs)
         ones = [1] * len(seqs)
         self.record_hidden(seqs, ones, hidden, aux, ones, [len(s) - 1 for s in seqs])
@@ -229,7 +229,7 @@ class SpecDecoder:
             # the cache is valid for the last token and the accepted drafts only
             if not s.is_finished:
                 eng.block_manager.rollback(s, base + acc)
-        step_total.num_spec_steps = 1
+        step_total.num_spec_steps = len(seqs)
         self.total.merge(step_total)
         self.record_hidden(seqs, counts, scores.hidden_states, scores.aux_hidden_states, keep, starts)
 

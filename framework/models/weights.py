@@ -51,7 +51,7 @@ class WeightLoader:
                 pname = f".{name}".replace(token, f".{packed_name}.")[1:]
                 if pname not in self.params:
                     continue
-                module = self.model.get_submodule(pname.rsplit(".", 1)[0])
+                module = self.model.get_submodule(pname.rsplit(".", 2)[0])
                 sizes = _part_sizes(module, packed_name, len(parts))
                 offset = sum(sizes[:i])
                 self._copy(pname, tensor, offset)

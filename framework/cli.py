@@ -1,0 +1,151 @@
+"""The ``speculant`` command: generate, chat, demo, plugins."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _spec_arg(text: str | None) -> dict | None:
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise SystemExit("--speculative-config must be a JSON object")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder, .gguf file, hub id; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", "--max_model_len", type=int, default=None)
+    p.add_argument("--speculative-config", "--speculative_config", default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", "--max_tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", "--top_p", type=float, default=1.0)
+    p.add_argument("--top-k", "--top_k", type=int, default=0)
+
+
+def _llm(args):
+    from speculant import LLM
+
+    return LLM(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
+               max_model_len=args.max_model_len,
+               speculative_config=_spec_arg(args.speculative_config))
+
+
+def _params(args):
+    from speculant import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k)
+
+
+def cmd_generate(args) -> int:
+    llm = _llm(args)
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    outs = llm.generate(prompts, _params(args), use_tqdm=len(prompts) > 1)
+    for o in outs:
+        if len(outs) > 1:
+            print(f"### {o.prompt}")
+        print(o.outputs[0].text)
+    if args.speculative_config:
+        print(json.dumps(llm.get_metrics().as_dict()), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = _llm(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    params = _params(args)
+    while True:
+        try:
+            line = input("> ") if sys.stdin.isatty() else sys.stdin.readline()
+        except EOFError:
+            break
+        if not line or line.strip() in ("exit", "quit"):
+            break
+        messages.append({"role": "user", "content": line.strip()})
+        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        print(reply, flush=True)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_plugins(args) -> int:
+    from speculant.plugin_manager import list_plugins
+
+    plugins = list_plugins()
+    if args.json:
+        print(json.dumps(plugins, indent=2))
+        return 0
+    for p in plugins:
+        dist = f"{p['distribution']} {p['version']}" if p["distribution"] else (p["version"] or "-")
+        print(f"{p['name']}  ({dist})  hooks: {', '.join(p['hooks'])}")
+        for s in p["strategies"]:
+            print(f"    strategy {s['name']!r} [{s['kind']}]  hooks: {', '.join(s['hooks'])}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from speculant.demo import run_demo
+
+    return run_demo(model=args.model, max_tokens=args.max_tokens, k=args.k,
+                    methods=args.methods.split(","))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="speculant", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate completions for prompts")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: stdin lines")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="chat on the terminal using the model's chat template")
+    _add_model_args(c)
+    _add_sampling_args(c)
+    c.add_argument("--system", default=None)
+    c.set_defaults(func=cmd_chat)
+
+    pl = sub.add_parser("plugins", help="list loaded plugins, their versions, hooks and strategies")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plugins)
+
+    d = sub.add_parser("demo", help="speculative decoding vs plain decoding on the default model")
+    d.add_argument("--model", default=None)
+    d.add_argument("--max-tokens", type=int, default=128)
+    d.add_argument("-k", type=int, default=5)
+    d.add_argument("--methods", default="ngram")
+    d.set_defaults(func=cmd_demo)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        if args.verbose:
+            raise
+        print(f"speculant: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
