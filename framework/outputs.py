@@ -24,6 +24,10 @@ class SpecMetrics:
     num_spec_steps: int = 0  # decode steps run with speculation on
     num_plain_steps: int = 0  # decode steps run without speculation (disabled or no drafts)
     num_emitted_tokens: int = 0  # tokens emitted by decode steps (accepted + bonus)
+    # run-level (LLM.get_metrics() only): times a modifier (batch_size_disable) switched
+    # speculation off / back on
+    num_times_disabled: int = 0
+    num_times_enabled: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -60,6 +64,8 @@ class SpecMetrics:
         self.num_spec_steps += other.num_spec_steps
         self.num_plain_steps += other.num_plain_steps
         self.num_emitted_tokens += other.num_emitted_tokens
+        self.num_times_disabled += other.num_times_disabled
+        self.num_times_enabled += other.num_times_enabled
         for name in ("accepted_per_position", "proposed_per_position"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if len(theirs) > len(mine):
@@ -78,6 +84,8 @@ class SpecMetrics:
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
             "num_spec_steps": self.num_spec_steps,
             "num_plain_steps": self.num_plain_steps,
+            "num_times_disabled": self.num_times_disabled,
+            "num_times_enabled": self.num_times_enabled,
         }
 
 

@@ -127,6 +127,10 @@ class SpecDecoder:
             was = self.enabled
             self.enabled = not any(v is False for v in votes)
             if was != self.enabled:
+                if self.enabled:
+                    self.total.num_times_enabled += 1
+                else:
+                    self.total.num_times_disabled += 1
                 logger.info("speculation %s at batch size %d", "on" if self.enabled else "off", len(seqs))
             self.last_batch_size = len(seqs)
         batch = self._batch(seqs)
