@@ -1,0 +1,147 @@
+"""Shared helpers for the kernel modules: guarded Triton import, lazy JIT, dispatch, checks.
+
+Triton is optional. Every kernel module imports ``triton`` / ``tl`` from here; when Triton is
+not installed ``HAS_TRITON`` is False and the public functions fall back to their torch paths.
+
+Kernels are wrapped with :func:`lazy_jit` instead of ``triton.jit``: ``triton.jit`` decides at
+decoration time whether to build an interpreted function (``TRITON_INTERPRET=1``) or a compiled
+one. Deferring that decision to the first launch means the interpreter setting only has to be in
+place before a kernel runs, not before ``speculant.kernels`` is first imported (other test
+packages may import it earlier).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+try:  # pragma: no cover - exercised implicitly by every kernel import
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - only without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+__all__ = [
+    "HAS_TRITON",
+    "triton",
+    "tl",
+    "lazy_jit",
+    "interpret_mode",
+    "use_triton",
+    "num_sms",
+    "next_pow2",
+    "cdiv",
+    "check_tensor",
+]
+
+
+def interpret_mode() -> bool:
+    """True when the Triton CPU interpreter is requested (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+class LazyJit:
+    """``triton.jit`` applied on first launch (and again if the interpreter setting changes)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.__name__ = fn.__name__
+        self.__doc__ = fn.__doc__
+        self._compiled: dict[bool, Any] = {}
+
+    def jitted(self) -> Any:
+        if not HAS_TRITON:
+            raise RuntimeError("triton is not installed")
+        mode = interpret_mode()
+        kernel = self._compiled.get(mode)
+        if kernel is None:
+            kernel = triton.jit(self.fn)
+            self._compiled[mode] = kernel
+        return kernel
+
+    def __getitem__(self, grid: Any) -> Any:
+        return self.jitted()[grid]
+
+
+def lazy_jit(fn: Callable[..., Any]) -> LazyJit:
+    return LazyJit(fn)
+
+
+def use_triton(tensors: Sequence[torch.Tensor | None], force_triton: bool) -> bool:
+    """Decide between the Triton kernel and the torch path.
+
+    Triton is used when all tensors are on CUDA (and Triton is installed), or when
+    ``force_triton=True`` and the interpreter is enabled (``TRITON_INTERPRET=1``; the tensors are
+    then on the CPU). ``force_triton=True`` in any other situation is an error rather than a
+    silent fallback, so a test asking for the kernel never checks the reference against itself.
+    """
+    ts = [t for t in tensors if t is not None]
+    all_cuda = bool(ts) and all(t.is_cuda for t in ts)
+    if force_triton:
+        if not HAS_TRITON:
+            raise RuntimeError("force_triton=True but triton is not installed")
+        if all_cuda or interpret_mode():
+            return True
+        raise RuntimeError(
+            "force_triton=True needs CUDA tensors or TRITON_INTERPRET=1 (Triton CPU interpreter)"
+        )
+    return HAS_TRITON and all_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms_cuda(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessor count of ``device``; a small fixed number for the CPU interpreter."""
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return _num_sms_cuda(idx)
+    return 4
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_tensor(
+    name: str,
+    t: Any,
+    *,
+    ndim: int | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+    device: torch.device | None = None,
+    shape: Sequence[int | None] | None = None,
+    last_contiguous: bool = False,
+) -> None:
+    """Raise ``ValueError`` naming ``name`` if ``t`` does not match the description."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(
+            want is not None and got != want for got, want in zip(t.shape, shape)
+        ):
+            want_s = tuple("*" if w is None else w for w in shape)
+            raise ValueError(f"{name} must have shape {want_s}, got {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({names}), got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if last_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")

@@ -1,0 +1,551 @@
+"""Paged attention over a block-table KV cache: prefill, decode and speculative verification.
+
+One kernel serves all three cases. The queries of a step are a flat batch ``q[num_tokens,
+num_heads, head_dim]``; sequence ``s`` owns query tokens ``query_start_loc[s] :
+query_start_loc[s+1]`` (``q_len`` of them, possibly 0) and has ``context_lens[s]`` tokens in the
+cache *including* this step's tokens, whose K/V were already stored. Query token ``j`` of ``s``
+sits at absolute position ``context_lens[s] - q_len + j`` and attends to every cache position
+``<=`` its own (causal).
+
+Triton kernel design
+--------------------
+* Work item = (query tile, kv head, kv split). A query tile is ``BLOCK_Q`` consecutive query
+  tokens of one sequence times all ``GROUP = num_heads // num_kv_heads`` query heads that share
+  one KV head, flattened to ``BLOCK_M`` rows (row ``r`` = token ``r // GROUP``, head
+  ``r % GROUP``). Each K/V block is thus read once per KV head, not once per query head (GQA).
+* Query tiles are enumerated without any host synchronisation: sequence ``s`` owns tiles
+  ``qsl[s] // BLOCK_Q + s ...`` (``qsl[s]`` when ``BLOCK_Q == 1``); the total is bounded by
+  ``num_tokens // BLOCK_Q + num_seqs`` and each program finds its sequence by binary search
+  over ``query_start_loc``. Tiles past the end of their sequence exit at once.
+* Split-K (flash-decoding): the causal KV range of a tile is cut into ``num_splits`` pieces of
+  whole ``BLOCK_N`` chunks. With more than one split, each piece writes a normalised partial
+  output plus its log-sum-exp and a second kernel merges them. The number of splits is picked
+  on the host from shapes only (never from tensor contents), so that small batches at long
+  context still fill the GPU.
+* fp32 accumulation and softmax (exp2 with the scale folded in); output in q's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._triton_utils import (
+    cdiv,
+    check_tensor,
+    interpret_mode,
+    lazy_jit,
+    next_pow2,
+    num_sms,
+    tl,
+    use_triton,
+)
+
+__all__ = ["paged_attention", "paged_attention_ref", "choose_launch_config"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+def paged_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Plain torch reference (fp32 math, one sequence at a time). Also the CPU path."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    qsl = query_start_loc.tolist()
+    ctxs = context_lens.tolist()
+    for s in range(len(ctxs)):
+        q0, q1 = qsl[s], qsl[s + 1]
+        q_len = q1 - q0
+        if q_len <= 0:
+            continue
+        ctx = ctxs[s]
+        n_blocks = cdiv(ctx, block_size)
+        blocks = block_tables[s, :n_blocks].to(torch.int64)
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()  # [ctx, Hkv, D]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        k = k.repeat_interleave(group, dim=1)  # [ctx, H, D]
+        v = v.repeat_interleave(group, dim=1)
+        qs = q[q0:q1].float()  # [q_len, H, D]
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale  # [H, q_len, ctx]
+        qpos = torch.arange(q_len, device=q.device) + (ctx - q_len)
+        kpos = torch.arange(ctx, device=q.device)
+        allowed = kpos[None, :] <= qpos[:, None]  # [q_len, ctx]
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        probs = torch.nan_to_num(probs, nan=0.0)  # rows with no key (invalid ctx) -> 0
+        o = torch.einsum("hqk,khd->qhd", probs, v)
+        out[q0:q1] = o.to(out.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+if tl is not None:
+
+    @lazy_jit
+    def _paged_attn_kernel(
+        q_ptr,  # [num_tokens, num_heads, head_dim]
+        k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+        context_lens_ptr,  # [num_seqs] int32
+        qsl_ptr,  # [num_seqs + 1] int32
+        out_ptr,  # [num_tokens, num_heads, head_dim]; written when not SPLIT
+        part_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] fp32; when SPLIT
+        part_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32 (log2 domain); when SPLIT
+        qk_scale,  # fp32: softmax scale * log2(e)
+        num_seqs,
+        num_splits,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_bt,
+        stride_ot,
+        stride_oh,
+        GROUP: tl.constexpr,  # num_heads // num_kv_heads
+        BLOCK_Q: tl.constexpr,  # query tokens per tile
+        BLOCK_M: tl.constexpr,  # rows per tile: next_pow2(BLOCK_Q * GROUP), >= 16
+        BLOCK_N: tl.constexpr,  # kv positions per inner iteration
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+        SPLIT: tl.constexpr,  # num_splits > 1
+        IEEE_DOT: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
+        UPCAST_DOT: tl.constexpr,  # interpreter + bf16: numpy has no bf16 dot, upcast operands
+    ):
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+
+        # ---- which sequence owns this tile: largest s with tile_start(s) <= tile ----
+        lo = 0
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            ts_mid = tl.load(qsl_ptr + mid)
+            if BLOCK_Q > 1:
+                ts_mid = ts_mid // BLOCK_Q + mid
+            if ts_mid <= tile:
+                lo = mid
+            else:
+                hi = mid - 1
+        seq = lo
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        if BLOCK_Q > 1:
+            tile_start = q_start // BLOCK_Q + seq
+        else:
+            tile_start = q_start
+        q_tile = (tile - tile_start) * BLOCK_Q  # first query index (within seq) of this tile
+
+        if q_tile < q_len:
+            ctx = tl.load(context_lens_ptr + seq)
+            prefix = ctx - q_len  # cached tokens before the first query token
+            kv_end = prefix + tl.minimum(q_tile + BLOCK_Q, q_len)  # exclusive causal bound
+            n_chunks = tl.cdiv(tl.maximum(kv_end, 0), BLOCK_N)
+            chunks_per_split = tl.cdiv(n_chunks, num_splits)
+            kv_lo = split * chunks_per_split * BLOCK_N
+            kv_hi = tl.minimum(kv_lo + chunks_per_split * BLOCK_N, kv_end)
+
+            rows = tl.arange(0, BLOCK_M)
+            j = rows // GROUP
+            h = rows % GROUP
+            row_valid = (j < BLOCK_Q) & (q_tile + j < q_len)
+            tok = (q_start + q_tile + j).to(tl.int64)
+            head = kvh * GROUP + h
+            pos = prefix + q_tile + j  # absolute position of the row's query token
+            d = tl.arange(0, HEAD_DIM)
+
+            q = tl.load(
+                q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_valid[:, None],
+                other=0.0,
+            )  # [BLOCK_M, HEAD_DIM]
+            if UPCAST_DOT:
+                q = q.to(tl.float32)
+
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+            k_head = k_cache_ptr + kvh.to(tl.int64) * stride_kh
+            v_head = v_cache_ptr + kvh.to(tl.int64) * stride_vh
+
+            for start in range(kv_lo, kv_hi, BLOCK_N):
+                offs_n = start + tl.arange(0, BLOCK_N)
+                n_valid = offs_n < kv_hi
+                phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+                within = offs_n % BLOCK_SIZE
+                k_rows = phys * stride_kb + within * stride_ks  # [BLOCK_N]
+                v_rows = phys * stride_vb + within * stride_vs
+                k = tl.load(
+                    k_head + k_rows[:, None] + d[None, :], mask=n_valid[:, None], other=0.0
+                )  # [BLOCK_N, HEAD_DIM]
+                if UPCAST_DOT:
+                    k = k.to(tl.float32)
+                if IEEE_DOT:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+                allowed = n_valid[None, :] & (offs_n[None, :] <= pos[:, None])
+                s = tl.where(allowed, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(
+                    v_head + v_rows[:, None] + d[None, :], mask=n_valid[:, None], other=0.0
+                )  # [BLOCK_N, HEAD_DIM]
+                if UPCAST_DOT:
+                    v = v.to(tl.float32)
+                if IEEE_DOT:
+                    pv = tl.dot(p, v, input_precision="ieee")
+                elif UPCAST_DOT:
+                    pv = tl.dot(p.to(tl.bfloat16).to(tl.float32), v)
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+
+            has_keys = l_i > 0.0
+            o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+            if SPLIT:
+                prow = (tok * stride_ot + head * stride_oh) * num_splits + split  # [BLOCK_M]
+                tl.store(
+                    part_out_ptr + prow[:, None] * HEAD_DIM + d[None, :],
+                    o,
+                    mask=row_valid[:, None],
+                )
+                lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), -float("inf"))
+                tl.store(part_lse_ptr + prow, lse, mask=row_valid)
+            else:
+                tl.store(
+                    out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                    o.to(out_ptr.dtype.element_ty),
+                    mask=row_valid[:, None],
+                )
+
+    @lazy_jit
+    def _paged_attn_reduce_kernel(
+        part_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] fp32
+        part_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32 (log2 domain)
+        out_ptr,  # [num_tokens, num_heads, head_dim]
+        qsl_ptr,  # [num_seqs + 1] int32 (qsl[num_seqs] = number of real query tokens)
+        num_seqs,
+        num_heads,
+        num_splits,
+        stride_ot,
+        stride_oh,
+        HEAD_DIM: tl.constexpr,
+        SPLITS_P2: tl.constexpr,  # next_pow2(num_splits)
+    ):
+        tok = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        total = tl.load(qsl_ptr + num_seqs)
+        if tok < total:
+            sp = tl.arange(0, SPLITS_P2)
+            d = tl.arange(0, HEAD_DIM)
+            base = (tok * num_heads + head) * num_splits  # partials are dense/contiguous
+            lse = tl.load(part_lse_ptr + base + sp, mask=sp < num_splits, other=-float("inf"))
+            m = tl.max(lse, axis=0)
+            m_safe = tl.where(m == -float("inf"), 0.0, m)
+            w = tl.exp2(lse - m_safe)  # [SPLITS_P2]; empty splits -> 0
+            po = tl.load(
+                part_out_ptr + (base + sp)[:, None] * HEAD_DIM + d[None, :],
+                mask=(sp < num_splits)[:, None],
+                other=0.0,
+            )
+            den = tl.sum(w, axis=0)
+            o = tl.sum(po * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
+            tl.store(
+                out_ptr + tok * stride_ot + head * stride_oh + d,
+                o.to(out_ptr.dtype.element_ty),
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration and launcher
+# --------------------------------------------------------------------------------------------
+def choose_launch_config(
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_query_len: int,
+    max_context: int,
+    dtype: torch.dtype,
+    sm_count: int,
+    num_splits: int | None = None,
+) -> dict:
+    """Pick tile sizes and the number of KV splits from shapes only (no device reads)."""
+    group = num_heads // num_kv_heads
+    max_rows = 128 if head_dim <= 128 and dtype != torch.float32 else 64
+    block_q = 1
+    while block_q < max_query_len and 2 * block_q * group <= max_rows:
+        block_q *= 2
+    block_m = max(16, next_pow2(block_q * group))
+    if head_dim <= 64:
+        block_n = 64
+    elif head_dim <= 128:
+        block_n = 64 if dtype != torch.float32 else 32
+    else:
+        block_n = 32
+    if block_m >= 128:
+        num_warps = 8
+    elif block_m >= 64 or head_dim >= 256:
+        num_warps = 4
+    else:
+        num_warps = 4
+    num_stages = 3 if (dtype != torch.float32 and head_dim <= 128) else 2
+    num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+    if num_splits is None:
+        programs = max(1, num_tiles * num_kv_heads)
+        # enough programs for ~4 per SM, at least 256 cached tokens per split, at most 64
+        want = cdiv(4 * sm_count, programs)
+        cap = max(1, min(64, cdiv(max_context, 256)))
+        num_splits = max(1, min(want, cap))
+        num_splits = next_pow2(num_splits) if num_splits > 1 else 1
+        num_splits = min(num_splits, 64)
+    return dict(
+        block_q=block_q,
+        block_m=block_m,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        num_tiles=num_tiles,
+        num_splits=int(num_splits),
+    )
+
+
+def _check_attention_args(
+    q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, triton_path
+) -> None:
+    check_tensor("q", q, ndim=3, dtypes=_FLOAT_DTYPES, last_contiguous=True)
+    dev = q.device
+    num_tokens, num_heads, head_dim = q.shape
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=dev, last_contiguous=True)
+    nb, bs, hkv, dk = k_cache.shape
+    if dk != head_dim:
+        raise ValueError(f"k_cache head_dim {dk} != q head_dim {head_dim}")
+    check_tensor(
+        "v_cache",
+        v_cache,
+        shape=(nb, bs, hkv, head_dim),
+        dtypes=(q.dtype,),
+        device=dev,
+        last_contiguous=True,
+    )
+    if hkv == 0 or num_heads % hkv != 0:
+        raise ValueError(
+            f"q num_heads ({num_heads}) must be a multiple of k_cache num_kv_heads ({hkv})"
+        )
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=_INDEX_DTYPES, device=dev)
+    num_seqs = block_tables.shape[0]
+    check_tensor("context_lens", context_lens, shape=(num_seqs,), dtypes=_INDEX_DTYPES, device=dev)
+    check_tensor(
+        "query_start_loc",
+        query_start_loc,
+        shape=(num_seqs + 1,),
+        dtypes=_INDEX_DTYPES,
+        device=dev,
+    )
+    if out is not None:
+        check_tensor(
+            "out",
+            out,
+            shape=tuple(q.shape),
+            dtypes=(q.dtype,),
+            device=dev,
+            last_contiguous=True,
+        )
+    if triton_path:
+        if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+            raise ValueError(
+                f"q head_dim must be a power of two in [16, 256] for the Triton kernel, got {head_dim}"
+            )
+        if bs < 1:
+            raise ValueError(f"k_cache block_size must be >= 1, got {bs}")
+
+
+def _paged_attention_triton(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    query_start_loc,
+    scale,
+    max_query_len,
+    out,
+    num_splits=None,
+    overrides: dict | None = None,
+) -> torch.Tensor:
+    """Launcher. ``overrides`` replaces entries of :func:`choose_launch_config` (benchmarks)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = block_tables.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        # shapes only: the mean query length (exact for pure decode / uniform verification)
+        max_query_len = cdiv(num_tokens, num_seqs)
+    cfg = choose_launch_config(
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_query_len=int(max_query_len),
+        max_context=block_tables.shape[1] * block_size,
+        dtype=q.dtype,
+        sm_count=num_sms(q.device),
+        num_splits=num_splits,
+    )
+    if overrides:
+        cfg.update(overrides)
+    splits = cfg["num_splits"]
+    split = splits > 1
+    if split:
+        part_out = torch.empty(
+            (num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+        # partial buffers are indexed as dense [num_tokens, num_heads, splits, ...] below
+        stride_ot, stride_oh = num_heads, 1
+    else:
+        part_out = out
+        part_lse = out
+        stride_ot, stride_oh = out.stride(0), out.stride(1)
+    grid = (cfg["num_tiles"], num_kv_heads, splits)
+    _paged_attn_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        out,
+        part_out,
+        part_lse,
+        float(scale) * _LOG2E,
+        num_seqs,
+        splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        stride_ot,
+        stride_oh,
+        GROUP=num_heads // num_kv_heads,
+        BLOCK_Q=cfg["block_q"],
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"],
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        SPLIT=split,
+        IEEE_DOT=q.dtype == torch.float32,
+        UPCAST_DOT=interpret_mode() and q.dtype == torch.bfloat16,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if split:
+        _paged_attn_reduce_kernel[(num_tokens, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            query_start_loc,
+            num_seqs,
+            num_heads,
+            splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            SPLITS_P2=next_pow2(splits),
+            num_warps=4 if head_dim * next_pow2(splits) >= 4096 else 2,
+        )
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32 (cache length incl. this step's tokens)
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32 (cumulative query lengths)
+    scale: float,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    *,
+    num_splits: int | None = None,
+    force_triton: bool = False,
+) -> torch.Tensor:
+    """Causal attention of a flat batch of query tokens over a paged KV cache.
+
+    Covers prefill (``q_len`` = prompt length), decode (``q_len == 1``) and speculative
+    verification (``q_len = k + 1``) in one call; ``q_len`` may be 0 for a sequence. GQA: query
+    head ``h`` uses KV head ``h // (num_heads // num_kv_heads)``. Returns ``out`` (allocated when
+    not given) in q's dtype. Rows of query tokens at index ``>= query_start_loc[-1]`` (padding)
+    are not written.
+
+    ``max_query_len`` is only a tiling hint (pass it when known; it is never read from the
+    device). ``num_splits`` overrides the split-K heuristic (benchmarks). ``force_triton`` runs
+    the Triton kernel under ``TRITON_INTERPRET=1`` on CPU tensors (tests).
+    """
+    triton_path = use_triton(
+        [q, k_cache, v_cache, block_tables, context_lens, query_start_loc], force_triton
+    )
+    _check_attention_args(
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, triton_path
+    )
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if triton_path:
+        return _paged_attention_triton(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            query_start_loc,
+            scale,
+            max_query_len,
+            out,
+            num_splits,
+        )
+    return paged_attention_ref(
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out
+    )

@@ -1,0 +1,327 @@
+"""Draft-model speculation: a smaller causal LM with the target's vocabulary proposes ``k`` tokens
+per step, and the target verifies them in one forward pass.
+
+The draft runs on speculant's own engine pieces: it is loaded with our loader
+(``resolve_model`` / ``load_config`` / ``load_model``), owns its own paged KV cache
+(a :class:`~speculant.engine.model_runner.ModelRunner` plus a
+:class:`~speculant.engine.block_manager.BlockManager`) and is kept in step with the target by
+prefix comparison: at every ``propose`` it compares the tokens whose K/V it holds with the
+sequence's tokens, rolls its cache back to the common prefix (rejected drafts are always a
+suffix), and feeds what it misses (accepted drafts it never cached, the bonus token, tokens
+produced while speculation was off, or a whole sequence that is new or came back after
+preemption). That catch-up forward also yields the first draft token; ``k - 1`` more batched
+decode steps (one forward for all sequences per step) yield the rest.
+
+Greedy requests draft with the argmax. Sampling requests draft from the draft model's
+distribution after the request's temperature / top-k / top-p / min-p (drawn with the request's
+seeded generator when it has one) and return those probabilities as ``Proposal.probs``, so the
+rejection sampler accepts with ``min(1, p/q)`` using the real ``q``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from speculant import hookimpl
+from speculant.engine.block_manager import BlockManager
+from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
+from speculant.engine.sampler import Row, sampling_tensors, uniforms
+from speculant.kernels.rejection_sampling import sample_from_probs
+from speculant.kernels.sampling import sampling_probs
+from speculant.spec_types import Proposal, SpecBatch, SpecSequence, StrategyContext
+
+logger = logging.getLogger("speculant")
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+_CPU_MAX_KV_BYTES = 1 << 30  # default cap of the draft's KV cache on CPU
+_CUDA_FREE_FRACTION = 0.5  # default cap on CUDA: this share of the memory free after loading
+
+
+class DraftModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field(..., description="draft checkpoint: HF folder, .gguf file or hub id")
+    num_speculative_tokens: int = Field(..., ge=1, le=64)
+    draft_tensor_parallel_size: int = 1
+    dtype: str | None = Field(None, description="draft dtype; default: the target's")
+    kv_cache_memory: int | None = Field(
+        None, ge=1 << 16, description="bytes for the draft's own KV cache; default: enough for "
+        "max_num_seqs sequences of max_model_len (capped at 1 GiB on CPU, half the free memory "
+        "on CUDA)")
+
+    @field_validator("draft_tensor_parallel_size")
+    @classmethod
+    def _tp(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(
+                f"draft_tensor_parallel_size={v}: tensor parallelism is not supported yet for "
+                "the draft model; use draft_tensor_parallel_size=1 (the draft runs on one device)"
+            )
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        v = str(v).replace("torch.", "")
+        if v != "auto" and v not in _DTYPES:
+            raise ValueError(f"unknown dtype {v!r}; use auto, float32, float16 or bfloat16")
+        return v
+
+
+class _DraftSeq:
+    """The draft cache's view of one sequence (what BlockManager / ModelRunner need)."""
+
+    __slots__ = ("block_table", "num_cached_tokens", "tokens")
+
+    def __init__(self) -> None:
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        self.tokens: list[int] = []  # token ids whose K/V the draft cache holds, in order
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    m = min(len(a), len(b))
+    if a[:m] == b[:m]:
+        return m
+    lo, hi = 0, m  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on C-speed slice compares
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _source(cfg) -> str:
+    name = getattr(cfg, "_name_or_path", None) or getattr(cfg, "name_or_path", None)
+    return str(Path(name) / "config.json") if name else "the target model"
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).exists() for f in
+               ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
+
+
+class DraftModelStrategy:
+    name = "draft_model"
+    default_for_model = True  # a bare ``model`` in speculative_config means a draft model
+
+    Config = DraftModelConfig
+
+    def __init__(self, config: DraftModelConfig, ctx: StrategyContext) -> None:
+        from speculant.models.loader import load_config, load_model, load_tokenizer, resolve_model
+
+        self.config = config
+        self.ctx = ctx
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.device = ctx.device
+        self.dtype = ctx.dtype if config.dtype in (None, "auto") else _DTYPES[config.dtype]
+        folder = resolve_model(config.model)
+        self.folder = folder
+        hf = load_config(folder)
+        self.hf_config = hf
+        target_src = _source(ctx.target_config)
+        draft_src = str(folder / "config.json")
+        dv = getattr(hf, "vocab_size", None)
+        if dv is not None and int(dv) != ctx.vocab_size:
+            raise ValueError(self._vocab_msg(draft_src, int(dv), target_src, ctx.vocab_size))
+        if ctx.tokenizer is not None and _has_tokenizer(folder):
+            self._check_tokenizers(load_tokenizer(folder), ctx.tokenizer, folder, target_src)
+
+        self.max_len = self._draft_max_len(hf)
+        self.model = load_model(folder, hf, self.dtype, self.device, self.max_len)
+        rows = self.model.lm_head.weight.shape[0]
+        if rows != ctx.vocab_size:
+            raise ValueError(self._vocab_msg(draft_src + " (LM head)", rows, target_src,
+                                             ctx.vocab_size))
+        self.block_size = ctx.block_size
+        num_blocks = self._num_blocks()
+        self.block_manager = BlockManager(num_blocks, self.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype)
+        self.states: dict[int, _DraftSeq] = {}
+        self.generator = torch.Generator().manual_seed(ctx.seed + 104729)
+        logger.info("draft model %s (%s, %d layers) on %s: %d KV blocks of %d", folder,
+                    getattr(hf, "model_type", "?"), self.model.num_layers, self.device, num_blocks,
+                    self.block_size)
+
+    # ----------------------------------------------------------------- set-up
+    @staticmethod
+    def _vocab_msg(draft_src: str, dv: int, target_src: str, tv: int) -> str:
+        return (f"draft model {draft_src} has vocab_size={dv} but the target model {target_src} has "
+                f"vocab_size={tv}; a draft model must share the target's vocabulary (the same "
+                "tokenizer), pick a draft from the same model family")
+
+    @staticmethod
+    def _check_tokenizers(draft_tok, target_tok, folder: Path, target_src: str) -> None:
+        dvocab, tvocab = draft_tok.get_vocab(), target_tok.get_vocab()
+        if dvocab == tvocab:
+            return
+        diff = [t for t in dvocab.keys() | tvocab.keys() if dvocab.get(t) != tvocab.get(t)]
+        example = sorted(diff)[:3]
+        raise ValueError(
+            f"draft model {folder} has a different tokenizer vocabulary from the target model "
+            f"{target_src}: {len(dvocab)} vs {len(tvocab)} entries, {len(diff)} token(s) differ "
+            f"(e.g. {example}); a draft model must share the target's vocabulary"
+        )
+
+    def _draft_max_len(self, hf) -> int:
+        limit = self.ctx.max_model_len
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            if getattr(hf, key, None):
+                limit = min(limit, int(getattr(hf, key)))
+                break
+        window = getattr(hf, "sliding_window", None)
+        if window and getattr(hf, "use_sliding_window", True) is not False:
+            limit = min(limit, int(window))
+        return limit
+
+    def _num_blocks(self) -> int:
+        per_block = kv_bytes_per_block(self.model, self.block_size, self.dtype)
+        blocks_per_seq = -(-self.max_len // self.block_size)
+        budget = self.config.kv_cache_memory or self.ctx.kv_cache_memory
+        if budget is None:
+            want = (self.ctx.max_num_seqs * blocks_per_seq + 1) * per_block
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                cap = int(free * _CUDA_FREE_FRACTION)
+            else:
+                cap = _CPU_MAX_KV_BYTES
+            budget = max(min(want, cap), blocks_per_seq * per_block)
+        num = int(budget // per_block)
+        if num < 1:
+            raise ValueError(
+                f"the draft KV cache budget ({budget} bytes) holds no block of {self.block_size} "
+                f"tokens ({per_block} bytes each); raise kv_cache_memory in speculative_config"
+            )
+        return num
+
+    # ----------------------------------------------------------------- hooks
+    @hookimpl
+    def propose(self, batch: SpecBatch) -> Proposal:
+        seqs = batch.seqs
+        drafts: list[list[int]] = [[] for _ in seqs]
+        # positions of the cache used: n tokens + (k_i - 1) drafts fed back; keep them < max_len
+        ks = [max(0, min(s.max_draft, self.num_speculative_tokens, self.max_len - s.num_tokens))
+              for s in seqs]
+        active: list[int] = []
+        feeds: list[list[int]] = []
+        in_batch = {s.seq_id for s in seqs}
+        for i, (s, k) in enumerate(zip(seqs, ks)):
+            if k == 0:
+                self._drop(s.seq_id)
+                continue
+            feed = self._sync(s, k, in_batch)
+            if feed is None:
+                ks[i] = 0
+                continue
+            active.append(i)
+            feeds.append(feed)
+        if not active:
+            return Proposal(token_ids=drafts)
+
+        rows_seq = [seqs[i] for i in active]
+        greedy = [s.params.is_greedy for s in rows_seq]
+        probs = None
+        if not all(greedy):
+            V = self.ctx.vocab_size
+            probs = torch.zeros(len(seqs), max(ks), V, dtype=torch.float32, device=self.device)
+
+        states = [self.states[seqs[i].seq_id] for i in active]
+        hidden, _ = self.runner.forward(states, feeds)
+        ends = torch.tensor([len(f) for f in feeds], device=hidden.device).cumsum(0) - 1
+        for st, f in zip(states, feeds):
+            st.tokens.extend(f)
+        step = 0
+        cur = active
+        last_hidden = hidden[ends]
+        while True:
+            toks = self._choose(last_hidden, [seqs[i] for i in cur], cur, step, probs)
+            for i, t in zip(cur, toks):
+                drafts[i].append(t)
+            step += 1
+            nxt = [(i, t) for i, t in zip(cur, toks) if ks[i] > step]
+            if not nxt:
+                break
+            cur = [i for i, _ in nxt]
+            states = [self.states[seqs[i].seq_id] for i in cur]
+            hidden, _ = self.runner.forward(states, [[t] for _, t in nxt])
+            for st, (_, t) in zip(states, nxt):
+                st.tokens.append(t)
+            last_hidden = hidden
+        return Proposal(token_ids=drafts, probs=probs)
+
+    @hookimpl
+    def on_requests_finished(self, seq_ids: list[int]) -> None:
+        for i in seq_ids:
+            self._drop(i)
+
+    # ----------------------------------------------------------------- helpers
+    def _drop(self, seq_id: int) -> None:
+        st = self.states.pop(seq_id, None)
+        if st is not None:
+            self.block_manager.free(st)
+
+    def _sync(self, s: SpecSequence, k: int, in_batch: set[int]) -> list[int] | None:
+        """Roll the draft cache of ``s`` back to the prefix it shares with ``s.token_ids`` and
+        reserve slots for the catch-up plus ``k - 1`` drafts. Returns the tokens to feed (always
+        ending with the sequence's last token), or None when the draft cache is full."""
+        st = self.states.get(s.seq_id)
+        if st is None:
+            st = self.states[s.seq_id] = _DraftSeq()
+        n = s.num_tokens
+        common = min(_common_prefix(st.tokens, s.token_ids), n - 1)
+        if common < st.num_cached_tokens:
+            self.block_manager.rollback(st, common)
+            del st.tokens[common:]
+        need = n + k - 1
+        if not self.block_manager.can_reserve(st, need):
+            # reclaim caches of sequences that are not running now (e.g. waiting after preemption)
+            for sid in [sid for sid in self.states if sid not in in_batch]:
+                self._drop(sid)
+        if not self.block_manager.can_reserve(st, need):
+            logger.debug("draft KV cache full: no drafts for sequence %d this step", s.seq_id)
+            self._drop(s.seq_id)
+            return None
+        self.block_manager.reserve(st, need)
+        return list(s.token_ids[common:])
+
+    def _choose(self, hidden: torch.Tensor, seqs: list[SpecSequence], idx: list[int], step: int,
+                probs: torch.Tensor | None) -> list[int]:
+        """Pick one draft token per row: argmax for greedy requests, a sample from the processed
+        draft distribution for the others (recorded in ``probs[idx[r], step]``)."""
+        logits = self.runner.logits(hidden)  # [rows, vocab] float32
+        greedy = [s.params.is_greedy for s in seqs]
+        argmax = logits.argmax(dim=-1)
+        if all(greedy):
+            toks = argmax
+            if probs is not None:
+                rows = torch.tensor(idx, device=probs.device)
+                probs[rows, step, toks.to(probs.device)] = 1.0
+            return toks.tolist()
+        rows = [Row(s, []) for s in seqs]
+        q = sampling_probs(logits, *sampling_tensors(rows, logits.device))
+        g = torch.tensor(greedy, device=logits.device)
+        one_hot = torch.zeros_like(q).scatter_(1, argmax[:, None], 1.0)
+        q = torch.where(g[:, None], one_hot, q)
+        u = uniforms(seqs, [1] * len(seqs), self.generator, logits.device)
+        toks = sample_from_probs(q.contiguous(), u)
+        toks = torch.where(g, argmax, toks)
+        assert probs is not None
+        probs[torch.tensor(idx, device=probs.device), step] = q.to(probs.device)
+        return toks.tolist()
+
+
+@hookimpl
+def register_strategies(register) -> None:
+    register(DraftModelStrategy)

@@ -1,0 +1,569 @@
+"""EAGLE-1 (arXiv 2401.15077) and EAGLE-3 (arXiv 2503.01840): small autoregressive draft heads
+that run on the target's hidden states and keep their own paged KV cache.
+
+EAGLE-1 (``yuhuili/EAGLE-*`` checkpoints; ``config.json`` is a Llama config with
+``num_hidden_layers`` draft layers and an optional ``bias`` flag for ``fc``)::
+
+    x   = fc(concat[embed(token p+1), h_p])           fc: 2H -> H (bias unless "bias": false)
+    x   = decoder layers (Llama; layer 0 has NO input_layernorm)
+    out = x                                           no final norm
+    logits = target.lm_head(out)                      embedding and LM head are the target's
+
+where ``h_p`` is the target's final-norm hidden state at position p (the one that produced token
+p + 1). Later draft steps feed ``out`` back in place of ``h``.
+
+EAGLE-3 (``architectures: ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``)::
+
+    g   = fc(concat[a_p, b_p, c_p])                   fc: 3 * target_hidden -> H, no bias
+    x   = g + attn(concat[input_layernorm(embed(token p+1)), hidden_norm(g)])   (q/k/v: 2H in)
+    x   = x + mlp(post_attention_layernorm(x))         the one decoder layer, "midlayer"
+    logits_draft = lm_head(norm(x))                    own head over draft_vocab_size tokens
+    target id = draft id + d2t[draft id]
+
+``a, b, c`` are the target's residual stream entering decoder layers ``aux_hidden_layers``
+(default ``(2, L // 2, L - 3)`` as in the EAGLE repo and vLLM, which both capture the hidden state
+*entering* those layers). Later draft steps feed the pre-norm ``x`` back in place of ``g``.
+
+Serving: each sequence owns blocks of the strategy's paged draft KV cache. At every ``propose``
+the draft re-runs the positions verified since the last call with the target's features (this
+overwrites the K/V its own draft steps wrote, and catches up on accepted tokens), then drafts
+``k`` tokens autoregressively. Rejected drafts need no rollback: their K/V slots are simply
+overwritten next time. If the draft ever misses positions (speculation switched off for a while),
+the sequence's draft context restarts at the first position it has features for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from torch import nn
+
+from speculant import hookimpl
+from speculant.engine.attention import AttentionMetadata, ForwardContext
+from speculant.models.layers import RMSNorm, RotaryEmbedding
+from speculant.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from speculant.models.weights import WeightLoader, WeightLoadError
+from speculant.plugins.mlp_speculator import (
+    checkpoint_files,
+    checkpoint_keys,
+    iter_checkpoint,
+    read_config_json,
+    resolve_draft_folder,
+    sample_draft,
+    stack_probs,
+    target_hidden_size,
+)
+from speculant.spec_registry import StrategyError
+from speculant.spec_types import Proposal, SpecBatch, StrategyContext
+
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+DEFAULT_K = 5
+
+
+def eagle_version(path: Path, config: dict[str, Any]) -> int | None:
+    """1 or 3 if ``path`` holds an EAGLE checkpoint in the published layout, else None."""
+    if config.get("model_type") == "mlp_speculator" or not Path(path).is_dir():
+        return None
+    archs = [str(a).lower() for a in config.get("architectures") or []]
+    keys = {k.removeprefix("model.") for k in checkpoint_keys(Path(path))}
+    if "fc.weight" not in keys:
+        return None
+    if (any(k.startswith("midlayer.") for k in keys) or "d2t" in keys
+            or any("eagle3" in a for a in archs)):
+        return 3
+    if any(k.startswith("layers.") for k in keys):
+        return 1
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# the draft models
+# --------------------------------------------------------------------------------------------
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _qkv_bias(cfg) -> bool:
+    if getattr(cfg, "qkv_bias", None) is not None:
+        return bool(cfg.qkv_bias)
+    return cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+
+
+class Eagle1Draft(nn.Module):
+    """fc + Llama decoder layers (the first without input_layernorm); target embedding/head."""
+
+    def __init__(self, cfg, fc_bias: bool, max_positions: int) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.rope = RotaryEmbedding(cfg, _head_dim(cfg), max_positions)
+        self.fc = nn.Linear(2 * H, H, bias=fc_bias)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, self.rope, _qkv_bias(cfg)) for i in range(cfg.num_hidden_layers)
+        )
+        self.layers[0].input_layernorm = nn.Identity()
+        self.num_layers = cfg.num_hidden_layers
+        self.kv_shape = (self.layers[0].self_attn.num_kv_heads, self.layers[0].self_attn.head_dim)
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext, from_target: bool) -> torch.Tensor:
+        # emb, hidden: [tokens, H] -> [tokens, H] (fed back as the next step's hidden)
+        x = self.fc(torch.cat([emb, hidden], dim=-1))
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return x
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's ``midlayer``: attention over concat[norm(embeds), norm(hidden)] (2H wide)."""
+
+    def __init__(self, cfg, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        H, eps = cfg.hidden_size, getattr(cfg, "rms_norm_eps", 1e-6)
+        bias = _qkv_bias(cfg)
+        self.input_layernorm = RMSNorm(H, eps)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.self_attn = LlamaAttention(cfg, 0, rope, bias)
+        a = self.self_attn
+        self.self_attn.qkv_proj = nn.Linear(2 * H, a.q_size + 2 * a.kv_size, bias=bias)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = LlamaMLP(cfg)
+        self.norm_before_residual = bool(getattr(cfg, "norm_before_residual", False))
+
+    def forward(self, positions, emb, hidden, ctx: ForwardContext) -> torch.Tensor:
+        h = self.hidden_norm(hidden)
+        residual = h if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(emb), h], dim=-1)
+        x = residual + self.self_attn(positions, x, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg, target_hidden: int, draft_vocab: int, vocab: int, own_embed: bool,
+                 max_positions: int) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.rope = RotaryEmbedding(cfg, _head_dim(cfg), max_positions)
+        self.fc = nn.Linear(3 * target_hidden, H, bias=False)
+        self.midlayer = Eagle3Layer(cfg, self.rope)
+        self.norm = RMSNorm(H, getattr(cfg, "rms_norm_eps", 1e-6))
+        self.lm_head = nn.Linear(H, draft_vocab, bias=False)
+        self.embed_tokens = nn.Embedding(vocab, H) if own_embed else None
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long), persistent=False)
+        self.num_layers = 1
+        self.kv_shape = (self.midlayer.self_attn.num_kv_heads, self.midlayer.self_attn.head_dim)
+
+    def forward(self, emb, hidden, positions, ctx: ForwardContext, from_target: bool) -> torch.Tensor:
+        if from_target:  # [tokens, 3 * target_hidden] -> [tokens, H]
+            hidden = self.fc(hidden)
+        return self.midlayer(positions, emb, hidden, ctx)
+
+
+# --------------------------------------------------------------------------------------------
+# the draft KV cache
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _SeqState:
+    table: list[int]  # blocks of the draft cache
+    offset: int  # target position held at cache index 0
+    valid: int  # positions [offset, valid) hold K/V computed from the target's features
+
+
+class DraftKVCache:
+    def __init__(self, num_layers: int, nkv: int, head_dim: int, block_size: int, num_blocks: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, nkv, head_dim, dtype=dtype,
+                              device=device)
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]
+        self.free: deque[int] = deque(range(num_blocks))
+
+    def grow(self, table: list[int], entries: int) -> bool:
+        need = -(-entries // self.block_size) - len(table)
+        if need > len(self.free):
+            return False
+        for _ in range(max(0, need)):
+            table.append(self.free.popleft())
+        return True
+
+    def release(self, table: list[int]) -> None:
+        for b in reversed(table):
+            self.free.appendleft(b)
+        table.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# the strategies
+# --------------------------------------------------------------------------------------------
+class EagleOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field(..., description="folder (or hub id) of the EAGLE checkpoint")
+    num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=64)
+
+
+class Eagle3Options(EagleOptions):
+    aux_hidden_layers: tuple[int, ...] | None = Field(
+        None, description="target decoder layers whose INPUT hidden states feed fc (3 of them)"
+    )
+
+    @field_validator("aux_hidden_layers")
+    @classmethod
+    def _three(cls, v):
+        if v is not None and len(set(v)) != 3:
+            raise ValueError(f"aux_hidden_layers needs 3 distinct layer indices, got {v}")
+        return v
+
+
+class _EagleBase:
+    needs_hidden_states = True
+    version = 0
+
+    @classmethod
+    def matches_model(cls, path: Path, config: dict[str, Any]) -> bool:
+        try:
+            return eagle_version(path, config) == cls.version
+        except Exception:
+            return False
+
+    def __init__(self, config: EagleOptions, ctx: StrategyContext) -> None:
+        self.ctx = ctx
+        self.num_speculative_tokens = config.num_speculative_tokens
+        folder = resolve_draft_folder(config.model)
+        self.folder = folder
+        self.cfg_file = folder / "config.json"
+        self.raw_cfg = read_config_json(folder)
+        self.keys = {k.removeprefix("model.") for k in checkpoint_keys(folder)}
+        found = eagle_version(folder, self.raw_cfg)
+        if found != self.version:
+            what = f"an EAGLE-{found}" if found else "not an EAGLE"
+            raise StrategyError(
+                f"{folder}: this is {what} checkpoint (config.json architectures="
+                f"{self.raw_cfg.get('architectures')}, tensors {sorted(self.keys)[:4]}...), but "
+                f"method {self.name!r} needs an EAGLE-{self.version} one"
+                + (f"; use method 'eagle{found if found == 3 else ''}'" if found else "")
+            )
+        self.hf = self._hf_config()
+        self.target = ctx.target_model
+        self.H_target = target_hidden_size(ctx)
+        max_pos = ctx.max_model_len + config.num_speculative_tokens + 8
+        self.draft = self._build(max_pos)
+        self._load()
+        self.draft.eval()
+        nkv, hd = self.draft.kv_shape
+        self.cache = DraftKVCache(self.draft.num_layers, nkv, hd, ctx.block_size,
+                                  self._num_blocks(nkv, hd), ctx.device, ctx.dtype)
+        self.states: dict[int, _SeqState] = {}
+        self.generator = torch.Generator().manual_seed(ctx.seed + 15485863)
+
+    # ----------------------------------------------------------------- set-up
+    def _hf_config(self):
+        import transformers
+
+        from speculant.models.loader import load_config
+
+        try:
+            cfg = load_config(self.folder)
+        except ValueError:
+            d = {k: v for k, v in self.raw_cfg.items() if k != "model_type"}
+            try:
+                cfg = transformers.LlamaConfig(**d)
+            except Exception as e:
+                raise StrategyError(f"{self.cfg_file}: cannot be read as a Llama config ({e})") from None
+        for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
+            if not getattr(cfg, key, None):
+                raise StrategyError(f"{self.cfg_file}: missing {key}")
+        if getattr(cfg, "vocab_size", None) != self.ctx.vocab_size:
+            raise StrategyError(
+                f"{self.cfg_file}: vocab_size={getattr(cfg, 'vocab_size', None)} but the target model's "
+                f"vocabulary has {self.ctx.vocab_size} tokens; this EAGLE head was trained for a "
+                "different target"
+            )
+        return cfg
+
+    def _num_blocks(self, nkv: int, hd: int) -> int:
+        ctx = self.ctx
+        bs = ctx.block_size
+        per_block = 2 * self.draft.num_layers * bs * nkv * hd * torch.empty(0, dtype=ctx.dtype).element_size()
+        per_seq = -(-(ctx.max_model_len + self.num_speculative_tokens + 1) // bs)
+        want = ctx.max_num_seqs * per_seq
+        budget = ctx.kv_cache_memory
+        if budget is None:
+            if ctx.device.type == "cuda":
+                budget = int(torch.cuda.mem_get_info(ctx.device)[0] * 0.1)
+            else:
+                budget = 1 << 30
+        return max(per_seq, min(want, budget // per_block))
+
+    def _source(self) -> str:
+        files = checkpoint_files(self.folder)
+        return str(files[0]) if len(files) == 1 else f"{self.folder} ({', '.join(f.name for f in files)})"
+
+    def _load_into(self, loader: WeightLoader, name: str, tensor: torch.Tensor) -> None:
+        try:
+            loader.load(name, tensor)
+        except WeightLoadError as e:
+            raise StrategyError(str(e)) from None
+
+    def _finish(self, loader: WeightLoader) -> None:
+        try:
+            loader.finish()
+        except WeightLoadError as e:
+            raise StrategyError(f"{e} (EAGLE-{self.version} key names: see docs/strategies/eagle.md)") from None
+
+    def _materialize(self, module: nn.Module, max_pos: int) -> nn.Module:
+        module = module.to_empty(device=self.ctx.device).to(self.ctx.dtype)
+        module.rope.reset(self.hf, max_pos, self.ctx.device)
+        return module
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.target.embed(ids)
+
+    def _features(self, batch: SpecBatch) -> torch.Tensor | None:
+        return batch.hidden_states
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:  # [rows, H] -> [rows, vocab] fp32
+        return self.target.compute_logits(x)
+
+    # ----------------------------------------------------------------- hooks
+    @hookimpl
+    def on_requests_finished(self, seq_ids: list[int]) -> None:
+        for i in seq_ids:
+            st = self.states.pop(i, None)
+            if st is not None:
+                self.cache.release(st.table)
+
+    @hookimpl
+    @torch.inference_mode()
+    def propose(self, batch: SpecBatch) -> Proposal:
+        B = len(batch.seqs)
+        drafts: list[list[int]] = [[] for _ in range(B)]
+        feats = self._features(batch)
+        if feats is None or not B:
+            return Proposal(token_ids=drafts)
+        dev = feats.device
+        row0 = [0]
+        for c in batch.hidden_counts:
+            row0.append(row0[-1] + c)
+        plan = []  # (batch index, state, first row, rows, first position, num tokens, k)
+        for i, s in enumerate(batch.seqs):
+            c, start, n = batch.hidden_counts[i], batch.hidden_start[i], s.num_tokens
+            k = min(s.max_draft, self.num_speculative_tokens)
+            if c == 0 or k == 0 or start + c != n - 1:
+                continue
+            st = self.states.get(s.seq_id)
+            if st is None or start < st.offset or start > st.valid:
+                if st is not None:
+                    self.cache.release(st.table)
+                st = self.states[s.seq_id] = _SeqState([], start, start)
+            last_pos = max(n - 2, n + k - 3)  # the last position this call writes
+            if not self.cache.grow(st.table, last_pos - st.offset + 1):
+                self.cache.release(st.table)  # out of draft cache: restart this one later
+                del self.states[s.seq_id]
+                continue
+            plan.append((i, st, row0[i], c, start, n, k))
+        if not plan:
+            return Proposal(token_ids=drafts)
+
+        # 1) the verified positions, with the target's features
+        ids, pos, rows = [], [], []
+        for i, st, r, c, start, n, _k in plan:
+            ids.extend(batch.seqs[i].token_ids[start + 1 : n])
+            pos.extend(range(start, n - 1))
+            rows.append(torch.arange(r, r + c))
+        out = self._run(ids, feats[torch.cat(rows).to(dev)], pos, [p[3] for p in plan],
+                        [p[5] - 1 - p[1].offset for p in plan], [p[1].table for p in plan], True)
+        for _i, st, _r, _c, _s, n, _k in plan:
+            st.valid = n - 1
+        last = torch.tensor([p[3] for p in plan]).cumsum(0) - 1
+        x = out[last.to(out.device)]
+
+        # 2) k draft steps, feeding the draft's own output back
+        active = list(range(len(plan)))
+        steps, step_rows = [], []
+        for j in range(max(p[6] for p in plan)):
+            seqs = [batch.seqs[plan[a][0]] for a in active]
+            toks, q = sample_draft(self._logits(x), seqs, self.generator)
+            for a, t in zip(active, toks):
+                drafts[plan[a][0]].append(t)
+            steps.append(q)
+            step_rows.append([plan[a][0] for a in active])
+            keep = [m for m, a in enumerate(active) if plan[a][6] > j + 1]
+            if not keep:
+                break
+            active = [active[m] for m in keep]
+            x = x[torch.tensor(keep, device=x.device)]
+            positions = [plan[a][5] - 1 + j for a in active]
+            x = self._run([toks[m] for m in keep], x, positions, [1] * len(active),
+                          [p - plan[a][1].offset + 1 for p, a in zip(positions, active)],
+                          [plan[a][1].table for a in active], False)
+        probs = stack_probs(steps, step_rows, B, self.ctx.vocab_size, dev)
+        return Proposal(token_ids=drafts, probs=probs)
+
+    def _run(self, ids: list[int], hidden: torch.Tensor, positions: list[int], query_lens: list[int],
+             context_lens: list[int], tables: list[list[int]], from_target: bool) -> torch.Tensor:
+        dev = self.ctx.device
+        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.cache.block_size, dev)
+        fctx = ForwardContext(meta=meta, kv_caches=self.cache.kv_caches)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        return self.draft(self._embed(ids_t), hidden.to(self.ctx.dtype), pos_t, fctx, from_target)
+
+
+class EagleStrategy(_EagleBase):
+    """EAGLE-1: draft layers over concat[token embedding, target hidden state]."""
+
+    name = "eagle"
+    aliases = ("eagle1", "eagle-1")
+    Config = EagleOptions
+    version = 1
+
+    def _build(self, max_pos: int) -> nn.Module:
+        cfg = self.hf
+        if cfg.hidden_size != self.H_target:
+            raise StrategyError(
+                f"{self.cfg_file}: hidden_size={cfg.hidden_size} but the target model's hidden size is "
+                f"{self.H_target}; this EAGLE head was trained for a different target"
+            )
+        if "bias" in self.raw_cfg:
+            fc_bias = bool(self.raw_cfg["bias"])
+        else:
+            fc_bias = "fc.bias" in self.keys
+        with torch.device("meta"):
+            draft = Eagle1Draft(cfg, fc_bias, max_pos)
+        return self._materialize(draft, max_pos)
+
+    def _load(self) -> None:
+        src = self._source()
+        loader = WeightLoader(self.draft, src, packed=PACKED)
+        V, H = self.ctx.vocab_size, self.H_target
+        for file, name, tensor in iter_checkpoint(self.folder):
+            key = name.removeprefix("model.")
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            if key == "embed_tokens.weight":  # a frozen copy of the target's; the target's is used
+                if tuple(tensor.shape) != (V, H):
+                    raise StrategyError(f"{file}: embed_tokens.weight has shape {tuple(tensor.shape)}, "
+                                        f"expected the target's ({V}, {H})")
+                continue
+            self._load_into(loader, key, tensor)
+        self._finish(loader)
+
+
+class Eagle3Strategy(_EagleBase):
+    """EAGLE-3: fused low/mid/high target features, one midlayer, own draft-vocabulary head."""
+
+    name = "eagle3"
+    aliases = ("eagle-3",)
+    Config = Eagle3Options
+    version = 3
+
+    def __init__(self, config: Eagle3Options, ctx: StrategyContext) -> None:
+        self._want_aux = config.aux_hidden_layers
+        super().__init__(config, ctx)
+
+    def _build(self, max_pos: int) -> nn.Module:
+        cfg, raw = self.hf, self.raw_cfg
+        t_hidden = int(raw.get("target_hidden_size") or cfg.hidden_size)
+        if t_hidden != self.H_target:
+            key = "target_hidden_size" if raw.get("target_hidden_size") else "hidden_size"
+            raise StrategyError(
+                f"{self.cfg_file}: {key}={t_hidden} but the target model's hidden size is "
+                f"{self.H_target}; this EAGLE-3 head was trained for a different target"
+            )
+        own_embed = "embed_tokens.weight" in self.keys
+        if cfg.hidden_size != self.H_target and not own_embed:
+            raise StrategyError(
+                f"{self.folder}: the draft's hidden_size ({cfg.hidden_size}) differs from the target's "
+                f"({self.H_target}) so the checkpoint must hold its own embed_tokens.weight"
+            )
+        self.draft_vocab = int(raw.get("draft_vocab_size") or cfg.vocab_size)
+        if not 0 < self.draft_vocab <= self.ctx.vocab_size:
+            raise StrategyError(f"{self.cfg_file}: draft_vocab_size={self.draft_vocab} must be in "
+                                f"[1, {self.ctx.vocab_size}]")
+        L = int(getattr(self.ctx.target_model, "num_layers", 0) or self.ctx.target_config.num_hidden_layers)
+        layers = self._want_aux
+        if layers is None:
+            eagle_cfg = raw.get("eagle_config") or {}
+            layers = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_cfg, dict) else None
+        if layers is None:
+            layers = (2, L // 2, L - 3)
+        layers = tuple(sorted({int(i) for i in layers}))
+        if len(layers) != 3 or not all(0 <= i < L for i in layers):
+            raise StrategyError(
+                f"EAGLE-3 needs 3 distinct target layers in [0, {L}) whose input hidden states feed fc; "
+                f"got {layers} (default (2, L//2, L-3) for L={L}); set aux_hidden_layers"
+            )
+        self.aux_hidden_layers = layers
+        with torch.device("meta"):
+            draft = Eagle3Draft(cfg, t_hidden, self.draft_vocab, self.ctx.vocab_size, own_embed, max_pos)
+        return self._materialize(draft, max_pos)
+
+    def _load(self) -> None:
+        src = self._source()
+        loader = WeightLoader(self.draft, src, packed=PACKED)
+        d2t = t2d = None
+        for file, name, tensor in iter_checkpoint(self.folder):
+            key = name.removeprefix("model.")
+            if key.startswith("layers.0."):
+                key = "midlayer." + key.removeprefix("layers.0.")
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            if key == "d2t":
+                d2t = (file, tensor)
+            elif key == "t2d":
+                t2d = (file, tensor)
+            else:
+                self._load_into(loader, key, tensor)
+        self._finish(loader)
+        Vd, V = self.draft_vocab, self.ctx.vocab_size
+        if d2t is None:
+            if Vd != V:
+                raise StrategyError(f"{self.folder}: no d2t tensor, but draft_vocab_size={Vd} differs "
+                                    f"from vocab_size={V} so the draft->target id map is needed")
+            offsets = torch.zeros(Vd, dtype=torch.long)
+        else:
+            file, t = d2t
+            if tuple(t.shape) != (Vd,) or t.dtype.is_floating_point:
+                raise StrategyError(f"{file}: d2t has shape {tuple(t.shape)} and dtype {t.dtype}, "
+                                    f"expected integer offsets of shape ({Vd},)")
+            offsets = t.long()
+            ids = torch.arange(Vd) + offsets
+            if int(ids.min()) < 0 or int(ids.max()) >= V:
+                raise StrategyError(f"{file}: d2t maps draft ids outside the target vocabulary [0, {V})")
+        if t2d is not None and tuple(t2d[1].shape) != (V,):
+            raise StrategyError(f"{t2d[0]}: t2d has shape {tuple(t2d[1].shape)}, expected ({V},)")
+        self.draft.d2t = offsets.to(self.ctx.device)
+        self.targets = torch.arange(Vd, device=self.ctx.device) + self.draft.d2t
+        if len(set(self.targets.tolist())) != Vd:
+            raise StrategyError(f"{self.folder}: d2t maps two draft ids to the same target id")
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.draft.embed_tokens is not None:
+            return self.draft.embed_tokens(ids)
+        return self.target.embed(ids)
+
+    def _features(self, batch: SpecBatch) -> torch.Tensor | None:
+        return batch.aux_hidden_states
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        d = self.draft
+        small = d.lm_head(d.norm(x)).float()  # [rows, draft_vocab]
+        if self.draft_vocab == self.ctx.vocab_size and bool((d.d2t == 0).all()):
+            return small
+        full = small.new_full((x.shape[0], self.ctx.vocab_size), -math.inf)
+        full[:, self.targets] = small
+        return full
+
+
+@hookimpl
+def register_strategies(register) -> None:
+    register(EagleStrategy)
+    register(Eagle3Strategy)

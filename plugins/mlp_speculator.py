@@ -1,0 +1,431 @@
+"""MLPSpeculator (IBM, "Accelerating Production LLMs with Combined Token/Embedding Speculators",
+arXiv 2404.19124): a chain of small MLP stages conditioned on the target's last hidden state.
+
+Checkpoint format (``ibm-ai-platform/*-accelerator``, ``ibm-granite/*-accelerator``, fms-extras'
+``MLPSpeculatorPreTrainedModel``): ``config.json`` with ``architectures:
+["MLPSpeculatorPreTrainedModel"]`` / ``model_type: "mlp_speculator"``, ``n_predict``, ``emb_dim``
+(the target's hidden size), ``inner_dim`` (0 means ``emb_dim``), ``vocab_size``, ``tie_weights``,
+``scale_input``; weights (safetensors or ``pytorch_model.bin``, with or without the
+``speculator.`` prefix)::
+
+    emb.{i}.weight   [vocab, inner]         token embedding of stage i
+    proj.{i}.weight  [inner, emb_dim|inner] state projection (stage 0 reads the target state)
+    head.{i}.weight  [vocab, inner]         stage i's LM head
+    ln.{i}.weight, ln.{i}.bias  [inner]     stage i's norm (RMS scaling, then weight and bias)
+
+With ``tie_weights`` every stage shares ``emb``, ``head`` and ``ln`` and every stage after the
+first shares ``proj.1`` (fms-extras' ``tie_wts``); the checkpoint may hold only index 0 (and
+``proj.1``) or every index (each copy must then be identical).
+
+Stage i, given the state ``s`` (the target's final-norm hidden state of the position that produced
+the last token, first passed through a weightless RMS norm and divided by sqrt(2) when
+``scale_input``) and the previous token ``t``::
+
+    z = emb_i(t) * sqrt(1 - w**2) * sqrt(inner / 2)      w = 0.5 ** (0.5 / n_predict)
+    s = gelu(ln_i(proj_i(s) * w + z))
+    logits_i = head_i(s)
+
+Greedy requests take the argmax of each stage; sampled requests draw from the stage's softmax
+after the request's temperature / top-k / top-p / min-p and pass those probabilities as ``q`` to
+the rejection sampler, so the output distribution stays exactly the target's.
+
+``num_speculative_tokens`` defaults to ``n_predict``. Larger values must be multiples of
+``n_predict``: with ``tie_weights`` the recurrence simply continues with the shared stage (the
+model is recurrent by construction, as in vLLM); without it stage ``j`` reuses head
+``j % n_predict`` and feeds the last state back into ``proj.0`` (this needs ``inner_dim ==
+emb_dim``; those extra stages were never trained, so expect low acceptance for them).
+
+This module also holds the small helpers the EAGLE strategies share (checkpoint reading and draft
+sampling).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from speculant import hookimpl
+from speculant.spec_registry import StrategyError
+from speculant.spec_types import Proposal, SpecBatch, SpecSequence, StrategyContext
+
+MLP_ARCHITECTURES = ("MLPSpeculatorPreTrainedModel", "MLPSpeculator")
+
+
+# --------------------------------------------------------------------------------------------
+# helpers shared with the EAGLE strategies
+# --------------------------------------------------------------------------------------------
+def resolve_draft_folder(model: str) -> Path:
+    """The local folder (with config.json) of a draft checkpoint given as a path or hub id."""
+    from speculant.models.loader import resolve_model
+
+    try:
+        return resolve_model(model)
+    except (FileNotFoundError, ValueError) as e:
+        raise StrategyError(f"speculative model {model!r}: {e}") from None
+
+
+def read_config_json(folder: Path) -> dict[str, Any]:
+    f = folder / "config.json"
+    try:
+        data = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise StrategyError(f"{f}: missing (a speculator checkpoint needs its config.json)") from None
+    except json.JSONDecodeError as e:
+        raise StrategyError(f"{f}: invalid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise StrategyError(f"{f}: expected a JSON object")
+    return data
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    from speculant.models.loader import weight_files
+
+    try:
+        return weight_files(folder)
+    except FileNotFoundError as e:
+        raise StrategyError(str(e)) from None
+
+
+def iter_checkpoint(folder: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """(file, tensor name, tensor) for every tensor of a safetensors / pytorch_model.bin checkpoint."""
+    from safetensors import safe_open
+
+    for f in checkpoint_files(folder):
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    yield f, k, sf.get_tensor(k)
+        else:
+            try:
+                state = torch.load(str(f), map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise StrategyError(f"{f}: cannot be read as a PyTorch state dict ({e})") from None
+            if not isinstance(state, dict):
+                raise StrategyError(f"{f}: expected a state dict, got {type(state).__name__}")
+            for k, v in state.items():
+                yield f, k, v
+
+
+def checkpoint_keys(folder: Path) -> set[str]:
+    """Tensor names of a checkpoint without reading the tensors (for method inference)."""
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (folder / index).exists():
+            try:
+                return set(json.loads((folder / index).read_text())["weight_map"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                return set()
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+    for f in files:
+        try:
+            if f.suffix == ".safetensors":
+                with safe_open(str(f), framework="pt") as sf:
+                    keys.update(sf.keys())
+            else:
+                state = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+                keys.update(state.keys())
+        except Exception:
+            continue
+    return keys
+
+
+def sample_draft(
+    logits: torch.Tensor,  # [rows, vocab] float32 draft logits over the TARGET vocabulary
+    seqs: list[SpecSequence],  # the sequence of each row
+    generator: torch.Generator,  # used for rows whose request has no seeded generator
+) -> tuple[list[int], torch.Tensor | None]:
+    """Pick one draft token per row: argmax for greedy requests, a sample of the request's
+    sampling distribution (temperature / top-k / top-p / min-p applied to the draft logits)
+    otherwise. Returns the tokens and, unless every row is greedy, q [rows, vocab] float32 (a
+    one-hot row for greedy rows)."""
+    from speculant.engine.sampler import Row, target_probs, uniforms
+    from speculant.kernels.rejection_sampling import sample_from_probs
+
+    argmax = logits.argmax(dim=-1)
+    greedy = [s.sampling_params.is_greedy for s in seqs]
+    if all(greedy):
+        return argmax.tolist(), None
+    probs = target_probs(logits.float(), [Row(s, []) for s in seqs]).contiguous()
+    u = uniforms(seqs, [1] * len(seqs), generator, logits.device)
+    sampled = sample_from_probs(probs, u)
+    g = torch.tensor(greedy, device=logits.device)
+    tokens = torch.where(g, argmax, sampled)
+    if any(greedy):
+        onehot = F.one_hot(argmax, probs.shape[1]).to(probs.dtype)
+        probs = torch.where(g[:, None], onehot, probs)
+    return tokens.tolist(), probs
+
+
+def stack_probs(steps: list[torch.Tensor | None], rows_per_step: list[list[int]], batch: int,
+                vocab: int, device) -> torch.Tensor | None:
+    """[batch, len(steps), vocab] from per-step q tensors whose rows belong to ``rows_per_step``."""
+    if all(p is None for p in steps):
+        return None
+    out = torch.zeros(batch, max(len(steps), 1), vocab, dtype=torch.float32, device=device)
+    for j, (p, rows) in enumerate(zip(steps, rows_per_step)):
+        if p is not None and rows:
+            out[torch.tensor(rows, device=device), j] = p.float()
+    return out
+
+
+def target_hidden_size(ctx: StrategyContext) -> int:
+    h = getattr(ctx.target_model, "hidden_size", None) or getattr(ctx.target_config, "hidden_size", None)
+    if h is None:
+        raise StrategyError("the target model does not expose its hidden size")
+    return int(h)
+
+
+# --------------------------------------------------------------------------------------------
+# the model
+# --------------------------------------------------------------------------------------------
+class MLPSpeculatorNorm(nn.Module):
+    """fms' LayerNormParameterized(use_mean=False): x / rms(x), then weight and bias (optional)."""
+
+    def __init__(self, dim: int, affine: bool, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        if affine:
+            self.weight = nn.Parameter(torch.ones(dim))
+            self.bias = nn.Parameter(torch.zeros(dim))
+        else:
+            self.weight = self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, dim]
+        h = x.float()
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        if self.weight is not None:
+            h = h * self.weight + self.bias
+        return h
+
+
+class MLPSpeculatorModel(nn.Module):
+    def __init__(self, n_predict: int, emb_dim: int, inner_dim: int, vocab_size: int,
+                 tie_weights: bool, scale_input: bool) -> None:
+        super().__init__()
+        self.n_predict = n_predict
+        self.emb_dim = emb_dim
+        self.inner_dim = inner_dim
+        self.tie_weights = tie_weights
+        self.scale_input = scale_input
+        n_shared = 1 if tie_weights else n_predict
+        n_proj = min(2, n_predict) if tie_weights else n_predict
+        self.emb = nn.ModuleList(nn.Embedding(vocab_size, inner_dim) for _ in range(n_shared))
+        self.proj = nn.ModuleList(
+            nn.Linear(emb_dim if i == 0 else inner_dim, inner_dim, bias=False) for i in range(n_proj)
+        )
+        self.head = nn.ModuleList(nn.Linear(inner_dim, vocab_size, bias=False) for _ in range(n_shared))
+        self.ln = nn.ModuleList(MLPSpeculatorNorm(inner_dim, affine=True) for _ in range(n_shared))
+        self.ln0 = MLPSpeculatorNorm(emb_dim, affine=False) if scale_input else None
+        self.state_weight = 0.5 ** (0.5 / n_predict)
+        self.emb_scale = math.sqrt(1.0 - self.state_weight**2) * math.sqrt(inner_dim / 2)
+
+    def stage_modules(self, j: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        """(emb, proj, ln, head) of draft position j (0-based)."""
+        if self.tie_weights:
+            return self.emb[0], self.proj[0 if j == 0 else len(self.proj) - 1], self.ln[0], self.head[0]
+        i = j % self.n_predict
+        return self.emb[i], self.proj[i], self.ln[i], self.head[i]
+
+    def prepare_state(self, state: torch.Tensor) -> torch.Tensor:
+        if self.ln0 is not None:
+            state = self.ln0(state) / math.sqrt(2.0)
+        return state
+
+    def stage(self, j: int, state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """state [rows, emb_dim or inner], tokens [rows] -> (new state [rows, inner], logits fp32)."""
+        emb, proj, ln, head = self.stage_modules(j)
+        z = emb(tokens) * self.emb_scale
+        state = F.gelu(ln(proj(state) * self.state_weight + z))
+        return state, head(state).float()
+
+
+_KEY = re.compile(r"^(emb|proj|head|ln)\.(\d+)\.(weight|bias)$")
+
+
+def load_mlp_speculator(folder: Path, cfg: dict[str, Any], device: torch.device,
+                        dtype: torch.dtype) -> MLPSpeculatorModel:
+    """Build the model from config.json values and load its weights (strict)."""
+    n = int(cfg["n_predict"])
+    emb_dim = int(cfg["emb_dim"])
+    inner = int(cfg.get("inner_dim") or 0) or emb_dim
+    vocab = int(cfg["vocab_size"])
+    tie = bool(cfg.get("tie_weights", False))
+    model = MLPSpeculatorModel(n, emb_dim, inner, vocab, tie, bool(cfg.get("scale_input", False)))
+    model = model.to(device=device, dtype=dtype)
+    params = dict(model.named_parameters())
+    loaded: dict[str, tuple[Path, torch.Tensor]] = {}
+    unexpected: list[str] = []
+    for file, name, tensor in iter_checkpoint(folder):
+        key = name.removeprefix("speculator.")
+        m = _KEY.match(key)
+        if m is None or int(m.group(2)) >= n or (m.group(1) != "ln" and m.group(3) == "bias"):
+            unexpected.append(f"{name} ({file.name})")
+            continue
+        kind, idx = m.group(1), int(m.group(2))
+        if tie:
+            idx = (0 if idx == 0 else len(model.proj) - 1) if kind == "proj" else 0
+        pname = f"{kind}.{idx}.{m.group(3)}"
+        param = params[pname]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise StrategyError(
+                f"{file}: tensor {name!r} has shape {tuple(tensor.shape)} but {folder / 'config.json'} "
+                f"(n_predict={n}, emb_dim={emb_dim}, inner_dim={inner}, vocab_size={vocab}, "
+                f"tie_weights={tie}) implies {tuple(param.shape)}"
+            )
+        if pname in loaded:  # a tied copy: must be the same tensor
+            prev_file, prev = loaded[pname]
+            if not torch.equal(prev, tensor):
+                raise StrategyError(
+                    f"{file}: tensor {name!r} differs from the tied tensor it must equal ({pname} in "
+                    f"{prev_file.name}); config.json says tie_weights={tie}"
+                )
+            continue
+        with torch.no_grad():
+            param.copy_(tensor.to(dtype))
+        loaded[pname] = (file, tensor)
+    if unexpected:
+        shown = ", ".join(unexpected[:6]) + (" ..." if len(unexpected) > 6 else "")
+        raise StrategyError(
+            f"{folder}: {len(unexpected)} unexpected tensor(s) in the MLPSpeculator checkpoint: "
+            f"{shown}. Expected (optionally prefixed 'speculator.') emb.i.weight, proj.i.weight, "
+            f"head.i.weight, ln.i.weight, ln.i.bias for i < n_predict={n}"
+        )
+    missing = [p for p in params if p not in loaded]
+    if missing:
+        hint = " (tied: index 0 of emb/head/ln, proj.0 and proj.1)" if tie else ""
+        raise StrategyError(
+            f"{folder}: {len(missing)} tensor(s) missing from the MLPSpeculator checkpoint{hint}: "
+            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+        )
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# the strategy
+# --------------------------------------------------------------------------------------------
+class MLPSpeculatorOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field(..., description="folder (or hub id) of the MLPSpeculator checkpoint")
+    num_speculative_tokens: int | None = Field(None, ge=1, le=64)
+
+
+class MLPSpeculatorStrategy:
+    """Draft with an IBM MLPSpeculator conditioned on the target's last hidden state."""
+
+    name = "mlp_speculator"
+    aliases = ("mlp-speculator",)
+    Config = MLPSpeculatorOptions
+    needs_hidden_states = True
+
+    @classmethod
+    def matches_model(cls, path: Path, config: dict[str, Any]) -> bool:
+        archs = config.get("architectures") or []
+        return config.get("model_type") == "mlp_speculator" or any(a in MLP_ARCHITECTURES for a in archs)
+
+    def __init__(self, config: MLPSpeculatorOptions, ctx: StrategyContext) -> None:
+        self.ctx = ctx
+        folder = resolve_draft_folder(config.model)
+        cfg = read_config_json(folder)
+        cfg_file = folder / "config.json"
+        archs = cfg.get("architectures") or []
+        if not self.matches_model(folder, cfg):
+            raise StrategyError(
+                f"{cfg_file}: not an MLPSpeculator checkpoint (architectures={archs}, model_type="
+                f"{cfg.get('model_type')!r}; expected MLPSpeculatorPreTrainedModel / mlp_speculator)"
+            )
+        missing = [k for k in ("n_predict", "emb_dim", "vocab_size") if cfg.get(k) is None]
+        if missing:
+            raise StrategyError(f"{cfg_file}: missing required field(s) {missing}")
+        n = int(cfg["n_predict"])
+        if n < 1:
+            raise StrategyError(f"{cfg_file}: n_predict must be >= 1, got {n}")
+        hidden = target_hidden_size(ctx)
+        if int(cfg["emb_dim"]) != hidden:
+            raise StrategyError(
+                f"{cfg_file}: emb_dim={cfg['emb_dim']} but the target model's hidden size is {hidden}; "
+                "this speculator was trained for a different target"
+            )
+        if int(cfg["vocab_size"]) != ctx.vocab_size:
+            raise StrategyError(
+                f"{cfg_file}: vocab_size={cfg['vocab_size']} but the target model's vocabulary has "
+                f"{ctx.vocab_size} tokens; this speculator was trained for a different target"
+            )
+        k = config.num_speculative_tokens or n
+        tie = bool(cfg.get("tie_weights", False))
+        inner = int(cfg.get("inner_dim") or 0) or int(cfg["emb_dim"])
+        if k > n:
+            if k % n:
+                raise StrategyError(
+                    f"num_speculative_tokens={k} is larger than the speculator's n_predict={n} "
+                    f"({cfg_file}) and not a multiple of it; use k <= {n} or a multiple of {n}"
+                )
+            if (not tie or n == 1) and inner != int(cfg["emb_dim"]):
+                raise StrategyError(
+                    f"num_speculative_tokens={k} > n_predict={n} reuses the heads cyclically, which "
+                    f"feeds the last state back into proj.0; {cfg_file} has inner_dim={inner} != "
+                    f"emb_dim={cfg['emb_dim']}, so use k <= {n}"
+                )
+        self.num_speculative_tokens = k
+        self.n_predict = n
+        self.folder = folder
+        self.model = load_mlp_speculator(folder, cfg, ctx.device, ctx.dtype)
+        self.generator = torch.Generator().manual_seed(ctx.seed + 104729)
+
+    @hookimpl
+    @torch.inference_mode()
+    def propose(self, batch: SpecBatch) -> Proposal:
+        B = len(batch.seqs)
+        drafts: list[list[int]] = [[] for _ in range(B)]
+        hs = batch.hidden_states
+        if hs is None or not B:
+            return Proposal(token_ids=drafts)
+        ends = torch.tensor(batch.hidden_counts).cumsum(0) - 1
+        rows = [i for i, (s, c) in enumerate(zip(batch.seqs, batch.hidden_counts))
+                if c > 0 and s.max_draft > 0]
+        if not rows:
+            return Proposal(token_ids=drafts)
+        dev = hs.device
+        want = [min(batch.seqs[i].max_draft, self.num_speculative_tokens) for i in rows]
+        state = hs[ends[rows].to(dev)].to(self.ctx.dtype)  # the state that produced the last token
+        state = self.model.prepare_state(state)
+        tokens = torch.tensor([batch.seqs[i].token_ids[-1] for i in rows], dtype=torch.long, device=dev)
+        active = list(range(len(rows)))  # positions into `rows`
+        steps: list[torch.Tensor | None] = []
+        step_rows: list[list[int]] = []
+        for j in range(max(want)):
+            state, logits = self.model.stage(j, state, tokens)
+            seqs = [batch.seqs[rows[a]] for a in active]
+            toks, q = sample_draft(logits, seqs, self.generator)
+            for a, t in zip(active, toks):
+                drafts[rows[a]].append(t)
+            steps.append(q)
+            step_rows.append([rows[a] for a in active])
+            keep = [n for n, a in enumerate(active) if want[a] > j + 1]
+            if len(keep) != len(active):
+                idx = torch.tensor(keep, dtype=torch.long, device=dev)
+                state = state[idx]
+                tokens = torch.tensor([toks[n] for n in keep], dtype=torch.long, device=dev)
+                active = [active[n] for n in keep]
+            else:
+                tokens = torch.tensor(toks, dtype=torch.long, device=dev)
+            if not active:
+                break
+        probs = stack_probs(steps, step_rows, B, self.ctx.vocab_size, dev)
+        return Proposal(token_ids=drafts, probs=probs)
+
+
+@hookimpl
+def register_strategies(register) -> None:
+    register(MLPSpeculatorStrategy)

@@ -1,0 +1,153 @@
+"""Plugin framework: entry-point discovery, throwaway plugins, garbage proposals, the CLI."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import subprocess
+import sys
+
+import pytest
+
+from speculant import LLM, Proposal, SamplingParams, hookimpl
+from speculant.engine.spec_decode import ProposalError
+from speculant.plugin_manager import ENTRY_POINT_GROUP, get_plugin_manager, list_plugins, register, unregister
+from speculant.spec_registry import StrategyError, available_strategies
+
+BUILTINS = {"ngram", "rejection_sampler"}
+
+
+def test_builtins_load_through_entry_points():
+    eps = {ep.name: ep for ep in md.entry_points(group=ENTRY_POINT_GROUP)}
+    assert BUILTINS <= set(eps), "every built-in strategy is its own entry point"
+    for name in BUILTINS:
+        assert eps[name].dist.name == "speculant"
+        assert get_plugin_manager().has_plugin(name)
+
+
+def test_example_package_is_installed_and_discovered():
+    eps = {ep.name: ep for ep in md.entry_points(group=ENTRY_POINT_GROUP)}
+    assert "bigram" in eps, "examples/speculant-bigram must be installed (see README)"
+    assert eps["bigram"].dist.name == "speculant-bigram"
+    assert "bigram" in available_strategies("proposer")
+
+
+def test_example_plugin_runs_lossless(tiny_llama):
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(model=str(tiny_llama)).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=str(tiny_llama), speculative_config={"method": "bigram", "num_speculative_tokens": 3})
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.spec.strategy.calls > 0
+    assert llm.get_metrics().num_draft_tokens > 0
+
+
+class _Throwaway:
+    """A plugin module stand-in registering one strategy."""
+
+    def __init__(self, strategy_cls):
+        self.strategy_cls = strategy_cls
+
+    @hookimpl
+    def register_strategies(self, register):
+        register(self.strategy_cls)
+
+
+@pytest.fixture
+def throwaway():
+    names = []
+
+    def add(strategy_cls):
+        names.append(register(_Throwaway(strategy_cls), name=f"test-{strategy_cls.name}"))
+
+    yield add
+    for n in names:
+        unregister(n)
+    assert not any(n in available_strategies() for n in ("echo_last", "garbage_oov", "garbage_long"))
+
+
+def _make(name, fn):
+    return type(name, (), {"name": name, "num_speculative_tokens": 3,
+                           "__init__": lambda self, cfg, ctx: None,
+                           "propose": hookimpl(fn)})
+
+
+def test_registered_plugin_proposes_and_engine_uses_it(throwaway, tiny_llama):
+    calls = []
+
+    def propose(self, batch):
+        calls.append(len(batch))
+        # propose the last token repeated: sometimes right, often wrong
+        return Proposal(token_ids=[[s.token_ids[-1]] * s.max_draft for s in batch.seqs])
+
+    throwaway(_make("echo_last", propose))
+    assert "echo_last" in available_strategies()
+    names = [p["name"] for p in list_plugins()]
+    assert "test-echo_last" in names
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[1, 2, 3, 3, 3], [4, 4, 4, 4]]
+    plain = LLM(model=str(tiny_llama)).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=str(tiny_llama), speculative_config={"method": "echo_last", "num_speculative_tokens": 3})
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert calls, "the engine never called the plugin's propose"
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_metrics().num_draft_tokens == 3 * sum(calls) or llm.get_metrics().num_draft_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "name,drafts,message",
+    [
+        ("garbage_oov", lambda s: [10**9], "outside the vocabulary"),
+        ("garbage_long", lambda s: [1] * (s.max_draft + 2), "more than its limit"),
+    ],
+)
+def test_garbage_proposals_get_a_clear_error(throwaway, tiny_llama, name, drafts, message):
+    throwaway(_make(name, lambda self, batch: Proposal(token_ids=[drafts(s) for s in batch.seqs])))
+    llm = LLM(model=str(tiny_llama), speculative_config={"method": name, "num_speculative_tokens": 3})
+    with pytest.raises(ProposalError) as e:
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert name in str(e.value) and message in str(e.value)
+
+
+def test_misspelt_hook_fails_loudly(tiny_llama):
+    class Bad:
+        @hookimpl
+        def propse(self, batch):  # typo on purpose
+            return None
+
+    pm = get_plugin_manager()
+    with pytest.raises(Exception) as e:
+        register(Bad(), name="test-misspelt")
+    assert "propse" in str(e.value)
+    if pm.has_plugin("test-misspelt"):
+        unregister("test-misspelt")
+
+
+def test_unknown_method_lists_installed_strategies(tiny_llama):
+    with pytest.raises(StrategyError) as e:
+        LLM(model=str(tiny_llama), speculative_config={"method": "ngarm", "num_speculative_tokens": 3})
+    msg = str(e.value)
+    assert "ngarm" in msg and "ngram" in msg and "bigram" in msg
+
+
+def test_cli_plugins_lists_versions_and_hooks():
+    out = subprocess.run([sys.executable, "-m", "speculant.cli", "plugins", "--json"],
+                         capture_output=True, text=True, check=True)
+    data = {p["name"]: p for p in json.loads(out.stdout)}
+    assert data["ngram"]["distribution"] == "speculant"
+    assert data["ngram"]["version"]
+    assert "register_strategies" in data["ngram"]["hooks"]
+    assert data["ngram"]["strategies"][0]["hooks"] == ["on_requests_finished", "propose"]
+    assert data["bigram"]["distribution"] == "speculant-bigram"
+
+
+def test_block_list_env_hides_a_plugin():
+    code = ("from speculant.spec_registry import available_strategies;"
+            "print(sorted(available_strategies()))")
+    env = {**__import__("os").environ, "SPECULANT_DISABLE_PLUGINS": "bigram"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert "bigram" not in out.stdout and "ngram" in out.stdout
+    env = {**env, "SPECULANT_DISABLE_PLUGINS": "", "SPECULANT_PLUGINS": "ngram,rejection_sampler"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert "bigram" not in out.stdout and "ngram" in out.stdout
