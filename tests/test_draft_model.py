@@ -113,7 +113,8 @@ def test_full_draft_cache_degrades_to_fewer_drafts(target, plain_ref):
     out = _ids(llm.generate(_prompts(), _params(), use_tqdm=False))
     assert out == plain_ref
     m = llm.get_metrics()
-    assert m.num_plain_steps > 0 and m.num_accepted_tokens > 0
+    # some sequence-steps ran without drafts (num_drafts counts only steps that proposed)
+    assert m.num_drafts < m.num_spec_steps + m.num_plain_steps and m.num_accepted_tokens > 0
     assert strat.block_manager.num_free_blocks == 8
 
 
@@ -248,15 +249,16 @@ def test_draft_probs_are_the_processed_draft_distribution(small_vocab):
         seen.append((batch, prop))
         return prop
 
-    llm.engine.spec.pm.unregister(strat)
+    # pluggy calls the most recently registered implementation first: the spy answers propose
     spy_plugin = type("Spy", (), {"propose": staticmethod(spy)})()
     llm.engine.spec.pm.register(spy_plugin, name="spy")
-    llm.engine.spec.pm.register(strat, name="strategy:draft_model")  # for on_requests_finished
     params = [SamplingParams(**DIST_PARAMS, max_tokens=8, ignore_eos=True, seed=3),
               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
     llm.generate([DIST_PROMPT, DIST_PROMPT[:3]], params, use_tqdm=False)
-    assert seen
-    for batch, prop in seen:
+    sampled = [(b, p) for b, p in seen if not all(s.params.is_greedy for s in b.seqs)]
+    assert sampled, "the sampled request must have been drafted for"
+    # an all-greedy batch may send point-mass drafts (probs=None); a sampled one must not
+    for batch, prop in sampled:
         assert prop.probs is not None and prop.probs.dtype == torch.float32
         assert prop.probs.shape[:2] == (len(batch), 3) and prop.probs.shape[2] == SMALL_V
         for i, drafts in enumerate(prop.token_ids):

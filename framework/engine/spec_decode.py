@@ -61,7 +61,12 @@ class SpecDecoder:
         cls = get_strategy(spec.method, "proposer")
         self.name = cls.name
         self.strategy_config = build_strategy_config(cls, spec)
-        self.strategy = cls(self.strategy_config, ctx)
+        try:
+            self.strategy = cls(self.strategy_config, ctx)
+        except StrategyError:
+            raise
+        except (ValueError, FileNotFoundError) as e:  # bad checkpoint, vocab mismatch, ...
+            raise StrategyError(f"speculative method {cls.name!r}: {e}") from e
         k = getattr(self.strategy, "num_speculative_tokens", None)
         k = k or getattr(self.strategy_config, "num_speculative_tokens", None) or spec.num_speculative_tokens
         if not k:
