@@ -1,0 +1,118 @@
+"""Oracle speculation, for benchmarks and research: acceptance controlled exactly.
+
+The oracle replays the target's own greedy continuation, recorded in a first (plain, greedy)
+pass, and corrupts each proposed token with probability ``1 - alpha`` (seeded). Under greedy
+verification a draft position is then accepted with probability ``alpha`` given that the previous
+ones were, which is the i.i.d. acceptance model of Leviathan et al. (2211.17192): the mean number
+of tokens per target step is ``(1 - alpha^(k+1)) / (1 - alpha)``. Proposing costs a list slice
+and a few random numbers, so the measured speedup isolates the target's side of speculation while
+the target still does its real work (every draft is verified by a real forward pass, and the
+output is exactly that of plain decoding).
+
+The recording is given either inline (``references``) or as a JSON file (``reference_file``),
+each entry ``{"prompt_token_ids": [...], "output_token_ids": [...]}``. A sequence is matched to
+its reference by its prompt. A sequence with no reference (or past its end) gets no drafts, so it
+decodes plainly. ``speculant bench`` records the references itself.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from speculant import hookimpl
+from speculant.spec_types import Proposal, SpecBatch, StrategyContext
+
+
+class OracleReference(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_token_ids: list[int] = Field(..., min_length=1)
+    output_token_ids: list[int]
+
+
+class OracleConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_speculative_tokens: int = Field(..., ge=1, le=64)
+    alpha: float = Field(..., ge=0.0, le=1.0, description="probability a proposed token is right")
+    seed: int = 0
+    references: list[OracleReference] | None = None
+    reference_file: str | None = Field(None, description="JSON list of references")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> OracleConfig:
+        if (self.references is None) == (self.reference_file is None):
+            raise ValueError("the oracle needs exactly one of `references` (inline) or "
+                             "`reference_file` (a JSON file of recorded greedy continuations)")
+        return self
+
+    def load_references(self) -> list[OracleReference]:
+        if self.references is not None:
+            return self.references
+        path = Path(self.reference_file).expanduser()
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"oracle reference_file {path}: {e}") from None
+        if not isinstance(data, list):
+            raise ValueError(f"oracle reference_file {path}: expected a JSON list of "
+                             "{prompt_token_ids, output_token_ids} objects")
+        return [OracleReference(**d) for d in data]
+
+
+class OracleStrategy:
+    name = "oracle"
+    Config = OracleConfig
+
+    def __init__(self, config: OracleConfig, ctx: StrategyContext) -> None:
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.alpha = config.alpha
+        self.vocab_size = ctx.vocab_size
+        self.rng = random.Random(config.seed)
+        # prompt -> full reference sequence (prompt + recorded greedy continuation)
+        self.by_prompt: dict[tuple[int, ...], list[int]] = {}
+        for r in config.load_references():
+            self.by_prompt[tuple(r.prompt_token_ids)] = r.prompt_token_ids + r.output_token_ids
+        self._ref: dict[int, list[int] | None] = {}  # seq_id -> its reference (cached lookup)
+        self.num_proposed = 0
+        self.num_corrupted = 0
+
+    def _reference(self, seq) -> list[int] | None:
+        if seq.seq_id not in self._ref:
+            self._ref[seq.seq_id] = self.by_prompt.get(tuple(seq.token_ids[: seq.num_prompt_tokens]))
+        return self._ref[seq.seq_id]
+
+    def _corrupt(self, token: int) -> int:
+        """A token different from ``token``, uniform over the rest of the vocabulary."""
+        return (token + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
+
+    @hookimpl
+    def propose(self, batch: SpecBatch) -> Proposal:
+        drafts: list[list[int]] = []
+        for s in batch.seqs:
+            ref = self._reference(s)
+            n = len(s.token_ids)
+            true = ref[n : n + s.max_draft] if ref is not None else []
+            draft = []
+            for t in true:
+                if self.rng.random() >= self.alpha:
+                    t = self._corrupt(t)
+                    self.num_corrupted += 1
+                draft.append(t)
+            self.num_proposed += len(draft)
+            drafts.append(draft)
+        return Proposal(token_ids=drafts)
+
+    @hookimpl
+    def on_requests_finished(self, seq_ids: list[int]) -> None:
+        for i in seq_ids:
+            self._ref.pop(i, None)
+
+
+@hookimpl
+def register_strategies(register) -> None:
+    register(OracleStrategy)
