@@ -11,7 +11,6 @@ and min-p; penalties at draft position j count the drafts before j as generated 
 from __future__ import annotations
 
 import torch
-
 from speculant import hookimpl
 from speculant.engine.sampler import Row, process_logits, target_probs, uniforms
 from speculant.kernels.rejection_sampling import rejection_sample
@@ -31,6 +30,10 @@ class RejectionSampler:
         seqs = batch.seqs
         rows = [Row(seq, drafts[:j]) for seq, drafts in zip(seqs, proposal.token_ids)
                 for j in range(len(drafts) + 1)]
+        if scores.logits.shape[0] != len(rows):
+            raise ValueError(
+                f"ScoreResult.logits must have sum(k_i + 1) = {len(rows)} rows for proposal "
+                f"lengths {proposal.lengths}, got {scores.logits.shape[0]}")
         device = scores.logits.device
         processed = process_logits(scores.logits, rows, self.ctx.eos_token_id)  # [sum(k_i + 1), vocab]
         greedy_seq = [s.params.is_greedy for s in seqs]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from speculant import SamplingParams
 from speculant.plugins.rejection_sampler import RejectionSampler
 from speculant.spec_types import Proposal, ScoreResult, SpecBatch, SpecSequence, StrategyContext
@@ -57,7 +56,9 @@ def run_verify(n, params, target_logits, drafts, draft_probs=None, seed=0, verif
                                for q in draft_probs], dim=1)  # [n, k]
         token_ids = sampled.tolist()
     proposal = Proposal(token_ids=token_ids, probs=probs)
-    logits = target_logits.repeat(n, 1)  # [n * (k+1), V]
+    # ScoreResult contract: sum(k_i + 1) rows, i.e. k + 1 rows per sequence (fewer drafts than
+    # the fixture has positions -> only the first k + 1 rows are the scores of this proposal)
+    logits = target_logits[: len(drafts) + 1].repeat(n, 1)  # [n * (k+1), V]
     res = (verifier or RejectionSampler(None, _ctx())).verify(
         batch=batch, proposal=proposal, scores=ScoreResult(logits=logits))
     out = torch.full((n, len(drafts) + 1), -1)
@@ -143,7 +144,16 @@ def test_greedy_accepts_while_draft_is_argmax(logits):
     out = run_verify(1, params, logits, [a0, wrong])
     assert out[0].tolist() == [a0, a1, -1]
     out = run_verify(1, params, logits, [])
-    assert out[0].tolist()[:1] == [a0]
+    assert out[0].tolist() == [a0]
+
+
+def test_logits_rows_must_match_the_proposal(logits):
+    """Scores for the wrong number of positions are a caller bug: a clear error, not a guess."""
+    seqs = [SpecSequence(0, [0, 1, 2], 3, 0, SamplingParams(temperature=0.0), None)]
+    with pytest.raises(ValueError, match=r"sum\(k_i \+ 1\) = 1 rows"):
+        RejectionSampler(None, _ctx()).verify(
+            batch=SpecBatch(seqs=seqs), proposal=Proposal(token_ids=[[]]),
+            scores=ScoreResult(logits=logits))
 
 
 def test_seeded_runs_are_reproducible(logits):
