@@ -107,6 +107,12 @@ def cmd_demo(args) -> int:
                     methods=args.methods.split(","))
 
 
+def cmd_bench(args) -> int:
+    from speculant.bench import main as bench_main
+
+    return bench_main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="speculant", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -134,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("-k", type=int, default=5)
     d.add_argument("--methods", default="ngram")
     d.set_defaults(func=cmd_demo)
+
+    from speculant.bench import add_arguments as add_bench_arguments
+
+    b = sub.add_parser("bench", help="measure plain decoding and speculation strategies (JSON + PNG)")
+    add_bench_arguments(b)
+    b.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -1,0 +1,333 @@
+"""``speculant bench``: plain decoding and each speculation strategy on the same model, prompts and
+engine (one process, one model load, one KV cache), measured per batch size.
+
+For every (strategy, batch size) it reports decode throughput (tokens/s over all sequences),
+seconds per output token of one sequence (the ``time_generation`` figure), the speedup over plain
+decoding at that batch size, the measured acceptance ``a`` (probability a draft token is accepted
+given the earlier ones were, counted exactly per draft), the mean number of tokens per target step, the proposer cost ratio
+``c`` (proposer time per step / plain decode step time) and the theoretical speedup of Leviathan
+et al. ``(1 - a^(k+1)) / ((1 - a)(k c + 1))`` from the measured ``a`` and ``c``.
+
+Timing: every interval is read on the host clock after ``torch.cuda.synchronize()`` (the decode
+loop itself also waits for each step's tokens), so no asynchronous GPU work is left out. Oracle
+strategies without references get the greedy continuation recorded by a plain pass first.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import platform
+import random
+import time
+from pathlib import Path
+
+from speculant.hookspecs import hookimpl
+
+logger = logging.getLogger("speculant")
+
+
+def theoretical_speedup(a: float, k: int, c: float) -> float:
+    """Leviathan et al. (2211.17192) eq. 1: expected speedup of k drafts with acceptance a."""
+    tokens = k + 1 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+    return tokens / (k * c + 1)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+class _StepTimer:
+    """A pluggy wrapper around ``propose`` and ``score``: synchronised wall time of each."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self.propose_s = 0.0
+        self.propose_calls = 0
+        self.score_s = 0.0
+        self.score_calls = 0
+        self.trials = 0  # draft positions reached (all earlier drafts of the step accepted)
+        self.accepted = 0
+
+    @hookimpl(wrapper=True)
+    def propose(self, batch):
+        _sync(self.device)
+        t0 = time.perf_counter()
+        result = yield
+        _sync(self.device)
+        self.propose_s += time.perf_counter() - t0
+        self.propose_calls += 1
+        return result
+
+    @hookimpl(wrapper=True)
+    def score(self, batch, proposal):
+        _sync(self.device)
+        t0 = time.perf_counter()
+        result = yield
+        _sync(self.device)
+        self.score_s += time.perf_counter() - t0
+        self.score_calls += 1
+        return result
+
+    @hookimpl(wrapper=True)
+    def verify(self, batch, proposal, scores):
+        result = yield
+        for drafts, acc in zip(proposal.token_ids, result.num_accepted):
+            self.trials += min(len(drafts), acc + 1)
+            self.accepted += acc
+        return result
+
+    @property
+    def acceptance(self) -> float | None:
+        """P(draft token j accepted | tokens < j accepted), pooled over positions."""
+        return self.accepted / self.trials if self.trials else None
+
+
+def _decode_run(engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Prefill ``prompts`` together, then time the decode steps until all finish."""
+    from speculant.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    reqs = [engine.add_request(f"bench-{i}-{time.monotonic_ns()}", None, p, params)
+            for i, p in enumerate(prompts)]
+    outs = {}
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    while not all(s.num_output_tokens >= 1 for r in reqs for s in r.seqs):
+        outs.update({o.request_id: o for o in engine.step()})
+    _sync(engine.device)
+    t1 = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step()})
+        steps += 1
+    _sync(engine.device)
+    t2 = time.perf_counter()
+    tokens = [outs[r.request_id].outputs[0].token_ids for r in reqs]
+    decode_tokens = sum(len(t) - 1 for t in tokens)
+    return {"tokens": tokens, "prefill_s": t1 - t0, "decode_s": t2 - t1, "steps": steps,
+            "decode_tokens": decode_tokens}
+
+
+def _set_strategy(engine, spec_config: dict | None):
+    from speculant.engine.spec_decode import SpecDecoder
+
+    if engine.spec is not None:
+        engine.spec = None
+        gc.collect()
+        if engine.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+    if spec_config is not None:
+        engine.spec = SpecDecoder(engine, spec_config)
+    return engine.spec
+
+
+def _label(spec: dict | None) -> str:
+    if spec is None:
+        return "plain"
+    name = spec.get("name") or spec["method"]
+    if spec["method"] == "oracle" and "name" not in spec:
+        name = f"oracle a={spec['alpha']}"
+    return f"{name} k={spec.get('num_speculative_tokens', '?')}"
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(length)] for _ in range(n)]
+
+
+def run_bench(engine, prompts: list[list[int]], strategies: list[dict], max_tokens: int,
+              batch_sizes: list[int], warmup_tokens: int = 8) -> dict:
+    """Measure plain decoding and every strategy at every batch size on ``engine``.
+    ``strategies``: speculative_config dicts (an optional ``name`` key labels the run)."""
+    if max(batch_sizes) > len(prompts):
+        raise ValueError(f"batch size {max(batch_sizes)} needs as many prompts, got {len(prompts)}")
+    k_max = max([s.get("num_speculative_tokens", 1) for s in strategies] + [1])
+    _set_strategy(engine, None)
+    record = _decode_run(engine, prompts[: max(batch_sizes)], max_tokens + k_max)
+    refs = [{"prompt_token_ids": p, "output_token_ids": t} for p, t in zip(prompts, record["tokens"])]
+    runs: list[dict] = []
+    plain_by_bs: dict[int, dict] = {}
+    for spec in [None, *strategies]:
+        cfg = None
+        if spec is not None:
+            cfg = {k: v for k, v in spec.items() if k != "name"}
+            if cfg["method"] == "oracle" and "references" not in cfg and "reference_file" not in cfg:
+                cfg["references"] = refs
+        for bs in batch_sizes:
+            dec = _set_strategy(engine, cfg)
+            _decode_run(engine, prompts[:bs], warmup_tokens)  # warm-up: compile, capture graphs
+            dec = _set_strategy(engine, cfg)  # fresh strategy state and metrics
+            timer = _StepTimer(engine.device)
+            if dec is not None:
+                dec.pm.register(timer, name="bench:timer")
+            r = _decode_run(engine, prompts[:bs], max_tokens)
+            runs.append(_summarise(spec, bs, r, dec, timer, plain_by_bs.get(bs), record))
+            if spec is None:
+                plain_by_bs[bs] = runs[-1]
+            logger.info("bench %s", runs[-1])
+    _set_strategy(engine, None)
+    return {"runs": runs, "max_tokens": max_tokens, "batch_sizes": batch_sizes,
+            "prompt_len": len(prompts[0]), "device": device_name(engine.device),
+            "dtype": str(engine.dtype).replace("torch.", ""), "model": str(engine.model_path)}
+
+
+def _summarise(spec, bs, r, dec, timer, plain, record) -> dict:
+    step_s = r["decode_s"] / max(r["steps"], 1)
+    per_seq_tokens = r["decode_tokens"] / bs
+    row = {
+        "name": _label(spec), "method": spec["method"] if spec else "plain", "batch_size": bs,
+        "k": spec.get("num_speculative_tokens") if spec else 0,
+        "tokens_per_s": r["decode_tokens"] / r["decode_s"],
+        "s_per_token": r["decode_s"] / per_seq_tokens,
+        "decode_s": r["decode_s"], "prefill_s": r["prefill_s"], "steps": r["steps"],
+        "step_s": step_s, "decode_tokens": r["decode_tokens"],
+        # greedy equivalence with the plain recording (same prompts, same engine)
+        "same_tokens_as_plain": all(t == ref[: len(t)] for t, ref in zip(r["tokens"], record["tokens"])),
+    }
+    row["speedup"] = (row["tokens_per_s"] / plain["tokens_per_s"]) if plain else 1.0
+    if dec is None:
+        row.update(mean_accepted_length=1.0, acceptance=None, c=None, theoretical_speedup=None)
+        return row
+    m = dec.total
+    k = dec.k
+    a = timer.acceptance
+    propose_step = timer.propose_s / timer.propose_calls if timer.propose_calls else None
+    c = propose_step / plain["step_s"] if (plain and propose_step is not None) else None
+    row.update(
+        mean_accepted_length=m.mean_accepted_length, acceptance=a,
+        acceptance_rate=m.acceptance_rate, num_spec_steps=m.num_spec_steps,
+        num_plain_steps=m.num_plain_steps, num_times_disabled=m.num_times_disabled,
+        propose_s_per_step=propose_step,
+        score_s_per_step=timer.score_s / timer.score_calls if timer.score_calls else None,
+        c=c,
+        theoretical_speedup=theoretical_speedup(a, k, c) if (a is not None and c is not None
+                                                             and m.num_spec_steps) else None,
+    )
+    if row["theoretical_speedup"]:
+        row["speedup_vs_theoretical"] = row["speedup"] / row["theoretical_speedup"]
+    return row
+
+
+def device_name(device) -> str:
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def write_outputs(result: dict, out_dir: str | Path, stem: str = "bench") -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
+    json_path.write_text(json.dumps(result, indent=1, default=str))
+    plot(result, png_path)
+    return json_path, png_path
+
+
+def plot(result: dict, path: str | Path) -> None:
+    """Left: decode throughput vs batch size per strategy. Right: measured vs theoretical speedup
+    at the smallest batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    names = list(dict.fromkeys(r["name"] for r in runs))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
+    for n in names:
+        pts = sorted((r["batch_size"], r["tokens_per_s"]) for r in runs if r["name"] == n)
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=n)
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("batch size")
+    ax1.set_ylabel("decode tokens/s (all sequences)")
+    ax1.legend(fontsize=7)
+    ax1.grid(True, alpha=0.3)
+    bs0 = min(r["batch_size"] for r in runs)
+    first = [r for r in runs if r["batch_size"] == bs0 and r["method"] != "plain"]
+    xs = range(len(first))
+    ax2.bar([x - 0.2 for x in xs], [r["speedup"] for r in first], 0.4, label="measured")
+    ax2.bar([x + 0.2 for x in xs], [r["theoretical_speedup"] or 0 for r in first], 0.4,
+            label="theoretical (measured a, c)")
+    ax2.axhline(1.0, color="k", lw=0.8)
+    ax2.set_xticks(list(xs), [r["name"] for r in first], rotation=35, ha="right", fontsize=7)
+    ax2.set_ylabel(f"speedup over plain decoding (batch {bs0})")
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"speculant bench: {Path(result['model']).name} ({result['dtype']}) on "
+                 f"{result['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(result: dict) -> str:
+    cols = ("name", "batch_size", "tokens_per_s", "s_per_token", "speedup", "acceptance",
+            "mean_accepted_length", "c", "theoretical_speedup", "same_tokens_as_plain")
+    lines = [" | ".join(cols)]
+    for r in result["runs"]:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def parse_strategies(text: str) -> list[dict]:
+    """A JSON list of speculative_config dicts, or shorthands separated by commas:
+    ``oracle:ALPHA:K`` and ``METHOD:K`` (e.g. ``oracle:0.8:5,ngram:3``)."""
+    text = text.strip()
+    if text.startswith("["):
+        return json.loads(text)
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        bits = part.split(":")
+        if bits[0] == "oracle":
+            out.append({"method": "oracle", "alpha": float(bits[1]),
+                        "num_speculative_tokens": int(bits[2])})
+        else:
+            out.append({"method": bits[0], "num_speculative_tokens": int(bits[1])})
+    return out
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=None, help="HF folder, .gguf file, hub id; default: the "
+                   "embedded SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--strategies", default="oracle:0.6:3,oracle:0.8:3,oracle:0.8:5,ngram:3",
+                   help="JSON list of speculative_config dicts, or shorthands "
+                   "'oracle:ALPHA:K,METHOD:K'")
+    p.add_argument("--batch-sizes", default="1", help="comma-separated, e.g. 1,4,16,64")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--out", default="bench/results", help="folder for JSON and PNG")
+    p.add_argument("--stem", default="bench", help="file name stem (STEM.json, STEM.png)")
+
+
+def main(args) -> int:
+    from speculant import LLM
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
+              max_model_len=args.max_model_len, max_num_seqs=max(batch_sizes),
+              skip_tokenizer_init=True)
+    engine = llm.engine
+    prompts = random_prompts(max(batch_sizes), args.prompt_len, engine.vocab_size, args.seed)
+    result = run_bench(engine, prompts, parse_strategies(args.strategies), args.max_tokens,
+                       batch_sizes)
+    json_path, png_path = write_outputs(result, args.out, args.stem)
+    print(table(result))
+    print(f"wrote {json_path} and {png_path}")
+    return 0

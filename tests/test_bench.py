@@ -1,0 +1,48 @@
+"""`speculant bench` smoke test on CPU (tiny model): JSON + PNG written, figures consistent."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from speculant.bench import parse_strategies, theoretical_speedup
+from speculant.cli import main
+
+
+def test_theoretical_speedup_formula():
+    assert theoretical_speedup(0.8, 5, 0.0) == pytest.approx((1 - 0.8**6) / 0.2)
+    assert theoretical_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
+    assert theoretical_speedup(1.0, 3, 0.05) == pytest.approx(4 / 1.15)
+
+
+def test_parse_strategies():
+    assert parse_strategies("oracle:0.8:5,ngram:3") == [
+        {"method": "oracle", "alpha": 0.8, "num_speculative_tokens": 5},
+        {"method": "ngram", "num_speculative_tokens": 3}]
+    assert parse_strategies('[{"method": "ngram", "num_speculative_tokens": 2}]')[0]["method"] == "ngram"
+
+
+def test_bench_cli_writes_json_and_png(tiny_factory, tmp_path, capsys):
+    model = tiny_factory("llama", tokenizer=False)
+    rc = main(["bench", "--model", str(model), "--batch-sizes", "1,2", "--max-tokens", "20",
+               "--prompt-len", "6", "--strategies", "oracle:1.0:3,oracle:0.0:2",
+               "--out", str(tmp_path), "--stem", "smoke"])
+    assert rc == 0
+    assert "tokens_per_s" in capsys.readouterr().out
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert (tmp_path / "smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    runs = {(r["name"], r["batch_size"]): r for r in result["runs"]}
+    assert len(runs) == 6
+    for r in runs.values():
+        assert r["same_tokens_as_plain"], r["name"]
+        assert r["tokens_per_s"] > 0 and r["s_per_token"] > 0 and r["decode_tokens"] == 19 * r["batch_size"]
+    assert runs[("plain", 1)]["speedup"] == 1.0
+    sure = runs[("oracle a=1.0 k=3", 1)]
+    assert sure["acceptance"] == 1.0
+    # every target step emits k + 1 tokens except possibly the last (19 tokens after prefill)
+    assert sure["steps"] == 5 and sure["mean_accepted_length"] == pytest.approx(19 / 5)
+    assert 0 <= sure["c"] < 1
+    assert sure["theoretical_speedup"] == pytest.approx(theoretical_speedup(1.0, 3, sure["c"]))
+    never = runs[("oracle a=0.0 k=2", 2)]
+    assert never["acceptance"] == 0.0 and never["mean_accepted_length"] == 1.0
+    assert never["theoretical_speedup"] < 1.0
