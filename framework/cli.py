@@ -113,6 +113,38 @@ def cmd_bench(args) -> int:
     return bench_main(args)
 
 
+def cmd_serve(args) -> int:
+    from speculant.server import run_server
+
+    return run_server(
+        host=args.host, port=args.port, served_model_names=args.served_model_name,
+        api_key=args.api_key, max_waiting_seqs=args.max_waiting_seqs,
+        log_level="info" if args.verbose else "warning",
+        model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        kv_cache_memory=args.kv_cache_memory,
+        speculative_config=_spec_arg(args.speculative_config),
+    )
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the server extra)")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", "--served_model_name", nargs="+", default=None,
+                   help="name(s) clients use as `model`; default: --model or SmolLM2-135M-Instruct")
+    s.add_argument("--api-key", "--api_key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--max-num-seqs", "--max_num_seqs", type=int, default=64,
+                   help="sequences batched together at most")
+    s.add_argument("--max-waiting-seqs", "--max_waiting_seqs", type=int, default=256,
+                   help="sequences queued beyond --max-num-seqs before answering 503")
+    s.add_argument("--kv-cache-memory", "--kv_cache_memory", type=int, default=None,
+                   help="bytes for the KV cache (default: sized from --max-num-seqs)")
+    s.set_defaults(func=cmd_serve)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="speculant", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -146,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="measure plain decoding and speculation strategies (JSON + PNG)")
     add_bench_arguments(b)
     b.set_defaults(func=cmd_bench)
+
+    _add_serve_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

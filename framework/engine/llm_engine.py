@@ -156,6 +156,13 @@ class LLMEngine:
         if self.spec:
             self.spec.release([s.seq_id for s in req.seqs])
 
+    def snapshot(self, request_id: str) -> RequestOutput | None:
+        """What an in-flight request has generated so far (tokens, text, logprobs; ``finished``
+        stays False until all its sequences are done), for front ends that stream new tokens
+        after every step(). None once step() has returned the request, or if it is unknown."""
+        req = self.requests.get(request_id)
+        return None if req is None else self.make_output(req)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 

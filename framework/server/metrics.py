@@ -1,0 +1,122 @@
+"""Prometheus metrics of the server, in a registry of its own (several servers may share a
+process, e.g. in tests). Speculation counters are read from the engine's SpecMetrics at scrape
+time."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from speculant.outputs import RequestOutput
+
+_LATENCY = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_PER_TOKEN = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        r = self.registry
+        labels = ["model_name"]
+        self.http_requests = Counter(
+            "speculant_http_requests", "HTTP requests by endpoint and status code",
+            ["endpoint", "status"], registry=r)
+        self.request_success = Counter(
+            "speculant_request_success", "Finished requests by finish reason",
+            labels + ["finish_reason"], registry=r)
+        self.request_aborts = Counter(
+            "speculant_request_aborted", "Requests aborted (client gone or error)", labels,
+            registry=r)
+        self.prompt_tokens = Counter("speculant_prompt_tokens", "Prompt tokens processed", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("speculant_generation_tokens", "Tokens generated", labels,
+                                         registry=r)
+        self.e2e_latency = Histogram(
+            "speculant_e2e_request_latency_seconds", "Arrival to finish, per engine request",
+            labels, buckets=_LATENCY, registry=r)
+        self.ttft = Histogram(
+            "speculant_time_to_first_token_seconds", "Arrival to first generated token",
+            labels, buckets=_LATENCY, registry=r)
+        self.tpot = Histogram(
+            "speculant_time_per_output_token_seconds", "Mean time per output token after the first",
+            labels, buckets=_PER_TOKEN, registry=r)
+        self.http_latency = Histogram(
+            "speculant_http_request_duration_seconds", "Handler time, until the last byte of a stream",
+            ["endpoint"], buckets=_LATENCY, registry=r)
+
+    def bind(self, aengine) -> None:
+        """Expose engine gauges and speculation counters, read at scrape time."""
+        self.registry.register(_EngineCollector(aengine, self.model_name))
+
+    # called from the engine thread (prometheus_client metrics are thread-safe)
+    def request_finished(self, out: RequestOutput) -> None:
+        m = self.model_name
+        for comp in out.outputs:
+            self.request_success.labels(m, comp.finish_reason or "unknown").inc()
+            self.generation_tokens.labels(m).inc(len(comp.token_ids))
+        self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+        met = out.metrics
+        if met is None:
+            return
+        if met.finished_time is not None:
+            self.e2e_latency.labels(m).observe(met.finished_time - met.arrival_time)
+        if met.time_to_first_token is not None:
+            self.ttft.labels(m).observe(met.time_to_first_token)
+        if met.time_per_output_token is not None:
+            self.tpot.labels(m).observe(met.time_per_output_token)
+
+    def request_aborted(self) -> None:
+        self.request_aborts.labels(self.model_name).inc()
+
+
+class _EngineCollector:
+    def __init__(self, aengine, model_name: str) -> None:
+        self.a = aengine
+        self.model_name = model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        m = [self.model_name]
+        used, total = self.a.kv_blocks()
+        for name, doc, value in (
+            ("speculant_num_requests_running", "Sequences running in the engine", self.a.num_running()),
+            ("speculant_num_requests_waiting", "Sequences waiting to be scheduled", self.a.num_waiting()),
+            ("speculant_inflight_sequences", "Sequences admitted by the server, not yet done",
+             self.a.inflight_seqs),
+            ("speculant_kv_cache_blocks_used", "KV cache blocks allocated", used),
+            ("speculant_kv_cache_blocks_total", "KV cache blocks in all", total),
+            ("speculant_engine_steps", "Engine steps run", self.a.num_steps),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(m, value)
+            yield g
+        s = self.a.spec_metrics()
+        for name, doc, value in (
+            ("speculant_spec_decode_num_drafts", "Speculative steps that proposed tokens", s.num_drafts),
+            ("speculant_spec_decode_num_draft_tokens", "Draft tokens proposed", s.num_draft_tokens),
+            ("speculant_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+             s.num_accepted_tokens),
+            ("speculant_spec_decode_num_emitted_tokens", "Tokens emitted by decode steps",
+             s.num_emitted_tokens),
+            ("speculant_spec_decode_num_spec_steps", "Sequence decode steps with speculation",
+             s.num_spec_steps),
+            ("speculant_spec_decode_num_plain_steps", "Sequence decode steps without speculation",
+             s.num_plain_steps),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(m, value)
+            yield c
+        acc = CounterMetricFamily("speculant_spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted at each draft position",
+                                  labels=["model_name", "position"])
+        prop = CounterMetricFamily("speculant_spec_decode_num_draft_tokens_per_pos",
+                                   "Draft tokens proposed at each draft position",
+                                   labels=["model_name", "position"])
+        for j, (a, p) in enumerate(zip(s.accepted_per_position, s.proposed_per_position)):
+            acc.add_metric([self.model_name, str(j)], a)
+            prop.add_metric([self.model_name, str(j)], p)
+        yield acc
+        yield prop

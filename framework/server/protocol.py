@@ -1,0 +1,234 @@
+"""OpenAI request bodies (pydantic; types only, ranges are SamplingParams' job), the mapping to
+SamplingParams, OpenAI error JSON, and the logprobs formats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from speculant.outputs import Logprob
+from speculant.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's JSON shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or _TYPES.get(status, "server_error")
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          503: "service_unavailable_error"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions (vLLM extensions included)."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def _common(self) -> dict[str, Any]:
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+        names = ("n", "stop", "stop_token_ids", "seed", "temperature", "top_p", "top_k", "min_p",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                 "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be <= {MAX_LOGPROBS}", "logprobs")
+        kw = self._common()
+        kw["max_tokens"] = self.max_tokens
+        if self.best_of is not None:
+            kw["best_of"] = self.best_of
+        if self.logprobs is not None:
+            kw["logprobs"] = self.logprobs
+            if self.echo:
+                kw["prompt_logprobs"] = self.logprobs
+        return make_params(kw)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise APIError(400, "tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {'type': 'text'} is supported",
+                           "response_format")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        kw = self._common()
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        kw["max_tokens"] = limit
+        if self.logprobs:
+            kw["logprobs"] = self.top_logprobs or 0
+        return make_params(kw)
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        out = []
+        for i, m in enumerate(self.messages):
+            content = m.content
+            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                parts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise APIError(400, "only text content parts are supported",
+                                       f"messages[{i}].content")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+            if m.name:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
+
+
+def make_params(kw: dict[str, Any]) -> SamplingParams:
+    try:
+        return SamplingParams(**kw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "__root__"]
+        param = loc[0] if loc else None
+        msg = err.get("msg", str(e)).removeprefix("Value error, ")
+        raise APIError(400, f"{param}: {msg}" if param else msg, param) from None
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """FastAPI's RequestValidationError.errors() -> a 400 naming the first bad field."""
+    err = errors[0] if errors else {}
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {err.get('msg', '')}")
+    param = ".".join(loc) if loc else None
+    msg = err.get("msg", "invalid request")
+    if err.get("type") == "extra_forbidden":
+        msg = "unknown field"
+    elif err.get("type") == "missing":
+        msg = "field required"
+    return APIError(400, f"{param}: {msg}" if param else msg, param)
+
+
+# ----------------------------------------------------------------- logprobs formats
+def _top(d: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
+    ranked = sorted(((t, lp) for t, lp in d.items() if lp.rank is not None and lp.rank <= n),
+                    key=lambda x: x[1].rank)
+    return ranked
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob] | None], n: int, offset: int,
+    tokenizer,
+) -> dict[str, Any]:
+    """OpenAI completions format: tokens, token_logprobs, top_logprobs, text_offset. A None entry
+    (the first prompt token under echo) has no logprob."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for t, d in zip(token_ids, logprobs):
+        s = d[t].decoded_token if d is not None and t in d else None
+        if s is None:
+            s = tokenizer.decode([t]) if tokenizer is not None else str(t)
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+        if d is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(d[t].logprob)
+        top = {(lp.decoded_token if lp.decoded_token is not None else str(tid)): lp.logprob
+               for tid, lp in _top(d, n)}
+        top.setdefault(s, d[t].logprob)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], n: int,
+                  tokenizer) -> dict[str, Any]:
+    content = []
+    for t, d in zip(token_ids, logprobs):
+        lp = d[t]
+        s = lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([t])
+        content.append({
+            "token": s, "logprob": lp.logprob, "bytes": list(s.encode("utf-8")),
+            "top_logprobs": [
+                {"token": x.decoded_token or "", "logprob": x.logprob,
+                 "bytes": list((x.decoded_token or "").encode("utf-8"))}
+                for _, x in _top(d, n)
+            ],
+        })
+    return {"content": content}
