@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 
 from pydantic import BaseModel, ConfigDict, Field
-
 from speculant import hookimpl
 from speculant.spec_types import StrategyContext
 
@@ -56,17 +55,30 @@ class BatchSizeDisable:
                 self.num_enabled += 1
             else:
                 self.num_disabled += 1
-            logger.info("batch_size_disable: batch size %d -> %d, speculation %s "
-                        "(disable_by_batch_size=%d)", old_size, new_size,
-                        "back on" if speculate else "off", self.threshold)
+            logger.info(
+                "batch_size_disable: batch size %d -> %d, speculation %s "
+                "(disable_by_batch_size=%d)",
+                old_size,
+                new_size,
+                "back on" if speculate else "off",
+                self.threshold,
+            )
         else:
-            logger.debug("batch_size_disable: batch size %d -> %d, speculation stays %s", old_size,
-                         new_size, "on" if speculate else "off")
+            logger.debug(
+                "batch_size_disable: batch size %d -> %d, speculation stays %s",
+                old_size,
+                new_size,
+                "on" if speculate else "off",
+            )
         return speculate
 
     def stats(self) -> dict:
-        return {"disable_by_batch_size": self.threshold, "num_disabled": self.num_disabled,
-                "num_enabled": self.num_enabled, "num_decisions": len(self.decisions)}
+        return {
+            "disable_by_batch_size": self.threshold,
+            "num_disabled": self.num_disabled,
+            "num_enabled": self.num_enabled,
+            "num_decisions": len(self.decisions),
+        }
 
 
 @hookimpl

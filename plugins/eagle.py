@@ -42,8 +42,6 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from torch import nn
-
 from speculant import hookimpl
 from speculant.engine.attention import AttentionMetadata, ForwardContext
 from speculant.models.layers import RMSNorm, RotaryEmbedding
@@ -61,6 +59,7 @@ from speculant.plugins.mlp_speculator import (
 )
 from speculant.spec_registry import StrategyError
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
+from torch import nn
 
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 DEFAULT_K = 5
@@ -74,8 +73,11 @@ def eagle_version(path: Path, config: dict[str, Any]) -> int | None:
     keys = {k.removeprefix("model.") for k in checkpoint_keys(Path(path))}
     if "fc.weight" not in keys:
         return None
-    if (any(k.startswith("midlayer.") for k in keys) or "d2t" in keys
-            or any("eagle3" in a for a in archs)):
+    if (
+        any(k.startswith("midlayer.") for k in keys)
+        or "d2t" in keys
+        or any("eagle3" in a for a in archs)
+    ):
         return 3
     if any(k.startswith("layers.") for k in keys):
         return 1
@@ -104,14 +106,21 @@ class Eagle1Draft(nn.Module):
         self.rope = RotaryEmbedding(cfg, _head_dim(cfg), max_positions)
         self.fc = nn.Linear(2 * H, H, bias=fc_bias)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, self.rope, _qkv_bias(cfg)) for i in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, i, self.rope, _qkv_bias(cfg))
+            for i in range(cfg.num_hidden_layers)
         )
         self.layers[0].input_layernorm = nn.Identity()
         self.num_layers = cfg.num_hidden_layers
         self.kv_shape = (self.layers[0].self_attn.num_kv_heads, self.layers[0].self_attn.head_dim)
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext, from_target: bool) -> torch.Tensor:
+    def forward(
+        self,
+        emb: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        from_target: bool,
+    ) -> torch.Tensor:
         # emb, hidden: [tokens, H] -> [tokens, H] (fed back as the next step's hidden)
         x = self.fc(torch.cat([emb, hidden], dim=-1))
         for layer in self.layers:
@@ -144,8 +153,15 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    def __init__(self, cfg, target_hidden: int, draft_vocab: int, vocab: int, own_embed: bool,
-                 max_positions: int) -> None:
+    def __init__(
+        self,
+        cfg,
+        target_hidden: int,
+        draft_vocab: int,
+        vocab: int,
+        own_embed: bool,
+        max_positions: int,
+    ) -> None:
         super().__init__()
         H = cfg.hidden_size
         self.rope = RotaryEmbedding(cfg, _head_dim(cfg), max_positions)
@@ -158,7 +174,9 @@ class Eagle3Draft(nn.Module):
         self.num_layers = 1
         self.kv_shape = (self.midlayer.self_attn.num_kv_heads, self.midlayer.self_attn.head_dim)
 
-    def forward(self, emb, hidden, positions, ctx: ForwardContext, from_target: bool) -> torch.Tensor:
+    def forward(
+        self, emb, hidden, positions, ctx: ForwardContext, from_target: bool
+    ) -> torch.Tensor:
         if from_target:  # [tokens, 3 * target_hidden] -> [tokens, H]
             hidden = self.fc(hidden)
         return self.midlayer(positions, emb, hidden, ctx)
@@ -175,13 +193,22 @@ class _SeqState:
 
 
 class DraftKVCache:
-    def __init__(self, num_layers: int, nkv: int, head_dim: int, block_size: int, num_blocks: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        nkv: int,
+        head_dim: int,
+        block_size: int,
+        num_blocks: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv = torch.zeros(num_layers, 2, num_blocks, block_size, nkv, head_dim, dtype=dtype,
-                              device=device)
+        self.kv = torch.zeros(
+            num_layers, 2, num_blocks, block_size, nkv, head_dim, dtype=dtype, device=device
+        )
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]
         self.free: deque[int] = deque(range(num_blocks))
 
@@ -258,15 +285,21 @@ class _EagleBase:
         self._load()
         self.draft.eval()
         nkv, hd = self.draft.kv_shape
-        self.cache = DraftKVCache(self.draft.num_layers, nkv, hd, ctx.block_size,
-                                  self._num_blocks(nkv, hd), ctx.device, ctx.dtype)
+        self.cache = DraftKVCache(
+            self.draft.num_layers,
+            nkv,
+            hd,
+            ctx.block_size,
+            self._num_blocks(nkv, hd),
+            ctx.device,
+            ctx.dtype,
+        )
         self.states: dict[int, _SeqState] = {}
         self.generator = torch.Generator().manual_seed(ctx.seed + 15485863)
 
     # ----------------------------------------------------------------- set-up
     def _hf_config(self):
         import transformers
-
         from speculant.models.loader import load_config
 
         try:
@@ -276,7 +309,9 @@ class _EagleBase:
             try:
                 cfg = transformers.LlamaConfig(**d)
             except Exception as e:
-                raise StrategyError(f"{self.cfg_file}: cannot be read as a Llama config ({e})") from None
+                raise StrategyError(
+                    f"{self.cfg_file}: cannot be read as a Llama config ({e})"
+                ) from None
         for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
             if not getattr(cfg, key, None):
                 raise StrategyError(f"{self.cfg_file}: missing {key}")
@@ -284,14 +319,21 @@ class _EagleBase:
             raise StrategyError(
                 f"{self.cfg_file}: vocab_size={getattr(cfg, 'vocab_size', None)} but the target model's "
                 f"vocabulary has {self.ctx.vocab_size} tokens; this EAGLE head was trained for a "
-                "different target"
+                "different target model. Use the EAGLE checkpoint trained for this target"
             )
         return cfg
 
     def _num_blocks(self, nkv: int, hd: int) -> int:
         ctx = self.ctx
         bs = ctx.block_size
-        per_block = 2 * self.draft.num_layers * bs * nkv * hd * torch.empty(0, dtype=ctx.dtype).element_size()
+        per_block = (
+            2
+            * self.draft.num_layers
+            * bs
+            * nkv
+            * hd
+            * torch.empty(0, dtype=ctx.dtype).element_size()
+        )
         per_seq = -(-(ctx.max_model_len + self.num_speculative_tokens + 1) // bs)
         want = ctx.max_num_seqs * per_seq
         budget = ctx.kv_cache_memory
@@ -304,7 +346,11 @@ class _EagleBase:
 
     def _source(self) -> str:
         files = checkpoint_files(self.folder)
-        return str(files[0]) if len(files) == 1 else f"{self.folder} ({', '.join(f.name for f in files)})"
+        return (
+            str(files[0])
+            if len(files) == 1
+            else f"{self.folder} ({', '.join(f.name for f in files)})"
+        )
 
     def _load_into(self, loader: WeightLoader, name: str, tensor: torch.Tensor) -> None:
         try:
@@ -316,7 +362,9 @@ class _EagleBase:
         try:
             loader.finish()
         except WeightLoadError as e:
-            raise StrategyError(f"{e} (EAGLE-{self.version} key names: see docs/strategies/eagle.md)") from None
+            raise StrategyError(
+                f"{e} (EAGLE-{self.version} key names: see docs/strategies/eagle.md)"
+            ) from None
 
     def _materialize(self, module: nn.Module, max_pos: int) -> nn.Module:
         module = module.to_empty(device=self.ctx.device).to(self.ctx.dtype)
@@ -374,12 +422,19 @@ class _EagleBase:
 
         # 1) the verified positions, with the target's features
         ids, pos, rows = [], [], []
-        for i, st, r, c, start, n, _k in plan:
+        for i, _st, r, c, start, n, _k in plan:
             ids.extend(batch.seqs[i].token_ids[start + 1 : n])
             pos.extend(range(start, n - 1))
             rows.append(torch.arange(r, r + c))
-        out = self._run(ids, feats[torch.cat(rows).to(dev)], pos, [p[3] for p in plan],
-                        [p[5] - 1 - p[1].offset for p in plan], [p[1].table for p in plan], True)
+        out = self._run(
+            ids,
+            feats[torch.cat(rows).to(dev)],
+            pos,
+            [p[3] for p in plan],
+            [p[5] - 1 - p[1].offset for p in plan],
+            [p[1].table for p in plan],
+            True,
+        )
         for _i, st, _r, _c, _s, n, _k in plan:
             st.valid = n - 1
         last = torch.tensor([p[3] for p in plan]).cumsum(0) - 1
@@ -401,14 +456,28 @@ class _EagleBase:
             active = [active[m] for m in keep]
             x = x[torch.tensor(keep, device=x.device)]
             positions = [plan[a][5] - 1 + j for a in active]
-            x = self._run([toks[m] for m in keep], x, positions, [1] * len(active),
-                          [p - plan[a][1].offset + 1 for p, a in zip(positions, active)],
-                          [plan[a][1].table for a in active], False)
+            x = self._run(
+                [toks[m] for m in keep],
+                x,
+                positions,
+                [1] * len(active),
+                [p - plan[a][1].offset + 1 for p, a in zip(positions, active)],
+                [plan[a][1].table for a in active],
+                False,
+            )
         probs = stack_probs(steps, step_rows, B, self.ctx.vocab_size, dev)
         return Proposal(token_ids=drafts, probs=probs)
 
-    def _run(self, ids: list[int], hidden: torch.Tensor, positions: list[int], query_lens: list[int],
-             context_lens: list[int], tables: list[list[int]], from_target: bool) -> torch.Tensor:
+    def _run(
+        self,
+        ids: list[int],
+        hidden: torch.Tensor,
+        positions: list[int],
+        query_lens: list[int],
+        context_lens: list[int],
+        tables: list[list[int]],
+        from_target: bool,
+    ) -> torch.Tensor:
         dev = self.ctx.device
         meta = AttentionMetadata.build(query_lens, context_lens, tables, self.cache.block_size, dev)
         fctx = ForwardContext(meta=meta, kv_caches=self.cache.kv_caches)
@@ -430,7 +499,9 @@ class EagleStrategy(_EagleBase):
         if cfg.hidden_size != self.H_target:
             raise StrategyError(
                 f"{self.cfg_file}: hidden_size={cfg.hidden_size} but the target model's hidden size is "
-                f"{self.H_target}; this EAGLE head was trained for a different target"
+                f"{self.H_target}; this EAGLE head was trained for a different target model. Use "
+                f"the EAGLE checkpoint trained for this target (its config.json has hidden_size="
+                f"{self.H_target})"
             )
         if "bias" in self.raw_cfg:
             fc_bias = bool(self.raw_cfg["bias"])
@@ -450,8 +521,10 @@ class EagleStrategy(_EagleBase):
                 continue
             if key == "embed_tokens.weight":  # a frozen copy of the target's; the target's is used
                 if tuple(tensor.shape) != (V, H):
-                    raise StrategyError(f"{file}: embed_tokens.weight has shape {tuple(tensor.shape)}, "
-                                        f"expected the target's ({V}, {H})")
+                    raise StrategyError(
+                        f"{file}: embed_tokens.weight has shape {tuple(tensor.shape)}, "
+                        f"expected the target's ({V}, {H})"
+                    )
                 continue
             self._load_into(loader, key, tensor)
         self._finish(loader)
@@ -476,7 +549,9 @@ class Eagle3Strategy(_EagleBase):
             key = "target_hidden_size" if raw.get("target_hidden_size") else "hidden_size"
             raise StrategyError(
                 f"{self.cfg_file}: {key}={t_hidden} but the target model's hidden size is "
-                f"{self.H_target}; this EAGLE-3 head was trained for a different target"
+                f"{self.H_target}; this EAGLE-3 head was trained for a different target model. Use "
+                f"the EAGLE-3 checkpoint trained for this target (its config.json has {key}="
+                f"{self.H_target})"
             )
         own_embed = "embed_tokens.weight" in self.keys
         if cfg.hidden_size != self.H_target and not own_embed:
@@ -486,13 +561,22 @@ class Eagle3Strategy(_EagleBase):
             )
         self.draft_vocab = int(raw.get("draft_vocab_size") or cfg.vocab_size)
         if not 0 < self.draft_vocab <= self.ctx.vocab_size:
-            raise StrategyError(f"{self.cfg_file}: draft_vocab_size={self.draft_vocab} must be in "
-                                f"[1, {self.ctx.vocab_size}]")
-        L = int(getattr(self.ctx.target_model, "num_layers", 0) or self.ctx.target_config.num_hidden_layers)
+            raise StrategyError(
+                f"{self.cfg_file}: draft_vocab_size={self.draft_vocab} must be in "
+                f"[1, {self.ctx.vocab_size}]"
+            )
+        L = int(
+            getattr(self.ctx.target_model, "num_layers", 0)
+            or self.ctx.target_config.num_hidden_layers
+        )
         layers = self._want_aux
         if layers is None:
             eagle_cfg = raw.get("eagle_config") or {}
-            layers = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_cfg, dict) else None
+            layers = (
+                eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
+                if isinstance(eagle_cfg, dict)
+                else None
+            )
         if layers is None:
             layers = (2, L // 2, L - 3)
         layers = tuple(sorted({int(i) for i in layers}))
@@ -503,7 +587,9 @@ class Eagle3Strategy(_EagleBase):
             )
         self.aux_hidden_layers = layers
         with torch.device("meta"):
-            draft = Eagle3Draft(cfg, t_hidden, self.draft_vocab, self.ctx.vocab_size, own_embed, max_pos)
+            draft = Eagle3Draft(
+                cfg, t_hidden, self.draft_vocab, self.ctx.vocab_size, own_embed, max_pos
+            )
         return self._materialize(draft, max_pos)
 
     def _load(self) -> None:
@@ -526,18 +612,24 @@ class Eagle3Strategy(_EagleBase):
         Vd, V = self.draft_vocab, self.ctx.vocab_size
         if d2t is None:
             if Vd != V:
-                raise StrategyError(f"{self.folder}: no d2t tensor, but draft_vocab_size={Vd} differs "
-                                    f"from vocab_size={V} so the draft->target id map is needed")
+                raise StrategyError(
+                    f"{self.folder}: no d2t tensor, but draft_vocab_size={Vd} differs "
+                    f"from vocab_size={V} so the draft->target id map is needed"
+                )
             offsets = torch.zeros(Vd, dtype=torch.long)
         else:
             file, t = d2t
             if tuple(t.shape) != (Vd,) or t.dtype.is_floating_point:
-                raise StrategyError(f"{file}: d2t has shape {tuple(t.shape)} and dtype {t.dtype}, "
-                                    f"expected integer offsets of shape ({Vd},)")
+                raise StrategyError(
+                    f"{file}: d2t has shape {tuple(t.shape)} and dtype {t.dtype}, "
+                    f"expected integer offsets of shape ({Vd},)"
+                )
             offsets = t.long()
             ids = torch.arange(Vd) + offsets
             if int(ids.min()) < 0 or int(ids.max()) >= V:
-                raise StrategyError(f"{file}: d2t maps draft ids outside the target vocabulary [0, {V})")
+                raise StrategyError(
+                    f"{file}: d2t maps draft ids outside the target vocabulary [0, {V})"
+                )
         if t2d is not None and tuple(t2d[1].shape) != (V,):
             raise StrategyError(f"{t2d[0]}: t2d has shape {tuple(t2d[1].shape)}, expected ({V},)")
         self.draft.d2t = offsets.to(self.ctx.device)
