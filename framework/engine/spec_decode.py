@@ -7,8 +7,8 @@ import logging
 
 import pluggy
 import torch
-
 from speculant import hookspecs
+from speculant.engine.sampler import topn_dict
 from speculant.engine.sequence import Sequence
 from speculant.hookspecs import hookimpl
 from speculant.outputs import SpecMetrics
@@ -124,7 +124,6 @@ class SpecDecoder:
 
     # ----------------------------------------------------------------- the step
     def step(self, seqs: list[Sequence]) -> None:
-        eng = self.engine
         for s in seqs:
             self.seq_by_id[s.seq_id] = s
         if len(seqs) != self.last_batch_size:
@@ -227,8 +226,6 @@ class SpecDecoder:
                 lp = lp_all[row + j]
                 top = None
                 if s.params.logprobs is not None:
-                    from speculant.engine.sampler import topn_dict
-
                     top = topn_dict(lp, t, s.params.logprobs, eng.tokenizer)
                 m.num_emitted_tokens += 1
                 step_total.num_emitted_tokens += 1
