@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
+from starlette.datastructures import Headers
 
 from speculant.outputs import RequestOutput
 from speculant.server.async_engine import (
@@ -81,18 +82,7 @@ class OpenAIServer:
         async def _api_error(request: Request, exc: APIError):
             return _error(exc)
 
-        @app.middleware("http")
-        async def _count(request: Request, call_next):
-            path = request.url.path
-            if path.startswith("/v1/") and self.api_key is not None and not self._authorized(request):
-                resp = _error(APIError(401, "missing or incorrect API key; send "
-                                       "'Authorization: Bearer <key>'", code="invalid_api_key"))
-            else:
-                resp = await call_next(request)
-            known = path in ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health",
-                             "/metrics")
-            self.metrics.http_requests.labels(path if known else "other", str(resp.status_code)).inc()
-            return resp
+        app.add_middleware(_AuthAndCount, server=self)
 
         @app.get("/health")
         async def health():
@@ -125,8 +115,8 @@ class OpenAIServer:
 
         return app
 
-    def _authorized(self, request: Request) -> bool:
-        auth = request.headers.get("authorization", "")
+    def _authorized(self, headers: Headers) -> bool:
+        auth = headers.get("authorization", "")
         scheme, _, key = auth.partition(" ")
         return scheme.lower() == "bearer" and secrets.compare_digest(key.strip().encode(),
                                                                       self.api_key.encode())
@@ -386,6 +376,46 @@ class OpenAIServer:
                 yield _sse(chunk([], self._usage(handle.outputs)))
 
         return self._stream_response(handle, request, "/v1/chat/completions", _guard(gen()))
+
+
+_ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+
+
+class _AuthAndCount:
+    """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from handlers):
+    the API key check on /v1/*, and request counts by endpoint and status."""
+
+    def __init__(self, app, server: OpenAIServer) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in _ENDPOINTS else "other"
+        started = []
+        count = self.server.metrics.http_requests
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start" and not started:
+                started.append(True)
+                count.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        srv = self.server
+        try:
+            if (path.startswith("/v1/") and srv.api_key is not None
+                    and not srv._authorized(Headers(scope=scope))):
+                resp = _error(APIError(401, "missing or incorrect API key; send "
+                                       "'Authorization: Bearer <key>'", code="invalid_api_key"))
+                await resp(scope, receive, counting_send)
+            else:
+                await self.app(scope, receive, counting_send)
+        finally:
+            if not started:  # failed before answering
+                count.labels(endpoint, "500").inc()
 
 
 async def _guard(chunks: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -283,9 +283,9 @@ class AsyncEngine:
             if tr.handle.stream:
                 for comp in out.outputs:
                     self._stream_delta(tr, out, comp)
-            self._emit(tr.handle, Finished(tr.sub, out))
             if self.metrics is not None:
                 self.metrics.request_finished(out)
+            self._emit(tr.handle, Finished(tr.sub, out))
         for rid, tr in self._tracks.items():
             if not tr.handle.stream:
                 continue

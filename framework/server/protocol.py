@@ -174,13 +174,16 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     if err.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {err.get('msg', '')}")
-    param = ".".join(loc) if loc else None
+    if not loc:
+        return APIError(400, "the request body must be a JSON object (send Content-Type: "
+                        f"application/json): {err.get('msg', '')}")
+    param = ".".join(loc)
     msg = err.get("msg", "invalid request")
     if err.get("type") == "extra_forbidden":
         msg = "unknown field"
     elif err.get("type") == "missing":
         msg = "field required"
-    return APIError(400, f"{param}: {msg}" if param else msg, param)
+    return APIError(400, f"{param}: {msg}", param)
 
 
 # ----------------------------------------------------------------- logprobs formats
