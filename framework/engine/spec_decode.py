@@ -137,8 +137,13 @@ class SpecDecoder:
                     self.total.num_times_disabled += 1
                 logger.info("speculation %s at batch size %d", "on" if self.enabled else "off", len(seqs))
             self.last_batch_size = len(seqs)
+        if not self.enabled:
+            # build no batch: it would hand the pending target hidden states to no proposer
+            # (and drop them); kept, they let the proposer catch up when speculation returns
+            self._plain_step(seqs)
+            return
         batch = self._batch(seqs)
-        proposal = self._propose(batch) if self.enabled else None
+        proposal = self._propose(batch)
         if proposal is None or not any(proposal.token_ids):
             self._plain_step(seqs)
             return
@@ -146,9 +151,19 @@ class SpecDecoder:
         result = self.pm.hook.verify(batch=batch, proposal=proposal, scores=scores)
         self._apply(seqs, proposal, scores, result)
 
+    def _room(self, s: Sequence) -> int:
+        """Draft tokens ``s`` may get this step. Scoring writes K/V at positions len(s) - 1 ..
+        len(s) - 1 + k, so it needs len(s) + k cache slots; the scheduler reserved k extra slots
+        only if speculation was on at the previous step (``max_lookahead``). On the step that
+        turns it back on, reserve them now if blocks are free, else draft fewer tokens."""
+        bm = self.engine.block_manager
+        want = min(self.k, self.engine.max_model_len - len(s) - 1)
+        if want > 0 and bm.can_reserve(s, len(s) + want):
+            bm.reserve(s, len(s) + want)
+        return max(0, min(want, len(s.block_table) * bm.block_size - len(s)))
+
     def _batch(self, seqs: list[Sequence]) -> SpecBatch:
-        room = [min(self.k, eng_room) for eng_room in
-                (self.engine.max_model_len - len(s) - 1 for s in seqs)]
+        room = [self._room(s) for s in seqs]
         sp = [SpecSequence(s.seq_id, s.token_ids, s.num_prompt_tokens, max(0, r), s.params, s.generator)
               for s, r in zip(seqs, room)]
         batch = SpecBatch(seqs=sp)
