@@ -50,19 +50,19 @@ except ImportError:  # running from a checkout: the folder kernels/ is speculant
         sys.modules["speculant"] = _pkg
     _pkg.__path__.append(str(repo))
 
-import triton
-import triton.testing
-
-pa_mod = importlib.import_module("speculant.kernels.paged_attention")  # the module, not the fn
-from speculant.kernels.kv_cache import store_kv, store_kv_ref
-from speculant.kernels.paged_attention import paged_attention, paged_attention_ref
-from speculant.kernels.rejection_sampling import (
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+from speculant.kernels.kv_cache import store_kv, store_kv_ref  # noqa: E402
+from speculant.kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+from speculant.kernels.rejection_sampling import (  # noqa: E402
     rejection_sample,
     rejection_sample_ref,
     sample_from_probs,
     sample_from_probs_ref,
 )
-from speculant.kernels.sampling import sampling_probs, sampling_probs_ref
+from speculant.kernels.sampling import sampling_probs, sampling_probs_ref  # noqa: E402
+
+pa_mod = importlib.import_module("speculant.kernels.paged_attention")  # module, not the fn
 
 DEV = torch.device("cuda")
 RESULTS: dict = {"errors": []}
@@ -102,6 +102,16 @@ def bench_graph(fn, rep=100) -> float:
     return bench(g.replay, rep=rep)
 
 
+OUT_PATH: Path | None = None
+
+
+def save() -> None:
+    """Write RESULTS so far (after every section: a run cut off keeps what it measured)."""
+    if OUT_PATH is not None:
+        OUT_PATH.parent.mkdir(parents=True, exist_ok=True)
+        OUT_PATH.write_text(json.dumps(RESULTS, indent=1))
+
+
 def section(name):
     def deco(f):
         def run(*a, **kw):
@@ -117,6 +127,7 @@ def section(name):
                     torch.cuda.synchronize()
             finally:
                 log(f"   ({time.time() - t0:.1f}s)")
+                save()
 
         return run
 
@@ -133,7 +144,11 @@ def hbm_bandwidth():
     gbps = 2 * n / (ms * 1e-3) / 1e9
     RESULTS["hbm_copy"] = {"bytes_each_way": n, "ms": ms, "GBps": gbps}
     log(f"   copy 1 GiB: {ms:.3f} ms -> {gbps:.0f} GB/s (read + write)")
-    del src, dst
+    # read-only stream for context (attention mostly reads): sum of 2 GiB of bf16
+    x = torch.randn(n, dtype=torch.bfloat16, device=DEV)
+    ms_r = bench(lambda: x.sum(dtype=torch.float32), rep=200)
+    RESULTS["hbm_read"] = {"bytes": 2 * n, "ms": ms_r, "GBps": 2 * n / (ms_r * 1e-3) / 1e9}
+    log(f"   read 2 GiB (sum): {ms_r:.3f} ms -> {RESULTS['hbm_read']['GBps']:.0f} GB/s")
     return gbps
 
 
@@ -257,7 +272,8 @@ def attention_bench(hbm_gbps, contexts, batches, q_lens, with_sdpa=True):
                 out = torch.empty_like(q)
                 scale = 128**-0.5
 
-                def fn(q=q, kc=kc, vc=vc, bt=bt, cl=cl, qsl=qsl, out=out, q_len=q_len):
+                def fn(q=q, kc=kc, vc=vc, bt=bt, cl=cl, qsl=qsl, out=out, q_len=q_len,
+                       scale=scale):
                     paged_attention(q, kc, vc, bt, cl, qsl, scale, max_query_len=q_len, out=out)
 
                 fn()
@@ -273,6 +289,8 @@ def attention_bench(hbm_gbps, contexts, batches, q_lens, with_sdpa=True):
                     "ctx": ctx, "batch": batch, "q_len": q_len,
                     "kv_bytes": nbytes,
                     "num_splits": cfg["num_splits"], "block_q": cfg["block_q"],
+                    "block_n": cfg["block_n"], "num_warps": cfg["num_warps"],
+                    "num_stages": cfg["num_stages"], "prefetch": cfg["prefetch"],
                     "ms_eager": t_eager, "ms_graph": t_graph,
                     "GBps_graph": nbytes / (t_graph * 1e-3) / 1e9,
                     "pct_hbm_graph": 100 * nbytes / (t_graph * 1e-3) / 1e9 / hbm_gbps,
@@ -330,14 +348,15 @@ def sdpa_bench(q, kc, vc, bt, batch, ctx, q_len, scale, out, hbm_gbps):
         "sdpa_pct_hbm": 100 * nbytes / (t * 1e-3) / 1e9 / hbm_gbps,
         "rel_err_vs_sdpa": rel_err(out, ref),
     }
-    del kd, vd
     return res
 
 
 @section("decode attention launch sweep")
 def attention_sweep(hbm_gbps):
     rows = []
-    cases = [(1, 32768, 1), (8, 16384, 1), (64, 32768, 1), (1, 32768, 6), (32, 8192, 6)]
+    cases = [(1, 8192, 1), (1, 32768, 1), (4, 16384, 1), (8, 8192, 1), (64, 32768, 1),
+             (1, 8192, 6), (1, 32768, 6), (8, 8192, 6), (8, 32768, 6), (32, 8192, 6),
+             (64, 16384, 6)]
     if SMOKE:
         cases = [(1, 300, 1), (2, 100, 6)]
     for batch, ctx, q_len in cases:
@@ -348,21 +367,22 @@ def attention_sweep(hbm_gbps):
         variants = []
         for bn in (64, 128):
             for nw in (4, 8):
-                for ns in (2, 3, 4):
-                    variants.append({"block_n": bn, "num_warps": nw, "num_stages": ns})
-        variants += [{"block_n": 32, "num_warps": 4, "num_stages": 3},
-                     {"block_n": 64, "num_warps": 2, "num_stages": 3}]
+                for ns in (2, 3):
+                    for pf in (False, True):
+                        variants.append({"block_n": bn, "num_warps": nw, "num_stages": ns,
+                                         "prefetch": pf})
         if SMOKE:
             variants = variants[:2]
-        for splits in (1, 8, 16, 32, 64, 128):
-            variants.append({"num_splits": splits})
+        for splits in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96):
+            for pf in (False, True):
+                variants.append({"num_splits": splits, "prefetch": pf})
         for ov in variants:
-            def fn(ov=ov):
+            def fn(ov=ov, q=q, kc=kc, vc=vc, bt=bt, cl=cl, qsl=qsl, q_len=q_len, out=out):
                 pa_mod._paged_attention_triton(q, kc, vc, bt, cl, qsl, 128**-0.5, q_len, out,
                                                overrides=ov)
             try:
                 fn()
-                t = bench_graph(fn, rep=50)
+                t = bench_graph(fn, rep=30)
             except Exception as e:  # noqa: BLE001
                 rows.append({"batch": batch, "ctx": ctx, "q_len": q_len, **ov,
                              "error": repr(e)[:200]})
@@ -482,11 +502,10 @@ def store_kv_bench(hbm_gbps):
         kc = torch.randn(nb, 16, 8, 128, device=DEV, dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
         slots = torch.randperm(nb * 16, device=DEV)[:n]
-        t = bench_graph(lambda: store_kv(k, v, kc, vc, slots))
+        t = bench_graph(lambda k=k, v=v, kc=kc, vc=vc, slots=slots: store_kv(k, v, kc, vc, slots))
         nbytes = 2 * 2 * k.numel() * 2
         rows.append({"tokens": n, "ms_graph": t, "GBps": nbytes / (t * 1e-3) / 1e9})
         log(f"   tokens={n:5d} graph {t * 1e3:7.1f} us  {rows[-1]['GBps']:.0f} GB/s")
-        del kc, vc
     RESULTS["store_kv"] = rows
 
 
@@ -544,11 +563,11 @@ def main():
             "python": platform.python_version(), "sms": props.multi_processor_count,
             "mem_GB": props.total_memory / 1e9,
         }
+    global OUT_PATH
+    OUT_PATH = Path(args.out)
     t0 = time.time()
     hbm = hbm_bandwidth() or float("nan")
     checks()
-    if args.sweep:
-        attention_sweep(hbm)
     contexts = (8192, 16384, 32768)
     batches = (1, 8, 32, 64)
     if args.quick:
@@ -559,6 +578,8 @@ def main():
     rejection_bench()
     sampling_bench()
     store_kv_bench(hbm)
+    if args.sweep:
+        attention_sweep(hbm)
     RESULTS["wall_s"] = time.time() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(RESULTS, indent=1))

@@ -36,6 +36,7 @@ __all__ = [
     "lazy_jit",
     "interpret_mode",
     "use_triton",
+    "triton_enabled",
     "num_sms",
     "next_pow2",
     "cdiv",
@@ -75,6 +76,13 @@ def lazy_jit(fn: Callable[..., Any]) -> LazyJit:
     return LazyJit(fn)
 
 
+def triton_enabled() -> bool:
+    """False when ``SPECULANT_DISABLE_TRITON=1`` (read at every call): CUDA tensors then take the
+    torch paths too (A/B comparisons, debugging). ``force_triton=True`` ignores it."""
+    off = os.environ.get("SPECULANT_DISABLE_TRITON", "0").lower() in ("1", "true", "yes", "on")
+    return HAS_TRITON and not off
+
+
 def use_triton(tensors: Sequence[torch.Tensor | None], force_triton: bool) -> bool:
     """Decide between the Triton kernel and the torch path.
 
@@ -93,10 +101,10 @@ def use_triton(tensors: Sequence[torch.Tensor | None], force_triton: bool) -> bo
         raise RuntimeError(
             "force_triton=True needs CUDA tensors or TRITON_INTERPRET=1 (Triton CPU interpreter)"
         )
-    return HAS_TRITON and all_cuda
+    return all_cuda and triton_enabled()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms_cuda(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

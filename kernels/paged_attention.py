@@ -47,6 +47,10 @@ __all__ = ["paged_attention", "paged_attention_ref", "choose_launch_config"]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
+# split-K target (programs per multiprocessor) and the K/V prefetch default; see
+# choose_launch_config and docs/kernels.md for the measurements behind them
+_PROGRAMS_PER_SM = 4
+_PREFETCH_DEFAULT = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,6 +138,7 @@ if tl is not None:
         SPLIT: tl.constexpr,  # num_splits > 1
         IEEE_DOT: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
         UPCAST_DOT: tl.constexpr,  # interpreter + bf16: numpy has no bf16 dot, upcast operands
+        PREFETCH: tl.constexpr,  # load chunk i+1 while computing chunk i
     ):
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -193,22 +198,69 @@ if tl is not None:
             k_head = k_cache_ptr + kvh.to(tl.int64) * stride_kh
             v_head = v_cache_ptr + kvh.to(tl.int64) * stride_vh
 
-            for start in range(kv_lo, kv_hi, BLOCK_N):
-                offs_n = start + tl.arange(0, BLOCK_N)
+            # K/V tiles of the current chunk. PREFETCH: the next chunk's tiles are loaded before
+            # the current one is used (register double buffering: two chunks of loads in flight
+            # per program, which is what small batches at long context need); otherwise K and V
+            # of the chunk are both issued at the top of the iteration.
+            if PREFETCH:
+                offs_n = kv_lo + tl.arange(0, BLOCK_N)
                 n_valid = offs_n < kv_hi
                 phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
                 within = offs_n % BLOCK_SIZE
-                k_rows = phys * stride_kb + within * stride_ks  # [BLOCK_N]
-                v_rows = phys * stride_vb + within * stride_vs
                 k = tl.load(
-                    k_head + k_rows[:, None] + d[None, :], mask=n_valid[:, None], other=0.0
+                    k_head + (phys * stride_kb + within * stride_ks)[:, None] + d[None, :],
+                    mask=n_valid[:, None],
+                    other=0.0,
                 )  # [BLOCK_N, HEAD_DIM]
-                if UPCAST_DOT:
-                    k = k.to(tl.float32)
-                if IEEE_DOT:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                v = tl.load(
+                    v_head + (phys * stride_vb + within * stride_vs)[:, None] + d[None, :],
+                    mask=n_valid[:, None],
+                    other=0.0,
+                )  # [BLOCK_N, HEAD_DIM]
+            for start in range(kv_lo, kv_hi, BLOCK_N):
+                offs_n = start + tl.arange(0, BLOCK_N)
+                n_valid = offs_n < kv_hi
+                if PREFETCH:
+                    offs_nx = offs_n + BLOCK_N
+                    nx_valid = offs_nx < kv_hi
+                    phys_x = tl.load(
+                        bt_row + offs_nx // BLOCK_SIZE, mask=nx_valid, other=0
+                    ).to(tl.int64)
+                    within_x = offs_nx % BLOCK_SIZE
+                    k_next = tl.load(
+                        k_head + (phys_x * stride_kb + within_x * stride_ks)[:, None] + d[None, :],
+                        mask=nx_valid[:, None],
+                        other=0.0,
+                    )  # [BLOCK_N, HEAD_DIM]
+                    v_next = tl.load(
+                        v_head + (phys_x * stride_vb + within_x * stride_vs)[:, None] + d[None, :],
+                        mask=nx_valid[:, None],
+                        other=0.0,
+                    )  # [BLOCK_N, HEAD_DIM]
                 else:
-                    s = tl.dot(q, tl.trans(k))
+                    phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(
+                        tl.int64
+                    )
+                    within = offs_n % BLOCK_SIZE
+                    k = tl.load(
+                        k_head + (phys * stride_kb + within * stride_ks)[:, None] + d[None, :],
+                        mask=n_valid[:, None],
+                        other=0.0,
+                    )  # [BLOCK_N, HEAD_DIM]
+                    v = tl.load(
+                        v_head + (phys * stride_vb + within * stride_vs)[:, None] + d[None, :],
+                        mask=n_valid[:, None],
+                        other=0.0,
+                    )  # [BLOCK_N, HEAD_DIM]
+                kt = k
+                vt = v
+                if UPCAST_DOT:
+                    kt = kt.to(tl.float32)
+                    vt = vt.to(tl.float32)
+                if IEEE_DOT:
+                    s = tl.dot(q, tl.trans(kt), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(kt))
                 s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
                 allowed = n_valid[None, :] & (offs_n[None, :] <= pos[:, None])
                 s = tl.where(allowed, s, float("-inf"))
@@ -217,19 +269,17 @@ if tl is not None:
                 alpha = tl.exp2(m_i - m_safe)
                 p = tl.exp2(s - m_safe[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(
-                    v_head + v_rows[:, None] + d[None, :], mask=n_valid[:, None], other=0.0
-                )  # [BLOCK_N, HEAD_DIM]
-                if UPCAST_DOT:
-                    v = v.to(tl.float32)
                 if IEEE_DOT:
-                    pv = tl.dot(p, v, input_precision="ieee")
+                    pv = tl.dot(p, vt, input_precision="ieee")
                 elif UPCAST_DOT:
-                    pv = tl.dot(p.to(tl.bfloat16).to(tl.float32), v)
+                    pv = tl.dot(p.to(tl.bfloat16).to(tl.float32), vt)
                 else:
-                    pv = tl.dot(p.to(v.dtype), v)
+                    pv = tl.dot(p.to(vt.dtype), vt)
                 acc = acc * alpha[:, None] + pv
                 m_i = m_new
+                if PREFETCH:
+                    k = k_next
+                    v = v_next
 
             has_keys = l_i > 0.0
             o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -302,6 +352,7 @@ def choose_launch_config(
     dtype: torch.dtype,
     sm_count: int,
     num_splits: int | None = None,
+    prefetch: bool | None = None,
 ) -> dict:
     """Pick tile sizes and the number of KV splits from shapes only (no device reads)."""
     group = num_heads // num_kv_heads
@@ -310,28 +361,30 @@ def choose_launch_config(
     while block_q < max_query_len and 2 * block_q * group <= max_rows:
         block_q *= 2
     block_m = max(16, next_pow2(block_q * group))
+    half = dtype != torch.float32
+    # Measured on an H100 (bench/bench_kernels.py --sweep, Llama-3-8B heads, bf16): decode tiles
+    # prefer 64-token chunks and 2 stages; multi-token (verification / prefill) tiles 128-token
+    # chunks, 4 warps, 3 stages (-20% time at batch 32, 8k context, q_len 6 against 64 tokens).
+    wide = block_q > 1 and half and block_m <= 64  # 128-row tiles: keep shared memory in bounds
     if head_dim <= 64:
-        block_n = 64
+        block_n = 128 if wide else 64
     elif head_dim <= 128:
-        block_n = 64 if dtype != torch.float32 else 32
+        block_n = (128 if wide else 64) if half else 32
     else:
         block_n = 32
-    if block_m >= 128:
-        num_warps = 8
-    elif block_m >= 64 or head_dim >= 256:
-        num_warps = 4
-    else:
-        num_warps = 4
-    num_stages = 3 if (dtype != torch.float32 and head_dim <= 128) else 2
+    num_warps = 8 if block_m >= 128 else 4
+    num_stages = (3 if block_q > 1 else 2) if (half and head_dim <= 128) else 2
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+    # tiles that can hold query tokens (the rest exit at once): exact for uniform q_len
+    real_tiles = min(num_tiles, num_seqs * max(1, cdiv(max_query_len, block_q)))
     if num_splits is None:
-        programs = max(1, num_tiles * num_kv_heads)
-        # enough programs for ~4 per SM, at least 256 cached tokens per split, at most 64
-        want = cdiv(4 * sm_count, programs)
+        programs = max(1, real_tiles * num_kv_heads)
+        # enough programs for ~_PROGRAMS_PER_SM per SM, >= 256 cached tokens per split, <= 64
+        want = cdiv(_PROGRAMS_PER_SM * sm_count, programs)
         cap = max(1, min(64, cdiv(max_context, 256)))
         num_splits = max(1, min(want, cap))
-        num_splits = next_pow2(num_splits) if num_splits > 1 else 1
-        num_splits = min(num_splits, 64)
+    if prefetch is None:
+        prefetch = _PREFETCH_DEFAULT
     return dict(
         block_q=block_q,
         block_m=block_m,
@@ -340,6 +393,7 @@ def choose_launch_config(
         num_stages=num_stages,
         num_tiles=num_tiles,
         num_splits=int(num_splits),
+        prefetch=bool(prefetch),
     )
 
 
@@ -478,6 +532,7 @@ def _paged_attention_triton(
         SPLIT=split,
         IEEE_DOT=q.dtype == torch.float32,
         UPCAST_DOT=interpret_mode() and q.dtype == torch.bfloat16,
+        PREFETCH=bool(cfg["prefetch"]),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -113,7 +113,6 @@ def rejection_sample_ref(
     dev = target_probs.device
     B = num_draft_tokens.shape[0]
     T = draft_token_ids.shape[0]
-    V = target_probs.shape[1]
     max_k = _resolve_max_k(num_draft_tokens, max_num_draft_tokens)
     nd = num_draft_tokens.to(device=dev, dtype=torch.int64)
     if B > 0 and int(nd.max()) > max_k:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-
+from speculant.kernels._triton_utils import triton_enabled
 
 
 @dataclass
@@ -117,7 +117,7 @@ def attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Write this step's K/V into the cache, then attend causally over the whole context."""
-    if q.is_cuda:
+    if q.is_cuda and triton_enabled():
         from speculant.kernels.kv_cache import store_kv
         from speculant.kernels.paged_attention import paged_attention
 

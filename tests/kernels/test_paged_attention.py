@@ -1,11 +1,11 @@
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from speculant.kernels.paged_attention import paged_attention, paged_attention_ref
 
 # ||out - ref|| / ||ref|| bounds: ref is fp32 math on the same (rounded) inputs
@@ -153,7 +153,7 @@ def test_high_block_ids_and_int64_offsets(device):
         cache = torch.empty((nb, bs, Hkv, D), dtype=torch.float16, device=device)
     except (RuntimeError, MemoryError):
         pytest.skip("cannot reserve a >4 GiB cache here")
-    q_lens, ctx = [1, 2], [40, 21]
+    ctx = [40, 21]  # query lengths 1 and 2
     ids = torch.arange(nb - 6, nb)
     bt = torch.stack([ids[:3], ids[3:]]).to(torch.int32)
     for b in ids.tolist():
@@ -211,3 +211,49 @@ def test_validation_errors(device):
         call(q=torch.randn(3, 4, h, dtype=torch.float16, device=device),
              k_cache=torch.randn(4, 16, 2, h, dtype=torch.float16, device=device),
              v_cache=torch.randn(4, 16, 2, h, dtype=torch.float16, device=device))
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 12, 64])
+def test_kernel_odd_block_sizes(device, block_size):
+    """Block sizes that are not 16 (any positive int, powers of two or not)."""
+    q, kc, vc, bt, cl, qsl = make_batch(q_lens=[1, 4, 0, 9], ctx_lens=[70, 33, 5, 9], num_heads=6,
+                                        num_kv_heads=2, head_dim=32, block_size=block_size,
+                                        dtype=torch.float16)
+    ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, 0.2)
+    out = paged_attention(*to(device, q, kc, vc, bt, cl, qsl), 0.2, force_triton=True)
+    assert rel_err(out, ref) < REL_TOL[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_llama3_8b_heads_verification(device, dtype):
+    """Llama-3-8B geometry (32 q heads, 8 kv heads, head_dim 128): k+1 = 6 verification rows and
+    decode rows over ragged contexts, with the split-K heuristic left to choose."""
+    q, kc, vc, bt, cl, qsl = make_batch(q_lens=[6, 1, 6, 3], ctx_lens=[517, 200, 6, 64],
+                                        num_heads=32, num_kv_heads=8, head_dim=128,
+                                        block_size=16, dtype=dtype)
+    scale = 128**-0.5
+    ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, scale)
+    out = torch.full_like(q, float("nan")).to(device)
+    paged_attention(*to(device, q, kc, vc, bt, cl, qsl), scale, max_query_len=6, out=out,
+                    force_triton=True)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_kernel_prefetch_and_chunk_sizes(device, prefetch, block_n):
+    """Both K/V loading schemes (next chunk prefetched or not), chunk sizes smaller and larger
+    than the cache block, with and without split-K; includes a split with no keys."""
+    pa = importlib.import_module("speculant.kernels.paged_attention")  # module, not the fn
+    q, kc, vc, bt, cl, qsl = make_batch(q_lens=[1, 6, 3, 1], ctx_lens=[150, 70, 3, 33],
+                                        num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                                        dtype=torch.float16)
+    ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, 0.125)
+    for splits in (1, 5):
+        out = torch.full_like(q, float("nan")).to(device)
+        pa._paged_attention_triton(*to(device, q, kc, vc, bt, cl, qsl), 0.125, 6, out,
+                                   overrides={"prefetch": prefetch, "block_n": block_n,
+                                              "num_splits": splits})
+        assert not torch.isnan(out).any()
+        assert rel_err(out, ref) < REL_TOL[torch.float16]

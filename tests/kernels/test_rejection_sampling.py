@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from speculant.kernels.rejection_sampling import (
     rejection_sample,
     rejection_sample_ref,
@@ -218,3 +217,27 @@ def test_validation_errors(device):
             rejection_sample(*a, force_triton=True)
     with pytest.raises(ValueError, match="uniform"):
         sample_from_probs(args[3], args[6], force_triton=True)
+
+
+def test_large_row_offsets(device):
+    """target_probs rows more than 2**31 elements apart (int64 row addressing): a strided view
+    of a >8 GiB buffer of which only the used rows are touched."""
+    V = 4099
+    step = 2**31 // V + 3  # rows of the view lie `step` rows apart in the buffer
+    try:
+        buf = torch.empty((2 * step + 1, V), dtype=torch.float32, device=device)
+    except (RuntimeError, MemoryError):
+        pytest.skip("cannot reserve an 8 GiB buffer here")
+    tp = buf[::step]  # [3, V], stride(0) = step * V > 2**31
+    assert tp.shape[0] == 3 and tp.stride(0) > 2**31
+    rows = torch.softmax(torch.randn(3, V) * 3, -1)
+    tp.copy_(rows.to(device))
+    x = torch.tensor([int(rows[0].argmax()), 7])
+    for greedy in (True, False):
+        args = (x, torch.tensor([2], dtype=torch.int32), None, rows, torch.tensor([greedy]),
+                torch.tensor([0.5, 0.999]), torch.tensor([0.3]))
+        o1, n1 = rejection_sample(x.to(device), args[1], None, tp, *to(device, args[4:]),
+                                  force_triton=True)
+        o2, n2 = rejection_sample_ref(*args)
+        assert torch.equal(o1.cpu(), o2) and torch.equal(n1.cpu(), n2)
+    del tp, buf

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from speculant.kernels.sampling import sampling_probs, sampling_probs_ref
 
 
@@ -30,7 +29,7 @@ def simple_probs(logits, temperature, top_k, top_p, min_p):
         tp = float(top_p[r])
         if tp < 1.0:
             z = sum(float(e[i]) for i in keep)
-            above, kept = 0.0, set()
+            above, kept, last = 0.0, set(), -1
             for i in order:
                 if i not in keep:
                     continue
