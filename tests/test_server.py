@@ -269,6 +269,8 @@ def test_chat_logprobs(client):
     ({"prompt": [10**9], "max_tokens": 2}, "prompt"),
     ({"prompt": [1] * 5000, "max_tokens": 2}, "prompt"),
     ({"prompt": "hi", "logprobs": 99}, "logprobs"),
+    ({"prompt": "hi", "n": MAX_NUM_SEQS + MAX_WAITING + 1}, "n"),
+    ({"prompt": "hi", "stop": ""}, "stop"),
 ])
 def test_bad_completion_request_is_400_naming_the_field(server, body, param):
     r = httpx.post(server + "/v1/completions", json={"model": NAME, **body}, headers=_auth(),

@@ -131,6 +131,9 @@ class OpenAIServer:
 
     # ----------------------------------------------------------------- shared machinery
     def _submit(self, prompts: list[PromptInput], params, stream: bool, prefix: str) -> Handle:
+        if len(prompts) * params.n > self.a.max_inflight_seqs:
+            raise APIError(400, f"n x prompts = {len(prompts) * params.n} sequences is more than "
+                           f"this server ever holds ({self.a.max_inflight_seqs})", "n")
         try:
             return self.a.submit(prompts, params, stream, prefix)
         except Overloaded as e:
