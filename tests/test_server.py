@@ -177,6 +177,36 @@ def test_streaming_chat_equals_offline_and_ends_with_done(server, offline):
     assert {e["object"] for e in events} == {"chat.completion.chunk"}
 
 
+def test_streaming_many_prompts_n2_echo_logprobs(server, offline):
+    body = {"model": NAME, "prompt": PROMPTS[:2], "max_tokens": MAX, "temperature": 0, "n": 2,
+            "echo": True, "logprobs": 1, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers=_auth(),
+                      timeout=120) as r:
+        assert r.status_code == 200
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[str]] = {}
+    finish: dict[int, str] = {}
+    for e in events:
+        (c,) = e["choices"]
+        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+        tokens.setdefault(c["index"], []).extend(c["logprobs"]["tokens"])
+        if c["finish_reason"]:
+            finish[c["index"]] = c["finish_reason"]
+    assert sorted(texts) == [0, 1, 2, 3]  # index = prompt * n + sample
+    for idx, text in texts.items():
+        p = PROMPTS[idx // 2]
+        ref = offline["gen"][p]
+        assert text == p + ref.outputs[0].text
+        assert "".join(tokens[idx]) == text
+        assert len(tokens[idx]) == len(ref.prompt_token_ids) + len(ref.outputs[0].token_ids)
+        assert finish[idx] == ref.outputs[0].finish_reason
+        first = next(e["choices"][0] for e in events if e["choices"][0]["index"] == idx)
+        assert first["text"] == p  # the echoed prompt comes first, with its logprobs
+        assert first["logprobs"]["token_logprobs"][0] is None
+        assert all(x is not None for x in first["logprobs"]["token_logprobs"][1:])
+
+
 # ----------------------------------------------------------------- n, seed, stop
 def test_n_greedy_and_seeded_sampling(client, offline):
     p = PROMPTS[0]

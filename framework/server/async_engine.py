@@ -53,7 +53,7 @@ class Delta:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # first delta of a sub only
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # first delta of each output
 
 
 @dataclass
@@ -89,6 +89,7 @@ class _SeqState:
     sent_tokens: int = 0
     sent_text: str = ""
     done: bool = False
+    first: bool = True  # nothing sent yet
 
 
 @dataclass
@@ -100,7 +101,6 @@ class _Track:
     holdback: int  # characters held back while a stop string could still be forming
     want_prompt_logprobs: bool
     seqs: list[_SeqState]
-    sent_prompt_logprobs: bool = False
 
 
 class AsyncEngine:
@@ -318,10 +318,8 @@ class AsyncEngine:
         if not done and (not delta or not new_ids):
             return
         lps = comp.logprobs[st.sent_tokens:] if comp.logprobs is not None else None
-        plp = None
-        if tr.want_prompt_logprobs and not tr.sent_prompt_logprobs:
-            plp = out.prompt_logprobs
-            tr.sent_prompt_logprobs = True
+        plp = out.prompt_logprobs if tr.want_prompt_logprobs and st.first else None
+        st.first = False
         st.sent_tokens = len(comp.token_ids)
         st.sent_text += delta
         st.done = done
