@@ -24,12 +24,55 @@ EAGLE-3 (``architectures: ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``)::
 (default ``(2, L // 2, L - 3)`` as in the EAGLE repo and vLLM, which both capture the hidden state
 *entering* those layers). Later draft steps feed the pre-norm ``x`` back in place of ``g``.
 
+Checkpoint keys (one folder: ``config.json`` plus ``model.safetensors``, ``pytorch_model.bin``
+or their sharded ``*.index.json`` forms; a ``model.`` prefix on any key is ignored, and
+``*rotary_emb.inv_freq`` buffers are skipped). ``nkv`` = kv heads x head dim, ``I`` =
+``intermediate_size``.
+
+EAGLE-1::
+
+    fc.weight                                   [H, 2H]
+    fc.bias                                     [H]       present unless config "bias": false
+    layers.{i}.self_attn.q_proj.weight          [H, H]
+    layers.{i}.self_attn.{k,v}_proj.weight      [nkv, H]  (q/k/v biases as the Llama config says)
+    layers.{i}.self_attn.o_proj.weight          [H, H]
+    layers.{i}.mlp.{gate,up}_proj.weight        [I, H]
+    layers.{i}.mlp.down_proj.weight             [H, I]
+    layers.{i}.post_attention_layernorm.weight  [H]
+    layers.{i}.input_layernorm.weight           [H]       for i >= 1 only
+    embed_tokens.weight                         [V, H]    optional frozen copy; the target's is used
+
+EAGLE-3 (``layers.0.*`` is accepted for ``midlayer.*``)::
+
+    fc.weight                                   [H, 3 * target_hidden]
+    midlayer.input_layernorm.weight             [H]       applied to the token embedding
+    midlayer.hidden_norm.weight                 [H]       applied to the fused hidden state
+    midlayer.self_attn.q_proj.weight            [H, 2H]
+    midlayer.self_attn.{k,v}_proj.weight        [nkv, 2H]
+    midlayer.self_attn.o_proj.weight            [H, H]
+    midlayer.mlp.{gate,up,down}_proj.weight     as above
+    midlayer.post_attention_layernorm.weight    [H]
+    norm.weight                                 [H]
+    lm_head.weight                              [draft_vocab_size, H]
+    d2t                                         [draft_vocab_size] int: target id - draft id
+    t2d                                         [vocab_size] bool (optional, shape-checked only)
+    embed_tokens.weight                         [V, H]    optional: the draft's own embedding
+
+config.json: ``hidden_size`` (must equal the target's, or ``target_hidden_size`` does for
+EAGLE-3), ``vocab_size`` (the target's), ``num_attention_heads``, ``num_key_value_heads``,
+``intermediate_size``, ``rms_norm_eps``, RoPE settings; EAGLE-3 also ``draft_vocab_size`` and
+optionally ``eagle_config.eagle_aux_hidden_state_layer_ids``. Method inference (a ``model`` path
+without ``method``): ``fc.weight`` plus ``midlayer.*`` / ``d2t`` / an ``*Eagle3*`` architecture
+is EAGLE-3; ``fc.weight`` plus ``layers.*`` is EAGLE-1.
+
 Serving: each sequence owns blocks of the strategy's paged draft KV cache. At every ``propose``
 the draft re-runs the positions verified since the last call with the target's features (this
 overwrites the K/V its own draft steps wrote, and catches up on accepted tokens), then drafts
 ``k`` tokens autoregressively. Rejected drafts need no rollback: their K/V slots are simply
-overwritten next time. If the draft ever misses positions (speculation switched off for a while),
-the sequence's draft context restarts at the first position it has features for.
+overwritten next time. While speculation is switched off (batch-size-disable) the engine keeps
+collecting the target's features, so the head catches up on every position it missed when it
+comes back; only if it lacks features for a position (e.g. its draft cache ran out) does the
+sequence's draft context restart at the first position it has features for.
 """
 
 from __future__ import annotations
@@ -363,7 +406,8 @@ class _EagleBase:
             loader.finish()
         except WeightLoadError as e:
             raise StrategyError(
-                f"{e} (EAGLE-{self.version} key names: see docs/strategies/eagle.md)"
+                f"{e} (the EAGLE-{self.version} key names are listed in the docstring of "
+                "speculant.plugins.eagle)"
             ) from None
 
     def _materialize(self, module: nn.Module, max_pos: int) -> nn.Module:
@@ -403,8 +447,8 @@ class _EagleBase:
         plan = []  # (batch index, state, first row, rows, first position, num tokens, k)
         for i, s in enumerate(batch.seqs):
             c, start, n = batch.hidden_counts[i], batch.hidden_start[i], s.num_tokens
-            k = min(s.max_draft, self.num_speculative_tokens)
-            if c == 0 or k == 0 or start + c != n - 1:
+            k = min(s.max_draft, self.num_speculative_tokens)  # 0: catch up only, no drafts
+            if c == 0 or start + c != n - 1:
                 continue
             st = self.states.get(s.seq_id)
             if st is None or start < st.offset or start > st.valid:
@@ -441,9 +485,12 @@ class _EagleBase:
         x = out[last.to(out.device)]
 
         # 2) k draft steps, feeding the draft's own output back
-        active = list(range(len(plan)))
+        active = [a for a, p in enumerate(plan) if p[6] > 0]
+        if not active:
+            return Proposal(token_ids=drafts)
+        x = x[torch.tensor(active, device=x.device)]  # [len(active), H]
         steps, step_rows = [], []
-        for j in range(max(p[6] for p in plan)):
+        for j in range(max(plan[a][6] for a in active)):
             seqs = [batch.seqs[plan[a][0]] for a in active]
             toks, q = sample_draft(self._logits(x), seqs, self.generator)
             for a, t in zip(active, toks):
