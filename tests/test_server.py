@@ -103,6 +103,26 @@ def _health(server) -> dict:
     return httpx.get(server + "/health", timeout=10).json()
 
 
+# ----------------------------------------------------------------- incremental detokenizer
+@pytest.mark.parametrize("step", [1, 3])
+def test_incremental_detokenizer_matches_full_decode(default_model_path, step):
+    from transformers import AutoTokenizer
+
+    from speculant.server.async_engine import IncrementalDetokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_path))
+    text = "Héllo wörld — 你好，世界 🌍🚀 done.<|im_end|> again\n\tend"
+    ids = tok(text).input_ids
+    for skip in (True, False):
+        full = tok.decode(ids, skip_special_tokens=skip)
+        d = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        for end in range(step, len(ids) + step, step):
+            got = d.update(ids[:end])
+            assert full.startswith(got), (got, full)
+            assert "\ufffd" not in got
+        assert got == full
+
+
 # ----------------------------------------------------------------- models, auth
 def test_models_and_api_key(server, client):
     assert [m.id for m in client.models.list().data] == [NAME]

@@ -156,12 +156,14 @@ class LLMEngine:
         if self.spec:
             self.spec.release([s.seq_id for s in req.seqs])
 
-    def snapshot(self, request_id: str) -> RequestOutput | None:
+    def snapshot(self, request_id: str, detokenize: bool = True) -> RequestOutput | None:
         """What an in-flight request has generated so far (tokens, text, logprobs; ``finished``
         stays False until all its sequences are done), for front ends that stream new tokens
-        after every step(). None once step() has returned the request, or if it is unknown."""
+        after every step(). None once step() has returned the request, or if it is unknown.
+        ``detokenize=False`` leaves ``text`` empty unless a stop string cut it (callers that
+        detokenize incrementally)."""
         req = self.requests.get(request_id)
-        return None if req is None else self.make_output(req)
+        return None if req is None else self.make_output(req, detokenize)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -289,11 +291,11 @@ class LLMEngine:
                 del self.requests[rid]
         return outs
 
-    def make_output(self, req: Request) -> RequestOutput:
+    def make_output(self, req: Request, detokenize: bool = True) -> RequestOutput:
         completions = []
         for s in req.seqs:
             text = s.output_text
-            if text is None and self.tokenizer is not None:
+            if text is None and self.tokenizer is not None and detokenize:
                 text = self.tokenizer.decode(
                     s.output_token_ids, skip_special_tokens=s.params.skip_special_tokens
                 )

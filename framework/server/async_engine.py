@@ -84,12 +84,40 @@ class Handle:
     outputs: list[RequestOutput | None] = field(default_factory=list)  # streaming: set at the end
 
 
+class IncrementalDetokenizer:
+    """Text of a growing list of token ids, decoding only the tokens since the previous call (plus
+    those of the call before, as context), so streaming costs O(new tokens) per step, not
+    O(all tokens). Text ending in half a UTF-8 character is held back until it completes."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.text = ""  # the text of ids[:read_offset]
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, ids: list[int]) -> str:
+        """``ids``: all tokens so far (a prefix of the next call's). Returns the text so far."""
+        if len(ids) <= self.read_offset:
+            return self.text
+        prefix = self._decode(ids[self.prefix_offset:self.read_offset])
+        new = self._decode(ids[self.prefix_offset:])
+        if len(new) > len(prefix) and not new.endswith("\ufffd"):
+            self.text += new[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return self.text
+
+
 @dataclass
 class _SeqState:
     sent_tokens: int = 0
     sent_text: str = ""
     done: bool = False
     first: bool = True  # nothing sent yet
+    detok: IncrementalDetokenizer | None = None
 
 
 @dataclass
@@ -100,6 +128,7 @@ class _Track:
     sub: int
     holdback: int  # characters held back while a stop string could still be forming
     want_prompt_logprobs: bool
+    skip_special_tokens: bool
     seqs: list[_SeqState]
 
 
@@ -239,6 +268,7 @@ class AsyncEngine:
             added.append(rid)
             accepted.append((text, ids))
             self._tracks[rid] = _Track(handle, sub, holdback, params.prompt_logprobs is not None,
+                                       params.skip_special_tokens,
                                        [_SeqState() for _ in range(params.n)])
         self._emit(handle, Accepted(accepted))
 
@@ -282,35 +312,45 @@ class AsyncEngine:
                 continue  # aborted earlier
             if tr.handle.stream:
                 for comp in out.outputs:
-                    self._stream_delta(tr, out, comp)
+                    self._stream_delta(tr, out, comp, final_text=comp.text)
             if self.metrics is not None:
                 self.metrics.request_finished(out)
             self._emit(tr.handle, Finished(tr.sub, out))
         for rid, tr in self._tracks.items():
             if not tr.handle.stream:
                 continue
-            snap = self.engine.snapshot(rid)
+            snap = self.engine.snapshot(rid, detokenize=False)  # text: incrementally, below
             if snap is None:
                 continue
             for comp in snap.outputs:
-                self._stream_delta(tr, snap, comp)
+                final = None
+                if comp.finish_reason is not None:  # one output of n finished before the others
+                    final = comp.text if isinstance(comp.stop_reason, str) else self._decode(
+                        comp.token_ids, tr.skip_special_tokens)
+                self._stream_delta(tr, snap, comp, final_text=final)
         with self._spec_lock:
             self._spec = copy.deepcopy(self.engine.spec_metrics())
 
-    def _stream_delta(self, tr: _Track, out: RequestOutput, comp: CompletionOutput) -> None:
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _stream_delta(self, tr: _Track, out: RequestOutput, comp: CompletionOutput,
+                      final_text: str | None) -> None:
+        """Send what ``comp`` generated since the last delta. ``final_text``: its whole text,
+        once it finished."""
         st = tr.seqs[comp.index]
         if st.done:
             return
         done = comp.finish_reason is not None
-        text = comp.text
-        if not done:
-            safe = len(text)
-            while safe > 0 and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 character
-                safe -= 1
-            text = text[: max(0, safe - tr.holdback)]
-        if text.startswith(st.sent_text):
-            delta = text[len(st.sent_text):]
-        elif done:  # detokenization changed earlier text; send what is new past what was sent
+        if done:
+            text = final_text if final_text is not None else comp.text
+        else:
+            if st.detok is None:
+                st.detok = IncrementalDetokenizer(self.tokenizer, tr.skip_special_tokens)
+            text = st.detok.update(comp.token_ids) if self.tokenizer is not None else ""
+            text = text[: max(0, len(text) - tr.holdback)]
+        if text.startswith(st.sent_text) or done:
+            # (if detokenization changed earlier text, send what is new past what was sent)
             delta = text[len(st.sent_text):]
         else:
             delta = ""
