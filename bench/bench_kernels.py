@@ -352,9 +352,9 @@ def sdpa_bench(q, kc, vc, bt, batch, ctx, q_len, scale, out, hbm_gbps):
 
 
 @section("decode attention launch sweep")
-def attention_sweep(hbm_gbps):
+def attention_sweep(hbm_gbps, cases=None, splits_only=False):
     rows = []
-    cases = [(1, 8192, 1), (1, 32768, 1), (4, 16384, 1), (8, 8192, 1), (64, 32768, 1),
+    cases = cases or [(1, 8192, 1), (1, 32768, 1), (4, 16384, 1), (8, 8192, 1), (64, 32768, 1),
              (1, 8192, 6), (1, 32768, 6), (8, 8192, 6), (8, 32768, 6), (32, 8192, 6),
              (64, 16384, 6)]
     if SMOKE:
@@ -371,10 +371,10 @@ def attention_sweep(hbm_gbps):
                     for pf in (False, True):
                         variants.append({"block_n": bn, "num_warps": nw, "num_stages": ns,
                                          "prefetch": pf})
-        if SMOKE:
-            variants = variants[:2]
-        for splits in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96):
-            for pf in (False, True):
+        if SMOKE or splits_only:
+            variants = variants[:2] if SMOKE else []
+        for splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96):
+            for pf in (False,) if splits_only else (False, True):
                 variants.append({"num_splits": splits, "prefetch": pf})
         for ov in variants:
             def fn(ov=ov, q=q, kc=kc, vc=vc, bt=bt, cl=cl, qsl=qsl, q_len=q_len, out=out):
@@ -538,6 +538,10 @@ def main():
     ap.add_argument("--out", default="kernels_bench.json")
     ap.add_argument("--quick", action="store_true", help="fewer attention shapes")
     ap.add_argument("--sweep", action="store_true", help="decode launch-parameter sweep")
+    ap.add_argument("--sweep-cases", default="",
+                    help="sweep only these cases, 'batch:ctx:q_len,...' (implies --sweep)")
+    ap.add_argument("--sweep-splits-only", action="store_true",
+                    help="sweep the split count only (default tiles), with and without prefetch")
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script)")
@@ -578,8 +582,9 @@ def main():
     rejection_bench()
     sampling_bench()
     store_kv_bench(hbm)
-    if args.sweep:
-        attention_sweep(hbm)
+    if args.sweep or args.sweep_cases:
+        cases = [tuple(int(x) for x in c.split(":")) for c in args.sweep_cases.split(",") if c]
+        attention_sweep(hbm, cases or None, splits_only=args.sweep_splits_only)
     RESULTS["wall_s"] = time.time() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(RESULTS, indent=1))

@@ -47,9 +47,12 @@ __all__ = ["paged_attention", "paged_attention_ref", "choose_launch_config"]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
-# split-K target (programs per multiprocessor) and the K/V prefetch default; see
-# choose_launch_config and docs/kernels.md for the measurements behind them
-_PROGRAMS_PER_SM = 4
+# Split-K target, programs per multiprocessor for (decode tiles, multi-token tiles), and the
+# K/V prefetch default. From the H100 sweep in bench/bench_kernels.py (docs/kernels.md): the best
+# split counts put ~3 decode programs (64-token chunks, 2 stages) or ~2 verification programs
+# (128-token chunks, 3 stages: more shared memory each) on every SM; prefetching the next chunk
+# into registers was never faster there (up to 2x slower with 128-token chunks).
+_PROGRAMS_PER_SM = (3, 2)
 _PREFETCH_DEFAULT = False
 
 
@@ -379,10 +382,12 @@ def choose_launch_config(
     real_tiles = min(num_tiles, num_seqs * max(1, cdiv(max_query_len, block_q)))
     if num_splits is None:
         programs = max(1, real_tiles * num_kv_heads)
-        # enough programs for ~_PROGRAMS_PER_SM per SM, >= 256 cached tokens per split, <= 64
-        want = cdiv(_PROGRAMS_PER_SM * sm_count, programs)
+        # about _PROGRAMS_PER_SM[multi-token] programs per SM (one full wave), at least 256
+        # cached tokens per split, at most 64 splits
+        target = _PROGRAMS_PER_SM[block_q > 1] * sm_count
+        want = max(1, round(target / programs))
         cap = max(1, min(64, cdiv(max_context, 256)))
-        num_splits = max(1, min(want, cap))
+        num_splits = min(want, cap)
     if prefetch is None:
         prefetch = _PREFETCH_DEFAULT
     return dict(

@@ -61,8 +61,8 @@ def draft(tiny_factory):
 def torch_path_greedy(target):
     mp = pytest.MonkeyPatch()
     mp.setenv("SPECULANT_DISABLE_TRITON", "1")
-    try:
-        return _generate(_llm(target), GREEDY)
+    try:  # the torch attention path cannot be captured in a CUDA graph: run it eagerly
+        return _generate(_llm(target, enforce_eager=True), GREEDY)
     finally:
         mp.undo()
         torch.cuda.empty_cache()
@@ -76,10 +76,14 @@ def _spec(kind: str, draft_path) -> dict | None:
     return {"model": str(draft_path), "num_speculative_tokens": 3}
 
 
-@pytest.mark.parametrize("kind", ["plain", "ngram", "draft_model"])
-def test_triton_greedy_equals_torch_path(target, draft, torch_path_greedy, kind, monkeypatch):
+@pytest.mark.parametrize("kind,eager", [("plain", True), ("plain", False), ("ngram", False),
+                                        ("draft_model", False), ("draft_model", True)])
+def test_triton_greedy_equals_torch_path(target, draft, torch_path_greedy, kind, eager,
+                                         monkeypatch):
+    """Triton kernels, eagerly and inside the engine's CUDA graphs, vs the eager torch path."""
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
-    out = _generate(_llm(target, speculative_config=_spec(kind, draft)), GREEDY)
+    out = _generate(_llm(target, speculative_config=_spec(kind, draft), enforce_eager=eager),
+                    GREEDY)
     assert [len(o) for o in out] == [MAX_TOKENS] * len(PROMPT_LENS)
     for i, (a, b) in enumerate(zip(out, torch_path_greedy)):
         assert a == b, f"prompt {i} (len {PROMPT_LENS[i]}): triton {a} != torch {b}"
