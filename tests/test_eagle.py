@@ -581,3 +581,69 @@ def test_bad_checkpoints(small_target, ckpts, tmp_path):
         )
     with pytest.raises(StrategyError, match="unknown option"):
         build(ckpts["eagle-bin"], aux_hidden_layers=[1, 2, 3])
+
+
+@pytest.mark.slow
+def test_smollm_random_heads_are_lossless(smollm, tmp_path):
+    """Random EAGLE-1 / EAGLE-3 heads shaped for the embedded SmolLM2-135M (hidden 576, 9 query /
+    3 KV heads of 64, rope_theta 1e5, 30 layers: EAGLE-3 reads layers 2, 15, 27; tied target
+    embedding / LM head): greedy output identical to plain decoding. Random heads are (almost)
+    never accepted; this checks shapes and plumbing at a real model size, not acceptance."""
+    cfg = smollm.engine.hf_config
+    hidden, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    hd, inter, vocab = hidden // nh, cfg.intermediate_size, smollm.engine.vocab_size
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.02
+
+    def layer(p: str, in_dim: int) -> dict:
+        return {
+            p + "self_attn.q_proj.weight": w(nh * hd, in_dim),
+            p + "self_attn.k_proj.weight": w(nkv * hd, in_dim),
+            p + "self_attn.v_proj.weight": w(nkv * hd, in_dim),
+            p + "self_attn.o_proj.weight": w(hidden, nh * hd),
+            p + "mlp.gate_proj.weight": w(inter, hidden),
+            p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+        }
+
+    base = {
+        "model_type": "llama", "hidden_size": hidden, "intermediate_size": inter,
+        "num_attention_heads": nh, "num_key_value_heads": nkv, "num_hidden_layers": 1,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": 100000.0, "vocab_size": vocab,
+        "max_position_embeddings": 8192, "hidden_act": "silu",
+    }  # fmt: skip
+    e1 = write_checkpoint(
+        tmp_path / "e1", {**base, "architectures": ["LlamaForCausalLM"]},
+        {"fc.weight": w(hidden, 2 * hidden), "fc.bias": w(hidden), **layer("layers.0.", hidden)},
+    )  # fmt: skip
+    draft_vocab = 4096
+    t3 = {
+        "fc.weight": w(hidden, 3 * hidden), **layer("midlayer.", 2 * hidden),
+        "midlayer.input_layernorm.weight": torch.ones(hidden),
+        "midlayer.hidden_norm.weight": torch.ones(hidden), "norm.weight": torch.ones(hidden),
+        "lm_head.weight": w(draft_vocab, hidden),
+        "d2t": torch.arange(draft_vocab) * 7 % vocab - torch.arange(draft_vocab),
+    }  # fmt: skip
+    e3 = write_checkpoint(
+        tmp_path / "e3",
+        {**base, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab},
+        t3, "safetensors",
+    )  # fmt: skip
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in smollm.generate(prompts, params, use_tqdm=False)]
+    for ckpt, name in ((e1, "eagle"), (e3, "eagle3")):
+        llm = LLM(
+            model=str(smollm.engine.model_path),
+            max_num_seqs=4,
+            speculative_config={"model": str(ckpt), "num_speculative_tokens": 3},
+        )
+        assert llm.engine.spec.name == name
+        if name == "eagle3":
+            assert llm.engine.spec.aux_layers == (2, 15, 27)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert llm.get_metrics().num_draft_tokens > 0
