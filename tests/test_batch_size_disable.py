@@ -290,7 +290,10 @@ def test_legacy_keywords_translation_and_errors(target, specs):
             num_speculative_tokens=2,
         )
     assert llm.engine.spec.name == "eagle"
-    with pytest.raises(ValueError, match="either speculative_config or the legacy"):
+    with (
+        pytest.raises(ValueError, match="either speculative_config or the legacy"),
+        pytest.warns(DeprecationWarning),
+    ):
         LLM(
             model=str(target),
             skip_tokenizer_init=True,
