@@ -455,3 +455,54 @@ def test_prometheus_metrics(server, client):
     assert _sum(after, "speculant_http_requests_total", endpoint="/v1/completions",
                 status="400") >= 1
     assert _sum(after, "speculant_kv_cache_blocks_used") == 0
+
+
+# ----------------------------------------------------------------- the engine loop itself
+def test_engine_loop_survives_a_failing_step(tiny_llama):
+    """A step that raises fails the requests in flight (500), frees their blocks, and the loop
+    goes on serving."""
+    import asyncio
+
+    from speculant import LLM, SamplingParams
+    from speculant.server.async_engine import Accepted, AsyncEngine, Failed, Finished, PromptInput
+
+    llm = LLM(model=str(tiny_llama), max_num_seqs=4, speculative_config=SPEC)
+    eng = llm.engine
+    real_step, calls = eng.step, []
+
+    def flaky_step():
+        calls.append(1)
+        if len(calls) == 2:  # the first decode step after the prefill
+            raise RuntimeError("boom")
+        return real_step()
+
+    eng.step = flaky_step
+    loop_engine = AsyncEngine(eng, max_waiting_seqs=4)
+    loop_engine.start()
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+    async def run():
+        h = loop_engine.submit([PromptInput(token_ids=[5, 6, 7, 8])], params, stream=True)
+        assert isinstance(await asyncio.wait_for(h.queue.get(), 60), Accepted)
+        ev = await asyncio.wait_for(h.queue.get(), 60)
+        while not isinstance(ev, Failed):  # deltas of the prefill's token may come first
+            ev = await asyncio.wait_for(h.queue.get(), 60)
+        assert ev.status == 500 and "boom" in ev.message
+        loop_engine.close(h)
+        h2 = loop_engine.submit([PromptInput(token_ids=[5, 6, 7, 8])], params, stream=False)
+        assert isinstance(await asyncio.wait_for(h2.queue.get(), 60), Accepted)
+        done = await asyncio.wait_for(h2.queue.get(), 60)
+        assert isinstance(done, Finished)
+        h2.finished = True
+        loop_engine.close(h2)
+        return done.output
+
+    try:
+        out = asyncio.run(run())
+    finally:
+        loop_engine.shutdown()
+    ref = LLM(model=str(tiny_llama), speculative_config=SPEC).generate(
+        {"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert loop_engine.inflight_seqs == 0

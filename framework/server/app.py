@@ -134,6 +134,8 @@ class OpenAIServer:
         if len(prompts) * params.n > self.a.max_inflight_seqs:
             raise APIError(400, f"n x prompts = {len(prompts) * params.n} sequences is more than "
                            f"this server ever holds ({self.a.max_inflight_seqs})", "n")
+        if not self.a.alive:
+            raise APIError(503, "the engine loop is not running")
         try:
             return self.a.submit(prompts, params, stream, prefix)
         except Overloaded as e:

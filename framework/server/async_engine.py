@@ -223,12 +223,11 @@ class AsyncEngine:
                 continue
             try:
                 finished = self.engine.step()
+                self.num_steps += 1
+                self._publish(finished)
             except Exception as e:  # keep serving: fail what was in flight, free its blocks
                 logger.exception("engine step failed")
                 self._fail_all(f"engine error: {type(e).__name__}: {e}")
-                continue
-            self.num_steps += 1
-            self._publish(finished)
         self._fail_all("the server is shutting down")
 
     def _drain(self) -> None:
@@ -300,9 +299,13 @@ class AsyncEngine:
                     self.metrics.request_aborted()
 
     def _fail_all(self, message: str) -> None:
+        status = 503 if self._stop.is_set() else 500
         for rid, tr in list(self._tracks.items()):
-            self.engine.abort_request(rid)
-            self._emit(tr.handle, Failed(500 if not self._stop.is_set() else 503, message))
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("aborting %s failed", rid)
+            self._emit(tr.handle, Failed(status, message))
         self._tracks.clear()
 
     def _publish(self, finished: list[RequestOutput]) -> None:
