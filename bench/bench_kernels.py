@@ -52,6 +52,7 @@ except ImportError:  # running from a checkout: the folder kernels/ is speculant
 
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
+
 from speculant.kernels.kv_cache import store_kv, store_kv_ref  # noqa: E402
 from speculant.kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
 from speculant.kernels.rejection_sampling import (  # noqa: E402

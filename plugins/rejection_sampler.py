@@ -11,6 +11,7 @@ and min-p; penalties at draft position j count the drafts before j as generated 
 from __future__ import annotations
 
 import torch
+
 from speculant import hookimpl
 from speculant.engine.sampler import Row, process_logits, target_probs, uniforms
 from speculant.kernels.rejection_sampling import rejection_sample

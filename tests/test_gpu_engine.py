@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from speculant import LLM, SamplingParams
 
 pytestmark = [
@@ -61,7 +62,9 @@ def draft(tiny_factory):
 def torch_path_greedy(target):
     mp = pytest.MonkeyPatch()
     mp.setenv("SPECULANT_DISABLE_TRITON", "1")
-    try:  # the torch attention path cannot be captured in a CUDA graph: run it eagerly
+    # the torch attention path cannot be captured in a CUDA graph: run it eagerly
+    mp.setenv("SPECULANT_ENFORCE_EAGER", "1")
+    try:
         return _generate(_llm(target, enforce_eager=True), GREEDY)
     finally:
         mp.undo()
@@ -82,6 +85,7 @@ def test_triton_greedy_equals_torch_path(target, draft, torch_path_greedy, kind,
                                          monkeypatch):
     """Triton kernels, eagerly and inside the engine's CUDA graphs, vs the eager torch path."""
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
+    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "1" if eager else "0")
     out = _generate(_llm(target, speculative_config=_spec(kind, draft), enforce_eager=eager),
                     GREEDY)
     assert [len(o) for o in out] == [MAX_TOKENS] * len(PROMPT_LENS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from speculant import SamplingParams
 from speculant.plugins.rejection_sampler import RejectionSampler
 from speculant.spec_types import Proposal, ScoreResult, SpecBatch, SpecSequence, StrategyContext

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
 from speculant.kernels._triton_utils import triton_enabled
 
 

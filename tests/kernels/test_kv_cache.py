@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from speculant.kernels.kv_cache import store_kv, store_kv_ref
 
 

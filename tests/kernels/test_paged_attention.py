@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from speculant.kernels.paged_attention import paged_attention, paged_attention_ref
 
 # ||out - ref|| / ||ref|| bounds: ref is fp32 math on the same (rounded) inputs

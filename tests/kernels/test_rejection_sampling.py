@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from speculant.kernels.rejection_sampling import (
     rejection_sample,
     rejection_sample_ref,

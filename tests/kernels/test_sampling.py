@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from speculant.kernels.sampling import sampling_probs, sampling_probs_ref
 
 
