@@ -227,6 +227,32 @@ def test_streaming_many_prompts_n2_echo_logprobs(server, offline):
         assert all(x is not None for x in first["logprobs"]["token_logprobs"][1:])
 
 
+def test_concurrent_streams_are_batched_and_not_mixed(server, client, offline):
+    """Streams running at the same time (in one batch) each get exactly their own output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    steps0 = _health(server)["engine_steps"]
+
+    def one(p: str) -> tuple[set[str], str]:
+        chunks = list(client.completions.create(model=NAME, prompt=p, max_tokens=MAX,
+                                                temperature=0, stream=True))
+        return {c.id for c in chunks}, "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with ThreadPoolExecutor(len(PROMPTS) * 2) as pool:
+        results = list(pool.map(one, PROMPTS * 2))
+    for p, (ids, text) in zip(PROMPTS * 2, results):
+        assert len(ids) == 1
+        assert text == offline["gen"][p].outputs[0].text
+    assert len({next(iter(ids)) for ids, _ in results}) == len(results)
+    concurrent_steps = _health(server)["engine_steps"] - steps0
+    steps0 = _health(server)["engine_steps"]
+    for p in PROMPTS * 2:
+        one(p)
+    sequential_steps = _health(server)["engine_steps"] - steps0
+    # batched: far fewer engine steps than running the requests one after another
+    assert concurrent_steps <= sequential_steps / 2, (concurrent_steps, sequential_steps)
+
+
 # ----------------------------------------------------------------- n, seed, stop
 def test_n_greedy_and_seeded_sampling(client, offline):
     p = PROMPTS[0]
