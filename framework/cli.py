@@ -116,6 +116,10 @@ def cmd_bench(args) -> int:
 def cmd_serve(args) -> int:
     from speculant.server import run_server
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
     return run_server(
         host=args.host, port=args.port, served_model_names=args.served_model_name,
         api_key=args.api_key, max_waiting_seqs=args.max_waiting_seqs,
@@ -129,6 +133,8 @@ def cmd_serve(args) -> int:
 
 def _add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the server extra)")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (same as --model)")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
