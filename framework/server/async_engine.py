@@ -241,8 +241,9 @@ class AsyncEngine:
                     self._add(*cmd[1:])
                 elif cmd[0] == "abort":
                     self._abort(cmd[1])
-            except Exception:
+            except Exception as e:
                 logger.exception("server command %s failed", cmd[0])
+                self._emit(cmd[1], Failed(500, f"{type(e).__name__}: {e}"))
 
     def _add(self, handle: Handle, prompts: list[PromptInput], params: SamplingParams) -> None:
         if handle.closed:
@@ -261,8 +262,11 @@ class AsyncEngine:
                 for r in added:
                     self.engine.abort_request(r)
                     self._tracks.pop(r, None)
-                msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-                self._emit(handle, Failed(400, msg, param))
+                if isinstance(e, ValueError):  # the engine's own checks: a bad prompt
+                    self._emit(handle, Failed(400, str(e), param))
+                else:
+                    logger.exception("adding request %s failed", rid)
+                    self._emit(handle, Failed(500, f"{type(e).__name__}: {e}"))
                 return
             added.append(rid)
             accepted.append((text, ids))
