@@ -377,6 +377,16 @@ def attention_sweep(hbm_gbps, cases=None, splits_only=False):
         for splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96):
             for pf in (False,) if splits_only else (False, True):
                 variants.append({"num_splits": splits, "prefetch": pf})
+        # program order, at the default split count and at its neighbours
+        for hf in (False, True):
+            variants.append({"heads_first": hf})
+            for f in (0.5, 2.0):
+                cfg = pa_mod.choose_launch_config(
+                    num_tokens=q.shape[0], num_seqs=batch, num_heads=32, num_kv_heads=8,
+                    head_dim=128, max_query_len=q_len, max_context=bt.shape[1] * 16,
+                    dtype=q.dtype, sm_count=pa_mod.num_sms(DEV))
+                variants.append({"heads_first": hf,
+                                 "num_splits": max(1, round(cfg["num_splits"] * f))})
         for ov in variants:
             def fn(ov=ov, q=q, kc=kc, vc=vc, bt=bt, cl=cl, qsl=qsl, q_len=q_len, out=out):
                 pa_mod._paged_attention_triton(q, kc, vc, bt, cl, qsl, 128**-0.5, q_len, out,
@@ -543,6 +553,8 @@ def main():
                     help="sweep only these cases, 'batch:ctx:q_len,...' (implies --sweep)")
     ap.add_argument("--sweep-splits-only", action="store_true",
                     help="sweep the split count only (default tiles), with and without prefetch")
+    ap.add_argument("--sweep-only", action="store_true",
+                    help="measure the copy bandwidth, run the sweep, nothing else")
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script)")
@@ -572,6 +584,11 @@ def main():
     OUT_PATH = Path(args.out)
     t0 = time.time()
     hbm = hbm_bandwidth() or float("nan")
+    if args.sweep_only:
+        cases = [tuple(int(x) for x in c.split(":")) for c in args.sweep_cases.split(",") if c]
+        attention_sweep(hbm, cases or None, splits_only=args.sweep_splits_only)
+        save()
+        return
     checks()
     contexts = (8192, 16384, 32768)
     batches = (1, 8, 32, 64)

@@ -54,6 +54,9 @@ _LOG2E = 1.4426950408889634
 # into registers was never faster there (up to 2x slower with 128-token chunks).
 _PROGRAMS_PER_SM = (3, 2)
 _PREFETCH_DEFAULT = False
+# program order: the KV heads of one (tile, split) as neighbours (they read the same cache
+# blocks at about the same time) instead of the tiles of one KV head
+_HEADS_FIRST_DEFAULT = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,9 +145,14 @@ if tl is not None:
         IEEE_DOT: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
         UPCAST_DOT: tl.constexpr,  # interpreter + bf16: numpy has no bf16 dot, upcast operands
         PREFETCH: tl.constexpr,  # load chunk i+1 while computing chunk i
+        HEADS_FIRST: tl.constexpr,  # grid (num_kv_heads, tiles, splits) instead of (tiles, ...)
     ):
-        tile = tl.program_id(0)
-        kvh = tl.program_id(1)
+        if HEADS_FIRST:  # neighbouring programs: the KV heads of one tile (same cache blocks)
+            kvh = tl.program_id(0)
+            tile = tl.program_id(1)
+        else:
+            tile = tl.program_id(0)
+            kvh = tl.program_id(1)
         split = tl.program_id(2)
 
         # ---- which sequence owns this tile: largest s with tile_start(s) <= tile ----
@@ -399,6 +407,7 @@ def choose_launch_config(
         num_tiles=num_tiles,
         num_splits=int(num_splits),
         prefetch=bool(prefetch),
+        heads_first=_HEADS_FIRST_DEFAULT,
     )
 
 
@@ -503,7 +512,12 @@ def _paged_attention_triton(
         part_out = out
         part_lse = out
         stride_ot, stride_oh = out.stride(0), out.stride(1)
-    grid = (cfg["num_tiles"], num_kv_heads, splits)
+    # grid dims 1 and 2 are limited to 65535: tiles go first when there are more of them
+    heads_first = bool(cfg["heads_first"]) and cfg["num_tiles"] <= 65535
+    if heads_first:
+        grid = (num_kv_heads, cfg["num_tiles"], splits)
+    else:
+        grid = (cfg["num_tiles"], num_kv_heads, splits)
     _paged_attn_kernel[grid](
         q,
         k_cache,
@@ -538,6 +552,7 @@ def _paged_attention_triton(
         IEEE_DOT=q.dtype == torch.float32,
         UPCAST_DOT=interpret_mode() and q.dtype == torch.bfloat16,
         PREFETCH=bool(cfg["prefetch"]),
+        HEADS_FIRST=heads_first,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -258,3 +258,19 @@ def test_kernel_prefetch_and_chunk_sizes(device, prefetch, block_n):
                                               "num_splits": splits})
         assert not torch.isnan(out).any()
         assert rel_err(out, ref) < REL_TOL[torch.float16]
+
+
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_kernel_program_order(device, heads_first):
+    """Both grid orders (tiles first / KV heads first) give the same attention."""
+    pa = importlib.import_module("speculant.kernels.paged_attention")
+    q, kc, vc, bt, cl, qsl = make_batch(q_lens=[1, 6, 2], ctx_lens=[90, 40, 2], num_heads=8,
+                                        num_kv_heads=4, head_dim=32, block_size=16,
+                                        dtype=torch.float16)
+    ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, 0.2)
+    for splits in (1, 3):
+        out = torch.full_like(q, float("nan")).to(device)
+        pa._paged_attention_triton(*to(device, q, kc, vc, bt, cl, qsl), 0.2, 6, out,
+                                   overrides={"heads_first": heads_first, "num_splits": splits})
+        assert not torch.isnan(out).any()
+        assert rel_err(out, ref) < REL_TOL[torch.float16]
