@@ -13,7 +13,9 @@ What it does:
    median time (``triton.testing.do_bench``, L2 flushed before each run) of the eager call and
    of a CUDA-graph replay of it; achieved bandwidth = KV bytes read / time, as % of the copy
    bandwidth; and ``scaled_dot_product_attention`` on the same K/V gathered contiguous.
-4. Launch-parameter sweeps for decode attention (``--sweep``).
+4. Launch-parameter sweeps for decode / verification attention (``--sweep``; ``--sweep-cases
+   b:ctx:q,...`` picks the shapes, ``--sweep-splits-only`` varies only the split count and the
+   program order, ``--sweep-only`` skips everything else).
 5. Rejection sampling at batch 64, k 5, vocab 128256 (all-random, all-greedy, mixed, with and
    without draft probs), ``sample_from_probs``, and ``sampling_probs`` (torch vs Triton) on the
    same rows; ``store_kv``.
