@@ -1,0 +1,271 @@
+"""CPU benchmark on the embedded default model (SmolLM2-135M-Instruct, fp32), against HF
+transformers in the same process and run.
+
+(a) ``engine``: our greedy tokens/s vs HF ``generate`` on the same prompts, one prompt at a time
+    and all prompts in one batch (HF: left padding). Goal: >= 2x HF.
+(b) ``ngram``: n-gram speculation vs none on input-grounded prompts (the demo's code edit /
+    rewrite / summarize / qa), side by side with HF's ``prompt_lookup_num_tokens``: speedup and
+    mean accepted length (tokens per target forward in decoding) per category. Goal: ours beats
+    HF's in every category and is never below 1.0.
+
+The CPU is shared, so runs are interleaved (ours, HF, ours, HF, ...) and repeated; every figure is
+the median over repeats, and ratios are taken per repeat before the median. Greedy outputs are
+checked for equality (ours plain == ours ngram == HF plain, token for token).
+
+    python bench/bench_cpu.py [--repeats 3] [--max-tokens 96] [--only engine|ngram]
+
+Writes bench/results/cpu_engine.json, cpu_ngram.json and cpu_bench.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+PLAIN_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a refrigerator works to a ten-year-old.",
+    "List five tips for staying focused while studying.",
+    "What are the main differences between cats and dogs as pets?",
+]
+
+
+def chat_ids(tok, prompt: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                  add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+class ForwardCounter:
+    """Counts HF model forwards (target passes) through a forward hook."""
+
+    def __init__(self, model) -> None:
+        self.n = 0
+        model.register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.n += 1
+
+
+def ours_run(llm, prompts: list[list[int]], max_tokens: int, ignore_eos: bool) -> dict:
+    from speculant import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    toks = [o.outputs[0].token_ids for o in outs]
+    spec = [o.metrics.spec for o in outs]
+    return {"s": dt, "tokens": toks, "n": sum(len(t) for t in toks),
+            "mean_accepted_length": (statistics.mean(m.mean_accepted_length for m in spec)
+                                     if spec and spec[0].num_spec_steps else None)}
+
+
+def hf_run(model, tok, counter, prompts: list[list[int]], max_tokens: int, ignore_eos: bool,
+           **gen_kw) -> dict:
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    L = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad)
+    if ignore_eos:
+        kw["min_new_tokens"] = max_tokens
+    counter.n = 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, **kw, **gen_kw)
+    dt = time.perf_counter() - t0
+    toks = []
+    for row in out[:, L:].tolist():
+        if tok.eos_token_id in row and not ignore_eos:
+            row = row[: row.index(tok.eos_token_id) + 1]
+        toks.append([t for t in row if t != pad] if len(prompts) > 1 else row)
+    n = sum(len(t) for t in toks)
+    # decoding forwards only (the first forward is the prefill that gives the first token)
+    mal = (n - len(prompts)) / (counter.n - 1) if counter.n > 1 else None
+    return {"s": dt, "tokens": toks, "n": n, "forwards": counter.n, "mean_accepted_length": mal}
+
+
+def med(xs):
+    return statistics.median(xs) if xs else None
+
+
+def bench_engine(llm, hf, tok, counter, repeats: int, max_tokens: int) -> dict:
+    prompts = [chat_ids(tok, p) for p in PLAIN_PROMPTS]
+    rows = []
+    per = {"single": {"ours": [], "hf": [], "ratio": []}, "batch": {"ours": [], "hf": [], "ratio": []}}
+    equal = True
+    for r in range(repeats):
+        for i, p in enumerate(prompts):
+            a = ours_run(llm, [p], max_tokens, True)
+            b = hf_run(hf, tok, counter, [p], max_tokens, True)
+            equal &= a["tokens"] == b["tokens"]
+            ta, tb = a["n"] / a["s"], b["n"] / b["s"]
+            per["single"]["ours"].append(ta)
+            per["single"]["hf"].append(tb)
+            per["single"]["ratio"].append(ta / tb)
+            rows.append({"repeat": r, "prompt": i, "ours_tok_s": ta, "hf_tok_s": tb})
+            print(f"  single r{r} p{i}: ours {ta:6.1f} tok/s  hf {tb:6.1f} tok/s  "
+                  f"ratio {ta / tb:.2f}", flush=True)
+        a = ours_run(llm, prompts, max_tokens, True)
+        b = hf_run(hf, tok, counter, prompts, max_tokens, True)
+        ta, tb = a["n"] / a["s"], b["n"] / b["s"]
+        per["batch"]["ours"].append(ta)
+        per["batch"]["hf"].append(tb)
+        per["batch"]["ratio"].append(ta / tb)
+        print(f"  batch{len(prompts)} r{r}: ours {ta:6.1f} tok/s  hf {tb:6.1f} tok/s  "
+              f"ratio {ta / tb:.2f}", flush=True)
+    summary = {mode: {k: med(v) for k, v in d.items()} for mode, d in per.items()}
+    return {"max_tokens": max_tokens, "repeats": repeats, "num_prompts": len(prompts),
+            "greedy_single_equal_to_hf": equal, "median": summary, "runs": rows,
+            "batch_runs": per["batch"]}
+
+
+def bench_ngram(llm, llm_ng, hf, tok, counter, repeats: int, max_tokens: int, k: int,
+                hf_k: int) -> dict:
+    from speculant.demo import DEMO_PROMPTS
+
+    cats = {}
+    for cat, text in DEMO_PROMPTS:
+        p = chat_ids(tok, text)
+        d = {"ours_plain_s": [], "ours_ngram_s": [], "hf_plain_s": [], "hf_lookup_s": [],
+             "ours_speedup": [], "hf_speedup": [], "ours_mal": [], "hf_mal": []}
+        same = True
+        for r in range(repeats):
+            a = ours_run(llm, [p], max_tokens, False)
+            b = ours_run(llm_ng, [p], max_tokens, False)
+            c = hf_run(hf, tok, counter, [p], max_tokens, False)
+            e = hf_run(hf, tok, counter, [p], max_tokens, False, prompt_lookup_num_tokens=hf_k)
+            same &= a["tokens"] == b["tokens"]
+            d["ours_plain_s"].append(a["s"] / a["n"])
+            d["ours_ngram_s"].append(b["s"] / b["n"])
+            d["hf_plain_s"].append(c["s"] / c["n"])
+            d["hf_lookup_s"].append(e["s"] / e["n"])
+            d["ours_speedup"].append((a["s"] / a["n"]) / (b["s"] / b["n"]))
+            d["hf_speedup"].append((c["s"] / c["n"]) / (e["s"] / e["n"]))
+            d["ours_mal"].append(b["mean_accepted_length"] or 1.0)
+            d["hf_mal"].append(e["mean_accepted_length"] or 1.0)
+            print(f"  {cat:<10} r{r}: ours x{d['ours_speedup'][-1]:.2f} (len "
+                  f"{d['ours_mal'][-1]:.2f})  hf x{d['hf_speedup'][-1]:.2f} (len "
+                  f"{d['hf_mal'][-1]:.2f})  tokens {b['n']}/{e['n']}", flush=True)
+        cats[cat] = {"median": {key: med(v) for key, v in d.items()}, "runs": d,
+                     "ngram_equals_plain": same, "hf_equals_ours": c["tokens"] == a["tokens"]}
+    return {"max_tokens": max_tokens, "repeats": repeats, "k": k, "hf_prompt_lookup_num_tokens": hf_k,
+            "categories": cats}
+
+
+def plot(engine: dict | None, ngram: dict | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    if engine:
+        ax = axes[0]
+        modes = list(engine["median"])
+        x = range(len(modes))
+        ax.bar([i - 0.2 for i in x], [engine["median"][m]["ours"] for m in modes], 0.4, label="speculant")
+        ax.bar([i + 0.2 for i in x], [engine["median"][m]["hf"] for m in modes], 0.4, label="HF generate")
+        for i, m in enumerate(modes):
+            ax.text(i, engine["median"][m]["ours"], f"x{engine['median'][m]['ratio']:.2f}", ha="center",
+                    va="bottom")
+        ax.set_xticks(list(x), [f"{m} ({'1' if m == 'single' else engine['num_prompts']} seq)"
+                                for m in modes])
+        ax.set_ylabel("greedy tokens/s (median)")
+        ax.set_title("SmolLM2-135M fp32 CPU: engine vs HF")
+        ax.legend()
+    if ngram:
+        ax = axes[1]
+        cats = list(ngram["categories"])
+        x = range(len(cats))
+        ours = [ngram["categories"][c]["median"]["ours_speedup"] for c in cats]
+        hf = [ngram["categories"][c]["median"]["hf_speedup"] for c in cats]
+        ax.bar([i - 0.2 for i in x], ours, 0.4, label=f"speculant ngram k={ngram['k']}")
+        ax.bar([i + 0.2 for i in x], hf, 0.4,
+               label=f"HF prompt_lookup_num_tokens={ngram['hf_prompt_lookup_num_tokens']}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(list(x), cats)
+        ax.set_ylabel("speedup over own plain decoding (median)")
+        ax.set_title("n-gram speculation, input-grounded prompts")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("-k", type=int, default=5, help="our ngram num_speculative_tokens")
+    ap.add_argument("--hf-k", type=int, default=10, help="HF prompt_lookup_num_tokens (HF default 10)")
+    ap.add_argument("--only", choices=["engine", "ngram"], default=None)
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+
+    import transformers
+
+    from speculant import LLM, SamplingParams
+    from speculant.models.loader import resolve_model
+
+    transformers.logging.set_verbosity_error()
+    folder = resolve_model(None)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"model": "SmolLM2-135M-Instruct (embedded GGUF, dequantized fp32)", "device": "cpu",
+            "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                            time.gmtime())}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    counter = ForwardCounter(hf)
+    llm = LLM(max_num_seqs=16)
+    warm = chat_ids(tok, "Hi")
+    ours_run(llm, [warm], 8, True)
+    hf_run(hf, tok, counter, [warm], 8, True)
+    engine = ngram = None
+    if args.only in (None, "engine"):
+        print("(a) engine vs HF generate, greedy", flush=True)
+        engine = bench_engine(llm, hf, tok, counter, args.repeats, args.max_tokens)
+        (out / "cpu_engine.json").write_text(json.dumps({**meta, **engine}, indent=1))
+    if args.only in (None, "ngram"):
+        print("(b) ngram vs HF prompt lookup, greedy", flush=True)
+        llm_ng = LLM(max_num_seqs=16, speculative_config={"method": "ngram",
+                                                          "num_speculative_tokens": args.k})
+        ours_run(llm_ng, [warm], 8, True)
+        hf_run(hf, tok, counter, [warm], 8, True, prompt_lookup_num_tokens=args.hf_k)
+        ngram = bench_ngram(llm, llm_ng, hf, tok, counter, args.repeats, args.max_tokens, args.k,
+                            args.hf_k)
+        (out / "cpu_ngram.json").write_text(json.dumps({**meta, **ngram}, indent=1))
+    if engine is None and (out / "cpu_engine.json").exists():
+        engine = json.loads((out / "cpu_engine.json").read_text())
+    if ngram is None and (out / "cpu_ngram.json").exists():
+        ngram = json.loads((out / "cpu_ngram.json").read_text())
+    plot(engine, ngram, out / "cpu_bench.png")
+    print("\nsummary")
+    if engine:
+        for m, v in engine["median"].items():
+            print(f"  engine {m:<7} ours {v['ours']:.1f} tok/s  hf {v['hf']:.1f} tok/s  ratio {v['ratio']:.2f}")
+    if ngram:
+        for c, v in ngram["categories"].items():
+            m = v["median"]
+            print(f"  ngram {c:<10} ours x{m['ours_speedup']:.2f} (len {m['ours_mal']:.2f})  "
+                  f"hf x{m['hf_speedup']:.2f} (len {m['hf_mal']:.2f})  lossless {v['ngram_equals_plain']}")
+    del SamplingParams
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
