@@ -22,6 +22,7 @@ import random
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from speculant import hookimpl
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from speculant.bench import parse_strategies, theoretical_speedup
 from speculant.cli import main
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from speculant import LLM, SamplingParams
 from speculant.spec_registry import StrategyError
 

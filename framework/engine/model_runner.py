@@ -1,6 +1,14 @@
-"""Owns a model and its paged KV cache; runs one flat forward over many sequences."""
+"""Owns a model and its paged KV cache; runs one flat forward over many sequences.
+
+On CUDA, decode and verification steps (at most ``max_graph_query`` tokens per sequence, at most
+``max_graph_batch`` sequences) replay CUDA graphs (:mod:`speculant.engine.cuda_graph`); prefill
+and everything on the CPU run eagerly. ``enforce_eager=True`` (or ``SPECULANT_ENFORCE_EAGER=1``)
+turns graphs off.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -15,7 +23,8 @@ def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, enforce_eager: bool = False, max_graph_batch: int = 128,
+                 max_graph_query: int = 16) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -24,6 +33,15 @@ class ModelRunner:
         self.kv_cache = torch.zeros(model.num_layers, 2, num_blocks, block_size, nkv, d,
                                     dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model.num_layers)]
+        self.graphs = None
+        eager = enforce_eager or os.environ.get("SPECULANT_ENFORCE_EAGER", "0") not in ("", "0")
+        if device.type == "cuda" and not eager:
+            from speculant.engine.cuda_graph import CudaGraphRunner
+
+            max_len = getattr(model, "max_positions", None) or 4096
+            width = min(num_blocks, -(-(max_len + max_graph_query) // block_size) + 1)
+            self.graphs = CudaGraphRunner(model, self.kv_caches, block_size, device, width,
+                                          max_graph_batch, max_graph_query)
 
     @torch.inference_mode()
     def forward(
@@ -37,6 +55,8 @@ class ModelRunner:
         ``aux_layers`` is set, the residual stream entering those layers ``[num_tokens, n*hidden]``.
         """
         query_lens = [len(t) for t in new_tokens]
+        if self.graphs is not None and self.graphs.supports(seqs, query_lens):
+            return self.graphs.run(seqs, new_tokens, tuple(aux_layers))
         ctx_lens = [s.num_cached_tokens + q for s, q in zip(seqs, query_lens)]
         flat = [t for toks in new_tokens for t in toks]
         positions = [p for s, q in zip(seqs, query_lens) for p in range(s.num_cached_tokens, s.num_cached_tokens + q)]

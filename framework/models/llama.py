@@ -87,6 +87,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.config = config
+        self.max_positions = max_positions  # sizes CUDA-graph block tables
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rope = RotaryEmbedding(config, head_dim, max_positions)

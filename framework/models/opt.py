@@ -71,6 +71,7 @@ class OPTForCausalLM(nn.Module):
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.config = config
+        self.max_positions = max_positions  # sizes CUDA-graph block tables
         proj = config.word_embed_proj_dim
         self.embed_tokens = nn.Embedding(config.vocab_size, proj)
         self.embed_positions = nn.Embedding(config.max_position_embeddings + _POS_OFFSET, config.hidden_size)

@@ -1,0 +1,328 @@
+"""Speculative decoding at Llama-3-8B scale on one GPU, with synthetic weights made on the device.
+
+    python bench/gpu_8b.py --out OUT_DIR [--layers N] [--max-tokens T] [--batch-sizes 1,4,16,64]
+
+In one process: HBM copy bandwidth; the target (Llama-3-8B geometry, bf16, random weights
+initialised on the GPU: nothing is downloaded); plain decoding vs the oracle at a in {0.6, 0.8,
+0.9} x k in {3, 5}, n-gram, a Llama-3.2-1B-geometry draft model, an EAGLE-1 head and an
+MLPSpeculator sized for the target (synthetic checkpoints written to a temporary folder), over a
+batch sweep with ``disable_by_batch_size``; CUDA graphs vs eager; Hugging Face transformers
+``generate`` on the same weights (shared, zero-copy). Writes gpu_8b.json and gpu_8b.png.
+
+Roofline of plain batch-1 decoding: bytes of the weights one decode step reads (every parameter
+but the input embedding table, of which one row is read) / measured copy bandwidth (bytes read +
+bytes written per second of a large device-to-device copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
+    tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
+)
+LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                  tie_word_embeddings=True)
+INIT_STD = 0.02
+
+
+# ------------------------------------------------------------------------ synthetic weights
+def synthetic_loader(original):
+    """``load_model`` replacement: folders whose config.json says ``speculant_synthetic`` get
+    random weights made on the device (normal(0, 0.02), norms 1); others load normally."""
+
+    def load_model(folder, config, dtype, device, max_positions):
+        if not getattr(config, "speculant_synthetic", False):
+            return original(folder, config, dtype, device, max_positions)
+        from speculant.models import model_class_for
+        from speculant.models.layers import RotaryEmbedding
+
+        with torch.device("meta"):
+            model = model_class_for(config, str(folder))(config, max_positions).to(dtype)
+        model = model.to_empty(device=device)
+        if getattr(model, "tie_word_embeddings", False):
+            model.lm_head.weight = model.embed_tokens.weight
+        for mod in model.modules():
+            if isinstance(mod, RotaryEmbedding):
+                mod.reset(config, max_positions, device)
+        gen = torch.Generator(device).manual_seed(int(getattr(config, "speculant_seed", 0)))
+        with torch.no_grad():
+            for _name, p in model.named_parameters():
+                if p.dim() == 1:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, INIT_STD, generator=gen)
+        return model.eval()
+
+    return load_model
+
+
+def write_config(folder: Path, cfg: dict, seed: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(dict(cfg, speculant_synthetic=True,
+                                                        speculant_seed=seed)))
+    return folder
+
+
+def write_tensors(folder: Path, cfg: dict, shapes: dict[str, tuple[int, ...]], seed: int) -> Path:
+    """A small checkpoint (config.json + model.safetensors) of random bf16 tensors."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    gen = torch.Generator("cuda").manual_seed(seed)
+    tensors = {}
+    for name, shape in shapes.items():
+        t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        if name.endswith(("norm.weight", "ln.0.weight")):
+            t.fill_(1.0)
+        elif name.endswith("bias"):
+            t.zero_()
+        else:
+            t.normal_(0.0, INIT_STD, generator=gen)
+        tensors[name] = t.cpu()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def eagle1_checkpoint(folder: Path) -> Path:
+    H, F, kv = 4096, 14336, 1024
+    p = "layers.0."
+    shapes = {"fc.weight": (H, 2 * H), "fc.bias": (H,),
+              p + "self_attn.q_proj.weight": (H, H), p + "self_attn.k_proj.weight": (kv, H),
+              p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, H),
+              p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
+              p + "mlp.down_proj.weight": (H, F), p + "post_attention_layernorm.weight": (H,)}
+    return write_tensors(folder, dict(LLAMA3_8B, num_hidden_layers=1, bias=True), shapes, 11)
+
+
+def mlp_speculator_checkpoint(folder: Path, n_predict: int = 4) -> Path:
+    """ibm-ai-platform/llama3-8b-accelerator geometry: emb 4096, inner 3072, tied stages."""
+    V, H, inner = 128256, 4096, 3072
+    shapes = {"emb.0.weight": (V, inner), "proj.0.weight": (inner, H), "proj.1.weight": (inner, inner),
+              "head.0.weight": (V, inner), "ln.0.weight": (inner,), "ln.0.bias": (inner,)}
+    cfg = {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator",
+           "n_predict": n_predict, "emb_dim": H, "inner_dim": inner, "vocab_size": V,
+           "tie_weights": True, "scale_input": True, "top_k_tokens_per_head": [1] * n_predict}
+    return write_tensors(folder, cfg, shapes, 12)
+
+
+# ------------------------------------------------------------------------ measurements
+def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 20) -> float:
+    """Bytes read + written per second of a device-to-device copy (median of ``iters``)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(iters + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        if i >= 3:
+            times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
+def weight_bytes_per_step(model) -> int:
+    skip = set() if model.tie_word_embeddings else {id(model.embed_tokens.weight)}
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen and id(p) not in skip:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def hf_sharing(model, config):
+    """A transformers LlamaForCausalLM whose parameters are views of ours (no copy)."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(config)
+
+    def P(t):
+        return torch.nn.Parameter(t, requires_grad=False)
+
+    hf.model.embed_tokens.weight = P(model.embed_tokens.weight)
+    for hl, ol in zip(hf.model.layers, model.layers):
+        a, m = ol.self_attn, ol.mlp
+        q, kv = a.q_size, a.kv_size
+        w = a.qkv_proj.weight  # [q + 2 kv, hidden]
+        hl.self_attn.q_proj.weight = P(w[:q])
+        hl.self_attn.k_proj.weight = P(w[q : q + kv])
+        hl.self_attn.v_proj.weight = P(w[q + kv :])
+        hl.self_attn.o_proj.weight = P(a.o_proj.weight)
+        gu = m.gate_up_proj.weight  # [2 inter, hidden]
+        hl.mlp.gate_proj.weight = P(gu[: m.inter])
+        hl.mlp.up_proj.weight = P(gu[m.inter :])
+        hl.mlp.down_proj.weight = P(m.down_proj.weight)
+        hl.input_layernorm.weight = P(ol.input_layernorm.weight)
+        hl.post_attention_layernorm.weight = P(ol.post_attention_layernorm.weight)
+    hf.model.norm.weight = P(model.norm.weight)
+    hf.lm_head.weight = P(model.lm_head.weight)
+    dev = model.lm_head.weight.device
+    with torch.device(dev):
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)
+    left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"HF model still has meta tensors: {left[:4]}")
+    return hf.eval()
+
+
+def hf_generate(hf, prompt: list[int], max_new: int) -> dict:
+    ids = torch.tensor([prompt], device="cuda")
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, **kw)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    return {"tokens_per_s": max_new / dt, "s": dt, "tokens": out[0, len(prompt) :].tolist()}
+
+
+def graph_check(engine, prompts, max_tokens: int) -> dict:
+    """CUDA graphs vs eager: same greedy tokens (batch 1 and 8), and the eager speed."""
+    from speculant.bench import _decode_run, _set_strategy
+
+    _set_strategy(engine, None)
+    res = {}
+    for bs in (1, 8):
+        _decode_run(engine, prompts[:bs], 4)  # warm-up (graph capture)
+        fast = _decode_run(engine, prompts[:bs], max_tokens)
+        graphs, engine.runner.graphs = engine.runner.graphs, None
+        try:
+            _decode_run(engine, prompts[:bs], 4)
+            slow = _decode_run(engine, prompts[:bs], max_tokens)
+        finally:
+            engine.runner.graphs = graphs
+        same = [a == b for a, b in zip(fast["tokens"], slow["tokens"])]
+        res[f"batch_{bs}"] = {
+            "same_tokens": all(same), "seqs_same": sum(same), "seqs": len(same),
+            "graph_tokens_per_s": fast["decode_tokens"] / fast["decode_s"],
+            "eager_tokens_per_s": slow["decode_tokens"] / slow["decode_s"],
+        }
+    return res
+
+
+# ------------------------------------------------------------------------ main
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--layers", type=int, default=32, help="target layers (32: Llama-3-8B)")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--batch-sizes", default="1,4,8,16,64")
+    ap.add_argument("--warmup-tokens", type=int, default=16)
+    ap.add_argument("--disable-by-batch-size", type=int, default=16)
+    ap.add_argument("--skip", default="", help="comma-separated: hf,draft,eagle,mlp,ngram,check")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    skip = set(filter(None, args.skip.split(",")))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+
+    import speculant.engine.llm_engine as llm_engine
+    import speculant.models.loader as loader
+    from speculant import LLM
+    from speculant.bench import random_prompts, run_bench, table, write_outputs
+    from speculant.engine.spec_decode import SpecDecoder
+
+    loader.load_model = synthetic_loader(loader.load_model)  # the draft model imports it late
+    llm_engine.load_model = loader.load_model
+
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="speculant-8b-"))
+    target = write_config(tmp / "target", dict(LLAMA3_8B, num_hidden_layers=args.layers), 0)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    max_len = args.prompt_len + args.max_tokens + 64
+    llm = LLM(model=str(target), dtype="bfloat16", skip_tokenizer_init=True,
+              max_num_seqs=max(batch_sizes + [8]), max_model_len=max_len,
+              kv_cache_memory=8 << 30)
+    engine = llm.engine
+    wbytes = weight_bytes_per_step(engine.model)
+    roofline = bw / wbytes
+    print(f"target loaded ({wbytes / 1e9:.2f} GB read per step, roofline {roofline:.1f} tok/s) "
+          f"after {time.perf_counter() - t_start:.0f}s", flush=True)
+    prompts = random_prompts(max(batch_sizes + [8]), args.prompt_len, engine.vocab_size, seed=0)
+
+    extra: dict = {"copy_bandwidth_Bps": bw, "weight_bytes_per_step": wbytes,
+                   "roofline_tokens_per_s": roofline, "layers": args.layers, "errors": {}}
+    if "check" not in skip:
+        extra["cuda_graph_check"] = graph_check(engine, prompts, min(args.max_tokens, 128))
+        print("graph check", extra["cuda_graph_check"], flush=True)
+
+    dis = {"disable_by_batch_size": args.disable_by_batch_size}
+    strategies = [dict(method="oracle", alpha=a, num_speculative_tokens=k, **dis)
+                  for a in (0.6, 0.8, 0.9) for k in (3, 5)]
+    if "ngram" not in skip:
+        strategies.append(dict(method="ngram", num_speculative_tokens=3, **dis))
+    optional = []
+    if "draft" not in skip:
+        d = write_config(tmp / "draft-1b", LLAMA32_1B, 1)
+        optional.append(dict(name="draft 1B", method="draft_model", model=str(d),
+                             num_speculative_tokens=3, kv_cache_memory=2 << 30, **dis))
+    if "eagle" not in skip:
+        optional.append(dict(name="eagle", method="eagle", model=str(eagle1_checkpoint(tmp / "eagle")),
+                             num_speculative_tokens=3, **dis))
+    if "mlp" not in skip:
+        optional.append(dict(name="mlp_speculator", method="mlp_speculator",
+                             model=str(mlp_speculator_checkpoint(tmp / "mlp")),
+                             num_speculative_tokens=4, **dis))
+    for spec in optional:  # keep only strategies that can be built from synthetic checkpoints
+        try:
+            SpecDecoder(engine, {k: v for k, v in spec.items() if k != "name"})
+            strategies.append(spec)
+        except Exception as e:  # noqa: BLE001 - reported in the JSON
+            extra["errors"][spec["name"]] = f"{type(e).__name__}: {e}"
+            print(f"skipping {spec['name']}: {e}", flush=True)
+        torch.cuda.empty_cache()
+
+    result = run_bench(engine, prompts, strategies, args.max_tokens, batch_sizes,
+                       warmup_tokens=args.warmup_tokens)
+    plain1 = next(r for r in result["runs"] if r["method"] == "plain" and r["batch_size"] == 1)
+    extra["plain_batch1_fraction_of_roofline"] = plain1["tokens_per_s"] / roofline
+    if "hf" not in skip:
+        hf = hf_sharing(engine.model, engine.hf_config)
+        h = hf_generate(hf, prompts[0], min(args.max_tokens, 128))
+        mine = _first_tokens(engine, prompts[0], len(h["tokens"]))
+        n_same = next((i for i, (a, b) in enumerate(zip(h["tokens"], mine)) if a != b), len(mine))
+        extra["hf_generate"] = {"tokens_per_s": h["tokens_per_s"], "s": h["s"],
+                                "fraction_of_roofline": h["tokens_per_s"] / roofline,
+                                "matching_prefix_tokens": n_same, "tokens": len(mine)}
+        del hf
+    result["extra"] = extra
+    result["wall_s"] = time.perf_counter() - t_start
+    json_path, png_path = write_outputs(result, out, "gpu_8b")
+    print(table(result))
+    print(json.dumps({k: v for k, v in extra.items() if k != "cuda_graph_check"}, default=str))
+    print(f"wrote {json_path} {png_path} in {result['wall_s']:.0f}s")
+    return 0
+
+
+def _first_tokens(engine, prompt, n) -> list[int]:
+    from speculant.bench import _decode_run, _set_strategy
+
+    _set_strategy(engine, None)
+    return _decode_run(engine, [prompt], n)["tokens"][0]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""CUDA graphs of the model forward for decode (1 token per sequence) and verification (up to k+1
+tokens per sequence) steps.
+
+One graph per (batch bucket B, query bucket Q, aux layers), captured lazily on first use and
+replayed afterwards. All inputs live in static device buffers that the graphs read: token ids,
+positions and slot mapping (int64, ``B * Q`` rows), and context lengths, query start offsets and
+block tables (int32). A step fills one pinned host staging buffer per dtype with numpy, copies it
+to the device (one asynchronous copy each) and replays the graph: no device read, no ``.item()``,
+no per-layer launch. The Triton paged-attention kernel picks its launch configuration from shapes
+only (never from tensor contents), which is what makes it capturable.
+
+Padding: a step with ``n <= B`` sequences and ``T <= B * Q`` query tokens (any lengths up to
+``Q``, flat in ``query_start_loc`` order) leaves rows ``T..`` as padding: token 0 at position 0
+with slot -1 (``store_kv`` skips it), and sequences ``n..`` with context length 0 and an empty
+query range (the attention kernel skips them). Padded rows of the output are garbage and dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from speculant.engine.attention import AttentionMetadata, ForwardContext
+
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+# tokens per sequence: decode (1), verification of k drafts (k + 1), draft catch-up (1..k+1)
+QUERY_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # [B * Q, hidden] static output
+    aux: torch.Tensor | None  # [B * Q, n_aux * hidden] static output
+
+
+class CudaGraphRunner:
+    def __init__(self, model, kv_caches, block_size: int, device: torch.device,
+                 max_blocks_per_seq: int, max_batch: int = 128, max_query: int = 16) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.W = max_blocks_per_seq  # block-table width
+        self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
+        self.q_buckets = tuple(q for q in QUERY_BUCKETS if q < max_query) + (max_query,)
+        self.max_batch = max_batch
+        self.max_query = max_query
+        self.max_tokens = max_batch * max_query
+        N, B, W = self.max_tokens, max_batch, self.W
+        # int64 region: [ids | positions | slots], N each; int32 region: [ctx | qsl | tables]
+        self.o32 = (0, B, 2 * B + 1)
+        self.len32 = 2 * B + 1 + B * W
+        self.host64 = torch.zeros(3 * N, dtype=torch.int64, pin_memory=True)
+        self.host32 = torch.zeros(self.len32, dtype=torch.int32, pin_memory=True)
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        self.dev64 = torch.zeros(3 * N, dtype=torch.int64, device=device)
+        self.dev32 = torch.zeros(self.len32, dtype=torch.int32, device=device)
+        self.copied = torch.cuda.Event()  # staging may be rewritten once this has passed
+        self.graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}  # (B, Q, aux)
+        self.pool = None
+
+    # ----------------------------------------------------------------- static views
+    def _views(self, B: int, Q: int):
+        N, M = self.max_tokens, B * Q
+        c, q, t = self.o32
+        ids = self.dev64[0:M]  # [B*Q] token ids
+        pos = self.dev64[N : N + M]  # [B*Q] positions
+        slots = self.dev64[2 * N : 2 * N + M]  # [B*Q] cache slots, -1 = padding
+        ctx = self.dev32[c : c + B]  # [B] context lengths after this step's writes
+        qsl = self.dev32[q : q + B + 1]  # [B + 1] query start offsets
+        tables = self.dev32[t : t + B * self.W].view(B, self.W)  # [B, W] block tables
+        return ids, pos, slots, ctx, qsl, tables
+
+    def supports(self, seqs, query_lens: list[int]) -> bool:
+        return (0 < len(seqs) <= self.max_batch and max(query_lens) <= self.max_query
+                and all(len(s.block_table) <= self.W for s in seqs))
+
+    # ----------------------------------------------------------------- one step
+    def run(self, seqs, new_tokens: list[list[int]], aux_layers: tuple[int, ...]):
+        """Returns (hidden [T, hidden], aux [T, n_aux * hidden] or None), fresh tensors."""
+        query_lens = [len(t) for t in new_tokens]
+        n, T = len(seqs), sum(query_lens)
+        B, Q = _bucket(n, self.buckets), _bucket(max(query_lens), self.q_buckets)
+        key = (B, Q, tuple(aux_layers))
+        self._stage(seqs, new_tokens, query_lens, B, Q)
+        g = self.graphs.get(key) or self._capture(*key)
+        g.graph.replay()
+        return g.hidden[:T].clone(), (g.aux[:T].clone() if g.aux is not None else None)
+
+    def _stage(self, seqs, new_tokens, query_lens, B: int, Q: int) -> None:
+        N, M, W = self.max_tokens, B * Q, self.W
+        T = sum(query_lens)
+        self.copied.synchronize()  # the previous step's copy has read the staging buffers
+        h64, h32 = self.np64, self.np32
+        c, q, t = self.o32
+        starts = np.fromiter((s.num_cached_tokens for s in seqs), np.int64, len(seqs))
+        qlens = np.asarray(query_lens, dtype=np.int64)
+        seq_of = np.repeat(np.arange(len(seqs)), qlens)  # [T] sequence of each token
+        qsl = np.zeros(len(seqs) + 1, np.int64)
+        np.cumsum(qlens, out=qsl[1:])
+        positions = starts[seq_of] + (np.arange(T) - qsl[:-1][seq_of])  # [T]
+        tables = h32[t : t + B * W].reshape(B, W)
+        for i, s in enumerate(seqs):
+            bt = s.block_table
+            tables[i, : len(bt)] = bt
+        h64[0:T] = [x for toks in new_tokens for x in toks]
+        h64[T:M] = 0
+        h64[N : N + T] = positions
+        h64[N + T : N + M] = 0
+        h64[2 * N : 2 * N + T] = (tables[seq_of, positions // self.block_size].astype(np.int64)
+                                  * self.block_size + positions % self.block_size)
+        h64[2 * N + T : 2 * N + M] = -1
+        h32[c : c + len(seqs)] = starts + qlens
+        h32[c + len(seqs) : c + B] = 0
+        h32[q : q + len(seqs) + 1] = qsl
+        h32[q + len(seqs) + 1 : q + B + 1] = T
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
+        self.copied.record()
+        for s, ql in zip(seqs, query_lens):
+            s.num_cached_tokens += ql
+
+    # ----------------------------------------------------------------- capture
+    def _forward(self, B: int, Q: int, aux_layers: tuple[int, ...]):
+        ids, pos, slots, ctx_lens, qsl, tables = self._views(B, Q)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=ctx_lens,
+                                 query_start_loc=qsl, query_lens=[Q] * B,
+                                 context_lens_list=[self.W * self.block_size] * B,
+                                 block_size=self.block_size)
+        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, aux_layers=aux_layers)
+        hidden = self.model(ids, pos, ctx)  # [B*Q, hidden]
+        aux = torch.cat(ctx.aux_hidden, dim=-1) if ctx.aux_hidden else None
+        return hidden, aux
+
+    def _capture(self, B: int, Q: int, aux_layers: tuple[int, ...]) -> _Graph:
+        # the staged inputs of the current step are on the device; a warm-up run on them would
+        # write their K/V twice (harmless: same values), and compiles the Triton kernels for
+        # these shapes outside the capture
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward(B, Q, aux_layers)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden, aux = self._forward(B, Q, aux_layers)
+        g = _Graph(graph, hidden, aux)
+        self.graphs[(B, Q, aux_layers)] = g
+        return g
