@@ -1,0 +1,189 @@
+"""The engine itself: batching equals one-at-a-time (also under preemption), block manager
+bookkeeping and rollback, n > 1, chat, RequestOutput fields, the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from speculant import LLM, SamplingParams
+from speculant.engine.block_manager import BlockManager
+from speculant.engine.sequence import Sequence
+from speculant.outputs import RequestMetrics
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+PROMPTS = [[1, 5, 6, 7], [1] + list(range(200, 230)), [1, 77], [1, 9, 9, 9, 9, 9], [1, 4000, 12],
+           [1] + list(range(1000, 1018))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    return LLM(model=str(tiny_llama), max_num_seqs=8)
+
+
+def toks(llm, prompts, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_batch_equals_one_at_a_time(tiny):
+    batched = toks(tiny, PROMPTS)
+    single = [toks(tiny, [p])[0] for p in PROMPTS]
+    assert batched == single
+    assert all(len(t) == 40 for t in batched)
+    # mixed lengths: max_tokens per prompt, so sequences leave the batch at different steps
+    params = [GREEDY.clone(max_tokens=5 + 7 * i) for i in range(len(PROMPTS))]
+    mixed = toks(tiny, PROMPTS, params)
+    assert mixed == [s[: 5 + 7 * i] for i, s in enumerate(single)]
+
+
+def test_smollm_batch_equals_one_at_a_time(smollm):
+    prompts = ["The three primary colors are", "import numpy as np\n", "Once upon a time"]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in smollm.generate(prompts, sp, use_tqdm=False)]
+    single = [smollm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert batched == single
+
+
+def test_preemption_keeps_outputs(tiny_llama, tiny):
+    reference = [toks(tiny, [p])[0] for p in PROMPTS]
+    # 6 sequences of up to 31 + 40 tokens need 3-5 blocks of 16 each; 10 blocks force preemption
+    small = LLM(model=str(tiny_llama), max_num_seqs=8, num_gpu_blocks_override=10)
+    assert small.engine.block_manager.num_blocks == 10
+    assert toks(small, PROMPTS) == reference
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.block_manager.num_free_blocks == 10  # everything given back
+
+
+def _seq(n_tokens: int) -> Sequence:
+    return Sequence("r", 0, list(range(n_tokens)), SamplingParams(), RequestMetrics(0.0), None)
+
+
+def test_block_manager_reserve_rollback_free():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a, b = _seq(10), _seq(3)
+    bm.reserve(a, 10)
+    assert a.block_table == [0, 1, 2] and bm.num_free_blocks == 5
+    bm.reserve(b, 3)
+    assert b.block_table == [3]
+    assert bm.slot(a, 9) == 2 * 4 + 1
+    bm.reserve(a, 12)  # still fits in 3 blocks
+    assert len(a.block_table) == 3
+    bm.reserve(a, 13)
+    assert a.block_table == [0, 1, 2, 4] and bm.num_free_blocks == 3
+    a.num_cached_tokens = 13
+    bm.rollback(a, 13 - 2)  # drop the last 2 positions: 11 positions need 3 blocks
+    assert a.block_table == [0, 1, 2] and a.num_cached_tokens == 11 and bm.num_free_blocks == 4
+    bm.rollback(a, 8)  # exactly two blocks
+    assert a.block_table == [0, 1] and a.num_cached_tokens == 8 and bm.num_free_blocks == 5
+    bm.rollback(a, 9)  # rolling "forward" frees nothing and caches nothing new
+    assert a.block_table == [0, 1] and a.num_cached_tokens == 8
+    assert not bm.can_reserve(b, 4 * 7)
+    with pytest.raises(RuntimeError, match="out of KV cache blocks"):
+        bm.reserve(b, 4 * 7)
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 8 and a.block_table == [] and a.num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("j", [1, 5, 17])
+def test_rollback_last_j_positions_then_regenerate(tiny, j):
+    """Generate, roll back the last j tokens of a live sequence (tokens and KV cache), continue:
+    greedy decoding must regenerate exactly the same tokens over the rolled-back slots."""
+    engine = tiny.engine
+    ref = toks(tiny, PROMPTS[1:2])[0]
+    engine.add_request("rb", None, PROMPTS[1], GREEDY)
+    s = engine.requests["rb"].seqs[0]
+    while s.num_output_tokens < 25:
+        engine.step()
+    assert s.output_token_ids == ref[:25] and s.num_cached_tokens == len(s) - 1
+    blocks_before = list(s.block_table)
+    keep = len(s) - j
+    del s.token_ids[keep:]
+    engine.block_manager.rollback(s, keep - 1)  # the last kept token is not in the cache yet
+    assert s.block_table == blocks_before[: -(-(keep - 1) // engine.block_size)]
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.outputs[0].token_ids for o in outs if o.request_id == "rb"] == [ref]
+
+
+def test_n_greater_than_one(tiny):
+    out = tiny.generate({"prompt_token_ids": PROMPTS[0]},
+                        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    samples = [c.token_ids for c in out.outputs]
+    assert all(len(t) == 16 for t in samples) and len({tuple(t) for t in samples}) == 3
+    again = tiny.generate({"prompt_token_ids": PROMPTS[0]},
+                          SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == samples
+    greedy = tiny.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY.clone(n=2), use_tqdm=False)[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == toks(tiny, PROMPTS[:1])[0]
+
+
+def test_chat_uses_the_chat_template(smollm):
+    conv = [{"role": "system", "content": "You are brief."},
+            {"role": "user", "content": "What is 2 + 2?"}]
+    sp = SamplingParams(temperature=0.0, max_tokens=12)
+    out = smollm.chat(conv, sp, use_tqdm=False)[0]
+    ids = smollm.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert out.prompt_token_ids == ids
+    assert "<|im_start|>assistant" in out.prompt
+    direct = smollm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == direct.outputs[0].token_ids
+    two = smollm.chat([conv, [{"role": "user", "content": "Say hi."}]], sp, use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_request_output_fields(smollm):
+    prompt = "The capital of Italy is"
+    sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+    o = smollm.generate(prompt, sp, use_tqdm=False)[0]
+    assert o.prompt == prompt
+    assert o.prompt_token_ids == smollm.tokenizer(prompt).input_ids
+    assert o.finished is True
+    c = o.outputs[0]
+    assert len(c.token_ids) == 8 and c.finish_reason == "length" and c.stop_reason is None
+    assert c.text == smollm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    assert c.text.strip() != ""
+    assert len(c.logprobs) == 8 and all(t in d for t, d in zip(c.token_ids, c.logprobs))
+    assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)))
+    assert c.cumulative_logprob < 0
+    m = o.metrics
+    assert m.num_output_tokens == 8
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert m.time_to_first_token > 0 and m.time_per_output_token > 0
+    no_lp = smollm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert no_lp[0].outputs[0].logprobs is None and no_lp[0].prompt_logprobs is None
+    # the chat reply of the instruct model ends with its EOS: finish_reason "stop"
+    eos = smollm.chat([{"role": "user", "content": "Say OK."}],
+                      SamplingParams(temperature=0.0, max_tokens=200), use_tqdm=False)[0].outputs[0]
+    assert eos.finish_reason == "stop" and eos.token_ids[-1] == smollm.engine.eos_token_id
+    assert len(eos.token_ids) < 200
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "speculant.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cli_generate(tiny_llama, tiny):
+    r = _cli("generate", "--model", str(tiny_llama), "--prompt", "Hello there", "--max-tokens", "7")
+    assert r.returncode == 0, r.stderr
+    want = tiny.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=7),
+                         use_tqdm=False)[0].outputs[0].text
+    assert r.stdout == want + "\n"
+
+
+def test_cli_errors(tmp_path):
+    r = _cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert r.returncode == 2
+    assert "speculant: error:" in r.stderr and "not found" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = _cli("generate", "--prompt", "x", "--max-tokens", "0")
+    assert r.returncode == 2 and "max_tokens" in r.stderr and "Traceback" not in r.stderr
