@@ -212,11 +212,16 @@ def main() -> int:
     ap.add_argument("--hf-k", type=int, default=10, help="HF prompt_lookup_num_tokens (HF default 10)")
     ap.add_argument("--only", choices=["engine", "ngram"], default=None)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads for both engines (default: torch's choice); 1 avoids "
+                         "OpenMP barrier stalls when other processes share the cores")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     import transformers
 
-    from speculant import LLM, SamplingParams
+    from speculant import LLM
     from speculant.models.loader import resolve_model
 
     transformers.logging.set_verbosity_error()
@@ -263,7 +268,6 @@ def main() -> int:
             m = v["median"]
             print(f"  ngram {c:<10} ours x{m['ours_speedup']:.2f} (len {m['ours_mal']:.2f})  "
                   f"hf x{m['hf_speedup']:.2f} (len {m['hf_mal']:.2f})  lossless {v['ngram_equals_plain']}")
-    del SamplingParams
     return 0
 
 

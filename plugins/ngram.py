@@ -4,7 +4,11 @@ prompt and generated text, and propose the tokens that followed it. No model, no
 
 The search is vectorised with torch (one ``unfold`` + compare per n, no per-token Python loop).
 With ``adaptive=True`` (default) each sequence's draft length follows its recent acceptance
-(last accepted + 1, capped at ``num_speculative_tokens``), so failing lookups cost little.
+(last accepted + 1, capped at ``num_speculative_tokens``), and after a draft of which nothing was
+accepted the sequence proposes nothing for the next 1, 2, 4, ... tokens (up to ``max_backoff``,
+reset by the first accepted draft token). A verification pass over k + 1 tokens costs more than a
+plain decode step (on CPU markedly so), so lookups that keep failing must not run at all. Proposing
+fewer tokens never changes the output (verification is lossless).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class NgramConfig(BaseModel):
     prompt_lookup_max: int = Field(4, ge=1, le=64)
     prompt_lookup_min: int = Field(1, ge=1, le=64)
     adaptive: bool = True
+    max_backoff: int = Field(16, ge=0, le=4096)  # adaptive: most tokens to skip after failures
 
     @model_validator(mode="after")
     def _order(self) -> NgramConfig:
@@ -57,6 +62,8 @@ class NgramStrategy:
         self.num_speculative_tokens = config.num_speculative_tokens
         self._last: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (num_tokens, draft)
         self._k: dict[int, int] = {}  # adaptive draft length per sequence
+        self._fails: dict[int, int] = {}  # consecutive drafts with nothing accepted
+        self._resume: dict[int, int] = {}  # no proposals until the sequence has this many tokens
 
     @hookimpl
     def propose(self, batch: SpecBatch) -> Proposal:
@@ -84,7 +91,13 @@ class NgramStrategy:
                     break
                 accepted += 1
             k = min(self.num_speculative_tokens, accepted + 1 if accepted < len(draft) else k + 1)
+            fails = 0 if accepted else self._fails.get(seq_id, 0) + 1
+            self._fails[seq_id] = fails
+            if fails and self.config.max_backoff:
+                self._resume[seq_id] = len(tokens) + min(2 ** (fails - 1), self.config.max_backoff)
         self._k[seq_id] = max(1, k)
+        if len(tokens) < self._resume.get(seq_id, 0):
+            return 0
         return self._k[seq_id]
 
     @hookimpl
@@ -92,6 +105,8 @@ class NgramStrategy:
         for i in seq_ids:
             self._last.pop(i, None)
             self._k.pop(i, None)
+            self._fails.pop(i, None)
+            self._resume.pop(i, None)
 
 
 @hookimpl

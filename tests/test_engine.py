@@ -187,3 +187,34 @@ def test_cli_errors(tmp_path):
     assert "Traceback" not in r.stderr
     r = _cli("generate", "--prompt", "x", "--max-tokens", "0")
     assert r.returncode == 2 and "max_tokens" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ngram_backs_off_when_drafts_keep_failing():
+    """Adaptive n-gram: a draft with nothing accepted makes the sequence skip lookups for 1, 2,
+    4, ... tokens (capped), an accepted token resets it; a run of full acceptance grows k."""
+    from speculant.plugins.ngram import NgramConfig, NgramStrategy
+    from speculant.spec_types import SpecBatch, SpecSequence
+
+    strat = NgramStrategy(NgramConfig(num_speculative_tokens=3, max_backoff=4), None)
+    toks = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3]  # lookup proposes "9 1 2"
+
+    def propose(tokens):
+        s = SpecSequence(seq_id=7, token_ids=list(tokens), num_prompt_tokens=3, max_draft=3,
+                         sampling_params=SamplingParams())
+        return strat.propose(SpecBatch(seqs=[s])).token_ids[0]
+
+    assert propose(toks) == [9, 1, 2]
+    toks += [5]  # target rejected the draft's first token: back off 1 token
+    assert propose(toks) == []
+    toks += [1]
+    assert propose(toks) == [2]  # "1" matches again; k = accepted (0) + 1
+    toks += [4]  # failed again: skip 2 tokens
+    assert propose(toks) == [] and propose(toks + [1]) == []
+    toks += [1, 2]
+    draft = propose(toks)
+    assert draft  # lookups resume
+    toks += draft[:1] + [6]  # one accepted: the failure count resets, k = 2
+    propose(toks)
+    assert strat._fails[7] == 0 and strat._k[7] == 2
+    strat.on_requests_finished([7])
+    assert 7 not in strat._k and 7 not in strat._resume
