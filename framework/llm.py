@@ -89,10 +89,16 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be speculant.SamplingParams, got {type(p).__name__}")
         ids = []
-        for (text, toks), p in zip(items, params_list):
-            rid = str(next(self._counter))
-            self.engine.add_request(rid, text, toks, p)
-            ids.append(rid)
+        try:
+            for (text, toks), p in zip(items, params_list):
+                rid = str(next(self._counter))
+                self.engine.add_request(rid, text, toks, p)
+                ids.append(rid)
+        except BaseException:  # a bad prompt: drop the ones already queued, run none of them
+            for rid in ids:
+                self.engine.abort_request(rid)
+                self.engine.requests.pop(rid, None)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(
@@ -157,12 +163,14 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
+        wanted = set(ids)  # outputs of other requests (e.g. added via engine) are not ours
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while len(done) < len(ids):
                 for out in self.engine.step():
-                    done[out.request_id] = out
-                    bar.update(1)
+                    if out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
                     if out.metrics is not None and out.metrics.finished_time is not None:
                         pass
                 if not self.engine.has_unfinished_requests() and len(done) < len(ids):

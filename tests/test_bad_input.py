@@ -60,8 +60,13 @@ def test_prompt_longer_than_max_model_len(tiny):
         tiny.generate({"prompt_token_ids": [1] * 80}, use_tqdm=False)
     assert "80 tokens" in str(e.value) and "shorten the prompt or raise max_model_len" in str(e.value)
     shallow(e)
-    # the engine is still usable afterwards and nothing was left queued
-    assert not tiny.engine.has_unfinished_requests()
+    # a bad prompt after good ones: none of the call's requests is left queued (they used to
+    # stay in the engine, run during the next call and be mistaken for its outputs)
+    with pytest.raises(ValueError, match="max_model_len is 64"):
+        tiny.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [1] * 80}],
+                      SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert not tiny.engine.has_unfinished_requests() and not tiny.engine.requests
+    assert tiny.engine.block_manager.num_free_blocks == tiny.engine.block_manager.num_blocks
     out = tiny.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 
