@@ -35,6 +35,15 @@ LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidde
                   num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                   tie_word_embeddings=True)
 INIT_STD = 0.02
+# GPT-2 / Megatron "scaled init": the projections that write into the residual stream (o_proj,
+# down_proj) get std 0.02 / sqrt(2 * layers). With plain N(0, 0.02) everywhere a 32-layer random
+# network is chaotic: bf16 rounding differences (batch shape, split-K, query length) change the
+# greedy token within a few steps (seen on the H100: the oracle's recorded continuation was lost
+# after ~2 tokens), which no confident trained model does. With SCALED the token embedding
+# dominates the residual stream and the LM head is a permutation of the embeddings (see
+# _permutation_head). SCALED=False restores plain N(0, 0.02).
+SCALED = True
+EMBED_STD = 4.0  # with SCALED: the token embedding dominates the residual stream
 
 
 # ------------------------------------------------------------------------ synthetic weights
@@ -57,15 +66,30 @@ def synthetic_loader(original):
             if isinstance(mod, RotaryEmbedding):
                 mod.reset(config, max_positions, device)
         gen = torch.Generator(device).manual_seed(int(getattr(config, "speculant_seed", 0)))
+        out_std = INIT_STD / (2 * config.num_hidden_layers) ** 0.5 if SCALED else INIT_STD
         with torch.no_grad():
-            for _name, p in model.named_parameters():
+            for name, p in model.named_parameters():
                 if p.dim() == 1:
                     p.fill_(1.0)
                 else:
-                    p.normal_(0.0, INIT_STD, generator=gen)
+                    std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
+                    std = EMBED_STD if (SCALED and name.endswith("embed_tokens.weight")) else std
+                    p.normal_(0.0, std, generator=gen)
+            if SCALED and not model.tie_word_embeddings:
+                _permutation_head(model, gen)
         return model.eval()
 
     return load_model
+
+
+def _permutation_head(model, gen) -> None:
+    """LM head row pi(t) = c * embedding(t): the next token is pi(current token) by a margin of
+    tens of logits (like a confident trained model), so bf16 rounding never flips a greedy choice;
+    every layer still runs on real random weights."""
+    emb, head = model.embed_tokens.weight, model.lm_head.weight  # [vocab, hidden] each
+    perm = torch.randperm(emb.shape[0], generator=gen, device=emb.device)
+    c = 20.0 * 1.2 / (EMBED_STD * emb.shape[1])  # top logit about 20
+    head[perm] = (emb.float() * c).to(head.dtype)
 
 
 def write_config(folder: Path, cfg: dict, seed: int) -> Path:

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from speculant.models import fused
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -15,6 +17,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
+        if x.dim() == 2 and x.stride(-1) == 1 and fused.enabled(x):
+            return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -90,6 +94,9 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if fused.enabled(q) and self.cos_cache.shape[-1] == self.head_dim:
+            fused.rope_(positions, q, k, self.cos_cache, self.sin_cache)  # in place
+            return q, k
         cos = self.cos_cache[positions].unsqueeze(1)  # [num_tokens, 1, rot_dim]
         sin = self.sin_cache[positions].unsqueeze(1)
         return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from speculant.engine.attention import ForwardContext
+from speculant.models import fused
 from speculant.models.layers import RMSNorm, RotaryEmbedding, activation
 from speculant.models.weights import WeightLoader
 
@@ -55,8 +56,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
         self.act = activation(getattr(config, "hidden_act", "silu"))
+        self.fused_act = getattr(config, "hidden_act", "silu") in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
+        if self.fused_act and fused.enabled(x):
+            return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -71,6 +75,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, positions, x, ctx: ForwardContext) -> torch.Tensor:  # x: [num_tokens, hidden]
+        if fused.enabled(x):  # residual add fused into the second norm
+            a = self.self_attn(positions, self.input_layernorm(x), ctx)
+            norm = self.post_attention_layernorm
+            h, x = fused.rms_norm(a, norm.weight, norm.eps, residual=x)
+            return x + self.mlp(h)
         x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
