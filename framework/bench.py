@@ -247,6 +247,7 @@ def plot(result: dict, path: str | Path) -> None:
     runs = result["runs"]
     names = list(dict.fromkeys(r["name"] for r in runs))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
+    ax1.set_prop_cycle(color=plt.cm.tab20.colors)
     for n in names:
         pts = sorted((r["batch_size"], r["tokens_per_s"]) for r in runs if r["name"] == n)
         ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=n)
