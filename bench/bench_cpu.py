@@ -266,8 +266,10 @@ def main() -> int:
     if ngram:
         for c, v in ngram["categories"].items():
             m = v["median"]
-            print(f"  ngram {c:<10} ours x{m['ours_speedup']:.2f} (len {m['ours_mal']:.2f})  "
-                  f"hf x{m['hf_speedup']:.2f} (len {m['hf_mal']:.2f})  lossless {v['ngram_equals_plain']}")
+            print(f"  ngram {c:<10} ours x{m['ours_speedup']:.2f} (len {m['ours_mal']:.2f}, "
+                  f"{1 / m['ours_ngram_s']:.1f} tok/s)  hf x{m['hf_speedup']:.2f} (len "
+                  f"{m['hf_mal']:.2f}, {1 / m['hf_lookup_s']:.1f} tok/s)  lossless "
+                  f"{v['ngram_equals_plain']}")
     return 0
 
 
