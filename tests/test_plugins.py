@@ -151,3 +151,32 @@ def test_block_list_env_hides_a_plugin():
     env = {**env, "SPECULANT_DISABLE_PLUGINS": "", "SPECULANT_PLUGINS": "ngram,rejection_sampler"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert "bigram" not in out.stdout and "ngram" in out.stdout
+
+
+def test_strategy_on_batch_size_change_hook_turns_speculation_off(throwaway, tiny_llama):
+    """A strategy's own ``on_batch_size_change`` is called on every batch-size change (old and
+    new size), and returning False makes the step plain: no ``propose`` calls, same tokens."""
+    changes, proposed = [], []
+
+    def propose(self, batch):
+        proposed.append(len(batch))
+        return Proposal(token_ids=[[s.token_ids[-1]] * s.max_draft for s in batch.seqs])
+
+    def on_batch_size_change(self, old_size, new_size):
+        changes.append((old_size, new_size))
+        return new_size < 2  # off while two or more sequences run
+
+    cls = _make("size_gated", propose)
+    cls.on_batch_size_change = hookimpl(on_batch_size_change)
+    throwaway(cls)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 20)]
+    prompts = [[1, 2, 3, 3, 3], [4, 4, 4, 4]]
+    plain = LLM(model=str(tiny_llama)).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=str(tiny_llama), speculative_config={"method": "size_gated", "num_speculative_tokens": 3})
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    assert changes[0] == (0, 2) and (2, 1) in changes, changes
+    # proposals only once the batch shrank to one sequence
+    assert proposed and set(proposed) == {1}
+    m = llm.get_metrics()
+    assert m.num_times_enabled == 1 and m.num_draft_tokens > 0
