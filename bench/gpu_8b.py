@@ -1,6 +1,7 @@
 """Speculative decoding at Llama-3-8B scale on one GPU, with synthetic weights made on the device.
 
     python bench/gpu_8b.py --out OUT_DIR [--layers N] [--max-tokens T] [--batch-sizes 1,4,16,64]
+    python bench/gpu_8b.py --out OUT_DIR --only draft,eagle,mlp     # proposer costs only
 
 In one process: HBM copy bandwidth; the target (Llama-3-8B geometry, bf16, random weights
 initialised on the GPU: nothing is downloaded); plain decoding vs the oracle at a in {0.6, 0.8,
@@ -26,14 +27,33 @@ from pathlib import Path
 import torch
 
 LLAMA3_8B = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
-    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
-    tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_id=128001,
+    torch_dtype="bfloat16",
 )
-LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                  num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                  tie_word_embeddings=True)
+LLAMA32_1B = dict(
+    LLAMA3_8B,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    tie_word_embeddings=True,
+)
 INIT_STD = 0.02
 # GPT-2 / Megatron "scaled init": the projections that write into the residual stream (o_proj,
 # down_proj) get std 0.02 / sqrt(2 * layers). With plain N(0, 0.02) everywhere a 32-layer random
@@ -72,7 +92,11 @@ def synthetic_loader(original):
                 if p.dim() == 1:
                     p.fill_(1.0)
                 else:
-                    std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
+                    std = (
+                        out_std
+                        if name.endswith(("o_proj.weight", "down_proj.weight"))
+                        else INIT_STD
+                    )
                     std = EMBED_STD if (SCALED and name.endswith("embed_tokens.weight")) else std
                     p.normal_(0.0, std, generator=gen)
             if SCALED and not model.tie_word_embeddings:
@@ -94,8 +118,9 @@ def _permutation_head(model, gen) -> None:
 
 def write_config(folder: Path, cfg: dict, seed: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(dict(cfg, speculant_synthetic=True,
-                                                        speculant_seed=seed)))
+    (folder / "config.json").write_text(
+        json.dumps(dict(cfg, speculant_synthetic=True, speculant_seed=seed))
+    )
     return folder
 
 
@@ -123,22 +148,43 @@ def write_tensors(folder: Path, cfg: dict, shapes: dict[str, tuple[int, ...]], s
 def eagle1_checkpoint(folder: Path) -> Path:
     H, F, kv = 4096, 14336, 1024
     p = "layers.0."
-    shapes = {"fc.weight": (H, 2 * H), "fc.bias": (H,),
-              p + "self_attn.q_proj.weight": (H, H), p + "self_attn.k_proj.weight": (kv, H),
-              p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, H),
-              p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
-              p + "mlp.down_proj.weight": (H, F), p + "post_attention_layernorm.weight": (H,)}
+    shapes = {
+        "fc.weight": (H, 2 * H),
+        "fc.bias": (H,),
+        p + "self_attn.q_proj.weight": (H, H),
+        p + "self_attn.k_proj.weight": (kv, H),
+        p + "self_attn.v_proj.weight": (kv, H),
+        p + "self_attn.o_proj.weight": (H, H),
+        p + "mlp.gate_proj.weight": (F, H),
+        p + "mlp.up_proj.weight": (F, H),
+        p + "mlp.down_proj.weight": (H, F),
+        p + "post_attention_layernorm.weight": (H,),
+    }
     return write_tensors(folder, dict(LLAMA3_8B, num_hidden_layers=1, bias=True), shapes, 11)
 
 
 def mlp_speculator_checkpoint(folder: Path, n_predict: int = 4) -> Path:
     """ibm-ai-platform/llama3-8b-accelerator geometry: emb 4096, inner 3072, tied stages."""
     V, H, inner = 128256, 4096, 3072
-    shapes = {"emb.0.weight": (V, inner), "proj.0.weight": (inner, H), "proj.1.weight": (inner, inner),
-              "head.0.weight": (V, inner), "ln.0.weight": (inner,), "ln.0.bias": (inner,)}
-    cfg = {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator",
-           "n_predict": n_predict, "emb_dim": H, "inner_dim": inner, "vocab_size": V,
-           "tie_weights": True, "scale_input": True, "top_k_tokens_per_head": [1] * n_predict}
+    shapes = {
+        "emb.0.weight": (V, inner),
+        "proj.0.weight": (inner, H),
+        "proj.1.weight": (inner, inner),
+        "head.0.weight": (V, inner),
+        "ln.0.weight": (inner,),
+        "ln.0.bias": (inner,),
+    }
+    cfg = {
+        "architectures": ["MLPSpeculatorPreTrainedModel"],
+        "model_type": "mlp_speculator",
+        "n_predict": n_predict,
+        "emb_dim": H,
+        "inner_dim": inner,
+        "vocab_size": V,
+        "tie_weights": True,
+        "scale_input": True,
+        "top_k_tokens_per_head": [1] * n_predict,
+    }
     return write_tensors(folder, cfg, shapes, 12)
 
 
@@ -237,7 +283,9 @@ def graph_check(engine, prompts, max_tokens: int) -> dict:
             engine.runner.graphs = graphs
         same = [a == b for a, b in zip(fast["tokens"], slow["tokens"])]
         res[f"batch_{bs}"] = {
-            "same_tokens": all(same), "seqs_same": sum(same), "seqs": len(same),
+            "same_tokens": all(same),
+            "seqs_same": sum(same),
+            "seqs": len(same),
             "graph_tokens_per_s": fast["decode_tokens"] / fast["decode_s"],
             "eager_tokens_per_s": slow["decode_tokens"] / slow["decode_s"],
         }
@@ -249,15 +297,30 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--layers", type=int, default=32, help="target layers (32: Llama-3-8B)")
-    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=None, help="default 256 (64 with --only)")
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--batch-sizes", default="1,4,8,16,64")
+    ap.add_argument("--batch-sizes", default=None, help="default 1,4,8,16,64 (1,8 with --only)")
     ap.add_argument("--warmup-tokens", type=int, default=16)
     ap.add_argument("--disable-by-batch-size", type=int, default=16)
     ap.add_argument("--skip", default="", help="comma-separated: hf,draft,eagle,mlp,ngram,check")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="quick proposer-cost mode, comma-separated from draft,eagle,mlp,ngram: "
+        "only these strategies (no oracle sweep, graph check or HF generate); "
+        "default batch sizes 1,8 and 64 tokens; writes gpu_8b_proposers.json",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     skip = set(filter(None, args.skip.split(",")))
+    only = set(filter(None, args.only.split(",")))
+    if only:
+        unknown = only - {"draft", "eagle", "mlp", "ngram"}
+        if unknown:
+            ap.error(f"--only: unknown {sorted(unknown)}")
+        skip |= {"hf", "check", "oracle"} | ({"draft", "eagle", "mlp", "ngram"} - only)
+    args.batch_sizes = args.batch_sizes or ("1,8" if only else "1,4,8,16,64")
+    args.max_tokens = args.max_tokens or (64 if only else 256)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -277,39 +340,80 @@ def main() -> int:
     target = write_config(tmp / "target", dict(LLAMA3_8B, num_hidden_layers=args.layers), 0)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_len = args.prompt_len + args.max_tokens + 64
-    llm = LLM(model=str(target), dtype="bfloat16", skip_tokenizer_init=True,
-              max_num_seqs=max(batch_sizes + [8]), max_model_len=max_len,
-              kv_cache_memory=8 << 30)
+    llm = LLM(
+        model=str(target),
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        max_num_seqs=max(batch_sizes + [8]),
+        max_model_len=max_len,
+        kv_cache_memory=8 << 30,
+    )
     engine = llm.engine
     wbytes = weight_bytes_per_step(engine.model)
     roofline = bw / wbytes
-    print(f"target loaded ({wbytes / 1e9:.2f} GB read per step, roofline {roofline:.1f} tok/s) "
-          f"after {time.perf_counter() - t_start:.0f}s", flush=True)
+    print(
+        f"target loaded ({wbytes / 1e9:.2f} GB read per step, roofline {roofline:.1f} tok/s) "
+        f"after {time.perf_counter() - t_start:.0f}s",
+        flush=True,
+    )
     prompts = random_prompts(max(batch_sizes + [8]), args.prompt_len, engine.vocab_size, seed=0)
 
-    extra: dict = {"copy_bandwidth_Bps": bw, "weight_bytes_per_step": wbytes,
-                   "roofline_tokens_per_s": roofline, "layers": args.layers, "errors": {}}
+    extra: dict = {
+        "copy_bandwidth_Bps": bw,
+        "weight_bytes_per_step": wbytes,
+        "roofline_tokens_per_s": roofline,
+        "layers": args.layers,
+        "errors": {},
+    }
     if "check" not in skip:
         extra["cuda_graph_check"] = graph_check(engine, prompts, min(args.max_tokens, 128))
         print("graph check", extra["cuda_graph_check"], flush=True)
 
     dis = {"disable_by_batch_size": args.disable_by_batch_size}
-    strategies = [dict(method="oracle", alpha=a, num_speculative_tokens=k, **dis)
-                  for a in (0.6, 0.8, 0.9) for k in (3, 5)]
+    strategies = (
+        []
+        if "oracle" in skip
+        else [
+            dict(method="oracle", alpha=a, num_speculative_tokens=k, **dis)
+            for a in (0.6, 0.8, 0.9)
+            for k in (3, 5)
+        ]
+    )
     if "ngram" not in skip:
         strategies.append(dict(method="ngram", num_speculative_tokens=3, **dis))
     optional = []
     if "draft" not in skip:
         d = write_config(tmp / "draft-1b", LLAMA32_1B, 1)
-        optional.append(dict(name="draft 1B", method="draft_model", model=str(d),
-                             num_speculative_tokens=3, kv_cache_memory=2 << 30, **dis))
+        optional.append(
+            dict(
+                name="draft 1B",
+                method="draft_model",
+                model=str(d),
+                num_speculative_tokens=3,
+                kv_cache_memory=2 << 30,
+                **dis,
+            )
+        )
     if "eagle" not in skip:
-        optional.append(dict(name="eagle", method="eagle", model=str(eagle1_checkpoint(tmp / "eagle")),
-                             num_speculative_tokens=3, **dis))
+        optional.append(
+            dict(
+                name="eagle",
+                method="eagle",
+                model=str(eagle1_checkpoint(tmp / "eagle")),
+                num_speculative_tokens=3,
+                **dis,
+            )
+        )
     if "mlp" not in skip:
-        optional.append(dict(name="mlp_speculator", method="mlp_speculator",
-                             model=str(mlp_speculator_checkpoint(tmp / "mlp")),
-                             num_speculative_tokens=4, **dis))
+        optional.append(
+            dict(
+                name="mlp_speculator",
+                method="mlp_speculator",
+                model=str(mlp_speculator_checkpoint(tmp / "mlp")),
+                num_speculative_tokens=4,
+                **dis,
+            )
+        )
     for spec in optional:  # keep only strategies that can be built from synthetic checkpoints
         try:
             SpecDecoder(engine, {k: v for k, v in spec.items() if k != "name"})
@@ -319,26 +423,64 @@ def main() -> int:
             print(f"skipping {spec['name']}: {e}", flush=True)
         torch.cuda.empty_cache()
 
-    result = run_bench(engine, prompts, strategies, args.max_tokens, batch_sizes,
-                       warmup_tokens=args.warmup_tokens)
+    result = run_bench(
+        engine, prompts, strategies, args.max_tokens, batch_sizes, warmup_tokens=args.warmup_tokens
+    )
     plain1 = next(r for r in result["runs"] if r["method"] == "plain" and r["batch_size"] == 1)
     extra["plain_batch1_fraction_of_roofline"] = plain1["tokens_per_s"] / roofline
+    extra["proposer_cost"] = proposer_costs(result["runs"])
+    for row in extra["proposer_cost"]:
+        print(
+            f"{row['name']:>22} b{row['batch_size']:<3} propose {row['propose_ms']:.3f} ms "
+            f"({row['propose_ms_per_draft']:.3f} ms per draft run, plain step "
+            f"{row['plain_step_ms']:.3f} ms): c = {row['c_per_draft']:.3f}",
+            flush=True,
+        )
     if "hf" not in skip:
         hf = hf_sharing(engine.model, engine.hf_config)
         h = hf_generate(hf, prompts[0], min(args.max_tokens, 128))
         mine = _first_tokens(engine, prompts[0], len(h["tokens"]))
         n_same = next((i for i, (a, b) in enumerate(zip(h["tokens"], mine)) if a != b), len(mine))
-        extra["hf_generate"] = {"tokens_per_s": h["tokens_per_s"], "s": h["s"],
-                                "fraction_of_roofline": h["tokens_per_s"] / roofline,
-                                "matching_prefix_tokens": n_same, "tokens": len(mine)}
+        extra["hf_generate"] = {
+            "tokens_per_s": h["tokens_per_s"],
+            "s": h["s"],
+            "fraction_of_roofline": h["tokens_per_s"] / roofline,
+            "matching_prefix_tokens": n_same,
+            "tokens": len(mine),
+        }
         del hf
     result["extra"] = extra
     result["wall_s"] = time.perf_counter() - t_start
-    json_path, png_path = write_outputs(result, out, "gpu_8b")
+    json_path, png_path = write_outputs(result, out, "gpu_8b_proposers" if only else "gpu_8b")
     print(table(result))
     print(json.dumps({k: v for k, v in extra.items() if k != "cuda_graph_check"}, default=str))
     print(f"wrote {json_path} {png_path} in {result['wall_s']:.0f}s")
     return 0
+
+
+def proposer_costs(runs: list[dict]) -> list[dict]:
+    """Leviathan et al.'s c per strategy and batch size: the cost of ONE draft run relative to
+    one plain target decode step = propose time per speculative step / (k * plain step time)."""
+    plain = {r["batch_size"]: r["step_s"] for r in runs if r["method"] == "plain"}
+    rows = []
+    for r in runs:
+        if r["method"] == "plain" or not r.get("propose_s_per_step") or not r.get("k"):
+            continue
+        step = plain[r["batch_size"]]
+        rows.append(
+            {
+                "name": r["name"],
+                "method": r["method"],
+                "batch_size": r["batch_size"],
+                "k": r["k"],
+                "propose_ms": 1e3 * r["propose_s_per_step"],
+                "propose_ms_per_draft": 1e3 * r["propose_s_per_step"] / r["k"],
+                "plain_step_ms": 1e3 * step,
+                "c_per_draft": r["propose_s_per_step"] / (r["k"] * step),
+                "same_tokens_as_plain": r["same_tokens_as_plain"],
+            }
+        )
+    return rows
 
 
 def _first_tokens(engine, prompt, n) -> list[int]:

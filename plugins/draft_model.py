@@ -20,6 +20,7 @@ rejection sampler accepts with ``min(1, p/q)`` using the real ``q``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from pathlib import Path
 
@@ -29,17 +30,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from speculant import hookimpl
 from speculant.engine.block_manager import BlockManager
 from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
-from speculant.engine.sampler import Row, sampling_tensors, uniforms
-from speculant.kernels.rejection_sampling import sample_from_probs
-from speculant.kernels.sampling import sampling_probs
+from speculant.plugins.mlp_speculator import DraftSampler, split_drafts, to_device_async
 from speculant.spec_types import Proposal, SpecBatch, SpecSequence, StrategyContext
 
 logger = logging.getLogger("speculant")
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 _CPU_MAX_KV_BYTES = 1 << 30  # default cap of the draft's KV cache on CPU
 _CUDA_FREE_FRACTION = 0.5  # default cap on CUDA: this share of the memory free after loading
@@ -53,9 +57,12 @@ class DraftModelConfig(BaseModel):
     draft_tensor_parallel_size: int = 1
     dtype: str | None = Field(None, description="draft dtype; default: the target's")
     kv_cache_memory: int | None = Field(
-        None, ge=1 << 16, description="bytes for the draft's own KV cache; default: enough for "
+        None,
+        ge=1 << 16,
+        description="bytes for the draft's own KV cache; default: enough for "
         "max_num_seqs sequences of max_model_len (capped at 1 GiB on CPU, half the free memory "
-        "on CUDA)")
+        "on CUDA)",
+    )
 
     @field_validator("draft_tensor_parallel_size")
     @classmethod
@@ -109,8 +116,10 @@ def _source(cfg) -> str:
 
 
 def _has_tokenizer(folder: Path) -> bool:
-    return any((folder / f).exists() for f in
-               ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
+    return any(
+        (folder / f).exists()
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    )
 
 
 class DraftModelStrategy:
@@ -143,24 +152,33 @@ class DraftModelStrategy:
         self.model = load_model(folder, hf, self.dtype, self.device, self.max_len)
         rows = self.model.lm_head.weight.shape[0]
         if rows != ctx.vocab_size:
-            raise ValueError(self._vocab_msg(draft_src + " (LM head)", rows, target_src,
-                                             ctx.vocab_size))
+            raise ValueError(
+                self._vocab_msg(draft_src + " (LM head)", rows, target_src, ctx.vocab_size)
+            )
         self.block_size = ctx.block_size
         num_blocks = self._num_blocks()
         self.block_manager = BlockManager(num_blocks, self.block_size)
         self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype)
         self.states: dict[int, _DraftSeq] = {}
         self.generator = torch.Generator().manual_seed(ctx.seed + 104729)
-        logger.info("draft model %s (%s, %d layers) on %s: %d KV blocks of %d", folder,
-                    getattr(hf, "model_type", "?"), self.model.num_layers, self.device, num_blocks,
-                    self.block_size)
+        logger.info(
+            "draft model %s (%s, %d layers) on %s: %d KV blocks of %d",
+            folder,
+            getattr(hf, "model_type", "?"),
+            self.model.num_layers,
+            self.device,
+            num_blocks,
+            self.block_size,
+        )
 
     # ----------------------------------------------------------------- set-up
     @staticmethod
     def _vocab_msg(draft_src: str, dv: int, target_src: str, tv: int) -> str:
-        return (f"draft model {draft_src} has vocab_size={dv} but the target model {target_src} has "
-                f"vocab_size={tv}; a draft model must share the target's vocabulary (the same "
-                "tokenizer), pick a draft from the same model family")
+        return (
+            f"draft model {draft_src} has vocab_size={dv} but the target model {target_src} has "
+            f"vocab_size={tv}; a draft model must share the target's vocabulary (the same "
+            "tokenizer), pick a draft from the same model family"
+        )
 
     @staticmethod
     def _check_tokenizers(draft_tok, target_tok, folder: Path, target_src: str) -> None:
@@ -208,12 +226,14 @@ class DraftModelStrategy:
 
     # ----------------------------------------------------------------- hooks
     @hookimpl
+    @torch.inference_mode()
     def propose(self, batch: SpecBatch) -> Proposal:
         seqs = batch.seqs
-        drafts: list[list[int]] = [[] for _ in seqs]
         # positions of the cache used: n tokens + (k_i - 1) drafts fed back; keep them < max_len
-        ks = [max(0, min(s.max_draft, self.num_speculative_tokens, self.max_len - s.num_tokens))
-              for s in seqs]
+        ks = [
+            max(0, min(s.max_draft, self.num_speculative_tokens, self.max_len - s.num_tokens))
+            for s in seqs
+        ]
         active: list[int] = []
         feeds: list[list[int]] = []
         in_batch = {s.seq_id for s in seqs}
@@ -228,37 +248,45 @@ class DraftModelStrategy:
             active.append(i)
             feeds.append(feed)
         if not active:
-            return Proposal(token_ids=drafts)
+            return Proposal(token_ids=[[] for _ in seqs])
 
-        rows_seq = [seqs[i] for i in active]
-        greedy = [s.params.is_greedy for s in rows_seq]
-        probs = None
-        if not all(greedy):
-            V = self.ctx.vocab_size
-            probs = torch.zeros(len(seqs), max(ks), V, dtype=torch.float32, device=self.device)
-
+        sampler = DraftSampler(
+            [seqs[i] for i in active], [ks[i] for i in active], self.generator, self.device
+        )
         states = [self.states[seqs[i].seq_id] for i in active]
-        hidden, _ = self.runner.forward(states, feeds)
-        ends = torch.tensor([len(f) for f in feeds], device=hidden.device).cumsum(0) - 1
+        hidden = self._forward(states, feeds)  # [sum(len(feed)), hidden]
         for st, f in zip(states, feeds):
             st.tokens.extend(f)
+        if any(len(f) != 1 for f in feeds):  # the last row of each sequence's feed
+            ends = list(itertools.accumulate(len(f) for f in feeds))
+            hidden = hidden[to_device_async([e - 1 for e in ends], torch.long, self.device)]
+        # draft steps: the chosen tokens stay on the device and are fed back from there; the
+        # drafts are read once, at the end
+        cur = list(range(len(active)))  # rows (positions into `active`) still drafting
+        steps: list[tuple[list[int], torch.Tensor]] = []  # (rows, their tokens [len(rows)])
         step = 0
-        cur = active
-        last_hidden = hidden[ends]
         while True:
-            toks = self._choose(last_hidden, [seqs[i] for i in cur], cur, step, probs)
-            for i, t in zip(cur, toks):
-                drafts[i].append(t)
+            toks = self._choose(hidden, cur, step, sampler)  # [len(cur)]
+            steps.append((cur, toks))
             step += 1
-            nxt = [(i, t) for i, t in zip(cur, toks) if ks[i] > step]
-            if not nxt:
+            keep = [m for m, r in enumerate(cur) if ks[active[r]] > step]
+            if not keep:
                 break
-            cur = [i for i, _ in nxt]
-            states = [self.states[seqs[i].seq_id] for i in cur]
-            hidden, _ = self.runner.forward(states, [[t] for _, t in nxt])
-            for st, (_, t) in zip(states, nxt):
-                st.tokens.append(t)
-            last_hidden = hidden
+            if len(keep) != len(cur):
+                toks = toks[to_device_async(keep, torch.long, self.device)]
+                cur = [cur[m] for m in keep]
+            hidden = self._forward([states[r] for r in cur], [[0] for _ in cur], toks)
+        K = len(steps)
+        out = torch.zeros(len(active), K, dtype=torch.long, device=self.device)  # [rows, K]
+        for j, (rows, toks) in enumerate(steps):
+            if len(rows) == len(active):
+                out[:, j] = toks
+            else:
+                out[to_device_async(rows, torch.long, self.device), j] = toks
+        drafts = split_drafts(out, active, [ks[i] for i in active], len(seqs))
+        for r, i in enumerate(active):  # the drafts fed back: their K/V is in the cache now
+            states[r].tokens.extend(drafts[i][: ks[i] - 1])
+        probs = sampler.probs(active, len(seqs), self.ctx.vocab_size)
         return Proposal(token_ids=drafts, probs=probs)
 
     @hookimpl
@@ -296,30 +324,28 @@ class DraftModelStrategy:
         self.block_manager.reserve(st, need)
         return list(s.token_ids[common:])
 
-    def _choose(self, hidden: torch.Tensor, seqs: list[SpecSequence], idx: list[int], step: int,
-                probs: torch.Tensor | None) -> list[int]:
-        """Pick one draft token per row: argmax for greedy requests, a sample from the processed
-        draft distribution for the others (recorded in ``probs[idx[r], step]``)."""
-        logits = self.runner.logits(hidden)  # [rows, vocab] float32
-        greedy = [s.params.is_greedy for s in seqs]
-        argmax = logits.argmax(dim=-1)
-        if all(greedy):
-            toks = argmax
-            if probs is not None:
-                rows = torch.tensor(idx, device=probs.device)
-                probs[rows, step, toks.to(probs.device)] = 1.0
-            return toks.tolist()
-        rows = [Row(s, []) for s in seqs]
-        q = sampling_probs(logits, *sampling_tensors(rows, logits.device))
-        g = torch.tensor(greedy, device=logits.device)
-        one_hot = torch.zeros_like(q).scatter_(1, argmax[:, None], 1.0)
-        q = torch.where(g[:, None], one_hot, q)
-        u = uniforms(seqs, [1] * len(seqs), self.generator, logits.device)
-        toks = sample_from_probs(q.contiguous(), u)
-        toks = torch.where(g, argmax, toks)
-        assert probs is not None
-        probs[torch.tensor(idx, device=probs.device), step] = q.to(probs.device)
-        return toks.tolist()
+    def _forward(
+        self, states: list[_DraftSeq], feeds: list[list[int]], token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run the draft over ``feeds`` (or, with ``token_ids`` [len(states)] on the device, one
+        token per sequence from there) and return the final hidden states [tokens, hidden].
+        Decode steps replay the runner's CUDA graphs with the ids copied in on the device."""
+        graphs = self.runner.graphs
+        if graphs is not None and graphs.supports(states, [len(f) for f in feeds]):
+            return graphs.run(states, feeds, (), token_ids)[0]
+        if token_ids is not None:  # the eager path builds its inputs on the host
+            feeds = [[t] for t in token_ids.tolist()]
+        return self.runner.forward(states, feeds)[0]
+
+    def _choose(
+        self, hidden: torch.Tensor, rows: list[int], step: int, sampler: DraftSampler
+    ) -> torch.Tensor:
+        """One draft token per row of ``hidden`` [len(rows), hidden] (``rows``: positions in
+        the sampler's rows): argmax for greedy requests, a sample of the processed draft
+        distribution for the others (its q is kept by the sampler). Returns [len(rows)] int64 on
+        the device."""
+        logits = self.runner.logits(hidden)  # [len(rows), vocab] float32
+        return sampler(step, logits, None if len(rows) == len(sampler.seqs) else rows)
 
 
 @hookimpl

@@ -77,32 +77,38 @@ sequence's draft context restart at the first position it has features for.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from torch import nn
+
 from speculant import hookimpl
 from speculant.engine.attention import AttentionMetadata, ForwardContext
 from speculant.models.layers import RMSNorm, RotaryEmbedding
 from speculant.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from speculant.models.weights import WeightLoader, WeightLoadError
 from speculant.plugins.mlp_speculator import (
+    DraftSampler,
+    GraphCache,
+    bucket,
     checkpoint_files,
     checkpoint_keys,
     iter_checkpoint,
     read_config_json,
     resolve_draft_folder,
-    sample_draft,
-    stack_probs,
+    split_drafts,
     target_hidden_size,
+    to_device_async,
 )
 from speculant.spec_registry import StrategyError
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
-from torch import nn
 
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 DEFAULT_K = 5
@@ -269,6 +275,31 @@ class DraftKVCache:
         table.clear()
 
 
+@dataclass
+class _Plan:
+    """One sequence of a propose call."""
+
+    i: int  # index in the batch
+    st: _SeqState
+    row: int  # first row of its target features
+    count: int  # rows of features (positions verified since the last call)
+    start: int  # first position covered
+    n: int  # tokens of the sequence
+    k: int  # drafts wanted (0: catch up only)
+
+
+def _stage_ints(parts: list, device: torch.device) -> list[torch.Tensor]:
+    """int64 tensors of ``parts`` (lists or arrays, flattened) on ``device``: one host array, one
+    asynchronous copy, views into it."""
+    arrs = [np.asarray(p, dtype=np.int64).reshape(-1) for p in parts]
+    flat = to_device_async(np.concatenate(arrs), torch.long, device)
+    out, o = [], 0
+    for a in arrs:
+        out.append(flat[o : o + a.size])
+        o += a.size
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # the strategies
 # --------------------------------------------------------------------------------------------
@@ -339,10 +370,14 @@ class _EagleBase:
         )
         self.states: dict[int, _SeqState] = {}
         self.generator = torch.Generator().manual_seed(ctx.seed + 15485863)
+        self.graphs = GraphCache(ctx.device, f"{self.name} {folder}")
+        # block-table width of the captured draft loop: the most blocks a sequence can hold
+        self.graph_width = -(-(max_pos + 1) // ctx.block_size) + 1
 
     # ----------------------------------------------------------------- set-up
     def _hf_config(self):
         import transformers
+
         from speculant.models.loader import load_config
 
         try:
@@ -436,18 +471,17 @@ class _EagleBase:
     @torch.inference_mode()
     def propose(self, batch: SpecBatch) -> Proposal:
         B = len(batch.seqs)
-        drafts: list[list[int]] = [[] for _ in range(B)]
         feats = self._features(batch)
         if feats is None or not B:
-            return Proposal(token_ids=drafts)
-        dev = feats.device
-        row0 = [0]
-        for c in batch.hidden_counts:
-            row0.append(row0[-1] + c)
-        plan = []  # (batch index, state, first row, rows, first position, num tokens, k)
+            return Proposal(token_ids=[[] for _ in range(B)])
+        row0 = [0, *itertools.accumulate(batch.hidden_counts)]
+        ks = [min(s.max_draft, self.num_speculative_tokens) for s in batch.seqs]
+        # every drafting sequence runs K draft steps (a step of one row depends on that row only);
+        # rows that want fewer drafts drop the extra ones
+        K = max((k for k, c in zip(ks, batch.hidden_counts) if c > 0), default=0)
+        plan: list[_Plan] = []
         for i, s in enumerate(batch.seqs):
             c, start, n = batch.hidden_counts[i], batch.hidden_start[i], s.num_tokens
-            k = min(s.max_draft, self.num_speculative_tokens)  # 0: catch up only, no drafts
             if c == 0 or start + c != n - 1:
                 continue
             st = self.states.get(s.seq_id)
@@ -455,82 +489,157 @@ class _EagleBase:
                 if st is not None:
                     self.cache.release(st.table)
                 st = self.states[s.seq_id] = _SeqState([], start, start)
-            last_pos = max(n - 2, n + k - 3)  # the last position this call writes
+            last_pos = max(n - 2, n + K - 3) if ks[i] > 0 else n - 2  # last position written
             if not self.cache.grow(st.table, last_pos - st.offset + 1):
                 self.cache.release(st.table)  # out of draft cache: restart this one later
                 del self.states[s.seq_id]
                 continue
-            plan.append((i, st, row0[i], c, start, n, k))
+            plan.append(_Plan(i, st, row0[i], c, start, n, ks[i]))
         if not plan:
-            return Proposal(token_ids=drafts)
+            return Proposal(token_ids=[[] for _ in range(B)])
 
-        # 1) the verified positions, with the target's features
-        ids, pos, rows = [], [], []
-        for i, _st, r, c, start, n, _k in plan:
-            ids.extend(batch.seqs[i].token_ids[start + 1 : n])
-            pos.extend(range(start, n - 1))
-            rows.append(torch.arange(r, r + c))
-        out = self._run(
-            ids,
-            feats[torch.cat(rows).to(dev)],
-            pos,
-            [p[3] for p in plan],
-            [p[5] - 1 - p[1].offset for p in plan],
-            [p[1].table for p in plan],
-            True,
+        # 1) the verified positions, with the target's features (one staged copy of the ints)
+        bs = self.cache.block_size
+        ids, pos, slots, gather = [], [], [], []
+        for p in plan:
+            ids.extend(batch.seqs[p.i].token_ids[p.start + 1 : p.n])
+            for q in range(p.start, p.n - 1):
+                pos.append(q)
+                idx = q - p.st.offset
+                slots.append(p.st.table[idx // bs] * bs + idx % bs)
+            gather.extend(range(p.row, p.row + p.count))
+        qlens = [p.count for p in plan]
+        ctxs = [p.n - 1 - p.st.offset for p in plan]
+        W = max(len(p.st.table) for p in plan)
+        tables = [p.st.table + [0] * (W - len(p.st.table)) for p in plan]
+        active = [a for a, p in enumerate(plan) if p.k > 0]
+        ends = list(itertools.accumulate(qlens))
+        last_active = [ends[a] - 1 for a in active]
+        whole = gather == list(range(feats.shape[0]))
+        ids_t, pos_t, slots_t, ctx_t, qsl_t, tab_t, gather_t, last_t = _stage_ints(
+            [ids, pos, slots, ctxs, [0, *ends], tables, [] if whole else gather, last_active],
+            feats.device,
         )
-        for _i, st, _r, _c, _s, n, _k in plan:
-            st.valid = n - 1
-        last = torch.tensor([p[3] for p in plan]).cumsum(0) - 1
-        x = out[last.to(out.device)]
-
-        # 2) k draft steps, feeding the draft's own output back
-        active = [a for a, p in enumerate(plan) if p[6] > 0]
-        if not active:
-            return Proposal(token_ids=drafts)
-        x = x[torch.tensor(active, device=x.device)]  # [len(active), H]
-        steps, step_rows = [], []
-        for j in range(max(plan[a][6] for a in active)):
-            seqs = [batch.seqs[plan[a][0]] for a in active]
-            toks, q = sample_draft(self._logits(x), seqs, self.generator)
-            for a, t in zip(active, toks):
-                drafts[plan[a][0]].append(t)
-            steps.append(q)
-            step_rows.append([plan[a][0] for a in active])
-            keep = [m for m, a in enumerate(active) if plan[a][6] > j + 1]
-            if not keep:
-                break
-            active = [active[m] for m in keep]
-            x = x[torch.tensor(keep, device=x.device)]
-            positions = [plan[a][5] - 1 + j for a in active]
-            x = self._run(
-                [toks[m] for m in keep],
-                x,
-                positions,
-                [1] * len(active),
-                [p - plan[a][1].offset + 1 for p, a in zip(positions, active)],
-                [plan[a][1].table for a in active],
-                False,
-            )
-        probs = stack_probs(steps, step_rows, B, self.ctx.vocab_size, dev)
-        return Proposal(token_ids=drafts, probs=probs)
-
-    def _run(
-        self,
-        ids: list[int],
-        hidden: torch.Tensor,
-        positions: list[int],
-        query_lens: list[int],
-        context_lens: list[int],
-        tables: list[list[int]],
-        from_target: bool,
-    ) -> torch.Tensor:
-        dev = self.ctx.device
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.cache.block_size, dev)
+        meta = AttentionMetadata(
+            slot_mapping=slots_t,
+            block_tables=tab_t.view(len(plan), W).to(torch.int32),
+            context_lens=ctx_t.to(torch.int32),
+            query_start_loc=qsl_t.to(torch.int32),
+            query_lens=qlens,
+            context_lens_list=ctxs,
+            block_size=bs,
+        )
+        hidden = (feats if whole else feats[gather_t]).to(self.ctx.dtype)  # [tokens, H or 3H]
         fctx = ForwardContext(meta=meta, kv_caches=self.cache.kv_caches)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        return self.draft(self._embed(ids_t), hidden.to(self.ctx.dtype), pos_t, fctx, from_target)
+        out = self.draft(self._embed(ids_t), hidden, pos_t, fctx, True)  # [tokens, H]
+        for p in plan:
+            p.st.valid = p.n - 1
+        if not active:
+            return Proposal(token_ids=[[] for _ in range(B)])
+        x = out[last_t]  # [len(active), H]: the draft state of each sequence's last position
+
+        # 2) K draft steps, feeding the draft's own output back; one device read at the end
+        rows = [plan[a] for a in active]
+        sampler = DraftSampler(
+            [batch.seqs[p.i] for p in rows], [p.k for p in rows], self.generator, feats.device
+        )
+        if sampler.all_greedy and self.graphs.enabled and len(rows) <= 256:
+            toks = self._greedy_graph(x, rows, K)  # [len(active), K]
+        else:
+            ints = _stage_ints([self._chain_ints(rows, K, len(rows), W)], feats.device)[0]
+            ctx_lists = [[p.n - p.st.offset + j for p in rows] for j in range(K - 1)]
+            toks = self._chain(ints, x, K, W, sampler, ctx_lists)  # [len(active), K]
+        row_ids = [p.i for p in rows]
+        drafts = split_drafts(toks, row_ids, [p.k for p in rows], B)
+        return Proposal(token_ids=drafts, probs=sampler.probs(row_ids, B, self.ctx.vocab_size))
+
+    def _chain_ints(self, rows: list[_Plan], K: int, Bp: int, W: int) -> np.ndarray:
+        """The int64 inputs of K - 1 draft steps for ``rows`` padded to ``Bp`` sequences and
+        block tables of width ``W``: positions, slots, context lengths ``[K - 1, Bp]`` each,
+        query start offsets ``[Bp + 1]``, block tables ``[Bp, W]`` (flat, in that order). Padded
+        sequences have context length 0 and an empty query range; their token rows write no
+        K/V (slot -1)."""
+        S, A, bs = K - 1, len(rows), self.cache.block_size
+        pos = np.zeros((S, Bp), np.int64)
+        slots = np.full((S, Bp), -1, np.int64)
+        ctx = np.zeros((S, Bp), np.int64)
+        qsl = np.full(Bp + 1, A, np.int64)
+        qsl[: A + 1] = np.arange(A + 1)
+        tables = np.zeros((Bp, W), np.int64)
+        for r, p in enumerate(rows):
+            tables[r, : len(p.st.table)] = p.st.table
+            q = p.n - 1 + np.arange(S)  # draft step j writes position n - 1 + j
+            idx = q - p.st.offset  # index in the sequence's draft cache
+            pos[:, r] = q
+            slots[:, r] = tables[r, idx // bs] * bs + idx % bs
+            ctx[:, r] = idx + 1
+        return np.concatenate([pos.ravel(), slots.ravel(), ctx.ravel(), qsl, tables.ravel()])
+
+    def _chain(
+        self,
+        ints: torch.Tensor,  # [3 * (K - 1) * Bp + Bp + 1 + Bp * W] int64, see _chain_ints
+        x: torch.Tensor,  # [Bp, H] the draft state that predicts each row's first draft
+        K: int,
+        W: int,
+        choose,  # (step, logits [Bp, vocab] float32) -> tokens [Bp] int64
+        ctx_lists: list[list[int]] | None = None,  # context lengths per step (torch path)
+    ) -> torch.Tensor:  # [Bp, K] draft tokens
+        Bp, S, bs = x.shape[0], K - 1, self.cache.block_size
+        o = 3 * S * Bp
+        pos = ints[: S * Bp].view(S, Bp)
+        slots = ints[S * Bp : 2 * S * Bp].view(S, Bp)
+        ctx = ints[2 * S * Bp : o].view(S, Bp).to(torch.int32)
+        qsl = ints[o : o + Bp + 1].to(torch.int32)
+        tables = ints[o + Bp + 1 : o + Bp + 1 + Bp * W].view(Bp, W).to(torch.int32)
+        out = []
+        for j in range(K):
+            tok = choose(j, self._logits(x))  # [Bp]
+            out.append(tok)
+            if j + 1 == K:
+                break
+            meta = AttentionMetadata(
+                slot_mapping=slots[j],
+                block_tables=tables,
+                context_lens=ctx[j],
+                query_start_loc=qsl,
+                query_lens=[1] * Bp,
+                context_lens_list=ctx_lists[j] if ctx_lists else [W * bs] * Bp,
+                block_size=bs,
+            )
+            fctx = ForwardContext(meta=meta, kv_caches=self.cache.kv_caches)
+            x = self.draft(self._embed(tok), x, pos[j], fctx, False)  # [Bp, H]
+        return torch.stack(out, dim=1)  # [Bp, K]
+
+    def _greedy_graph(self, x: torch.Tensor, rows: list[_Plan], K: int) -> torch.Tensor:
+        """The K greedy draft steps as one CUDA graph replay (batch padded to a bucket, block
+        tables to the widest a sequence can have)."""
+        A, Bp, W = len(rows), bucket(len(rows)), self.graph_width
+        if any(len(p.st.table) > W for p in rows):  # grow() bounds it by max_model_len + k
+            raise AssertionError(f"draft block table wider than the graph's ({W} blocks)")
+        dev = x.device
+        n_ints = 3 * (K - 1) * Bp + Bp + 1 + Bp * W
+
+        def make():
+            return (
+                torch.zeros(n_ints, dtype=torch.long, device=dev),
+                torch.zeros(Bp, x.shape[1], dtype=self.ctx.dtype, device=dev),
+            )
+
+        key = (Bp, K)
+        ints_buf, x_buf = self.graphs.buffers(key, make)  # [n_ints], [Bp, H]
+        ints_buf.copy_(_stage_ints([self._chain_ints(rows, K, Bp, W)], dev)[0])
+        x_buf[:A].copy_(x)
+
+        def greedy(j: int, logits: torch.Tensor) -> torch.Tensor:
+            return logits.argmax(dim=-1)
+
+        def fn(ints, xs):
+            return self._chain(ints, xs, K, W, greedy)
+
+        out = self.graphs.replay(key, fn)
+        if out is None:  # the capture failed: eagerly
+            out = fn(ints_buf, x_buf)
+        return out[:A]  # [A, K]
 
 
 class EagleStrategy(_EagleBase):
@@ -683,6 +792,8 @@ class Eagle3Strategy(_EagleBase):
         self.targets = torch.arange(Vd, device=self.ctx.device) + self.draft.d2t
         if len(set(self.targets.tolist())) != Vd:
             raise StrategyError(f"{self.folder}: d2t maps two draft ids to the same target id")
+        # decided once here: a device read per draft step would stall the draft loop
+        self.identity_vocab = Vd == V and not bool(offsets.any())
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.draft.embed_tokens is not None:
@@ -695,11 +806,10 @@ class Eagle3Strategy(_EagleBase):
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         d = self.draft
         small = d.lm_head(d.norm(x)).float()  # [rows, draft_vocab]
-        if self.draft_vocab == self.ctx.vocab_size and bool((d.d2t == 0).all()):
+        if self.identity_vocab:
             return small
-        full = small.new_full((x.shape[0], self.ctx.vocab_size), -math.inf)
-        full[:, self.targets] = small
-        return full
+        full = small.new_full((x.shape[0], self.ctx.vocab_size), -math.inf)  # [rows, vocab]
+        return full.scatter_(1, self.targets.expand(x.shape[0], -1), small)
 
 
 @hookimpl

@@ -41,13 +41,17 @@ sampling).
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import math
+import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
@@ -57,6 +61,7 @@ from speculant import hookimpl
 from speculant.spec_registry import StrategyError
 from speculant.spec_types import Proposal, SpecBatch, SpecSequence, StrategyContext
 
+logger = logging.getLogger("speculant")
 MLP_ARCHITECTURES = ("MLPSpeculatorPreTrainedModel", "MLPSpeculator")
 
 
@@ -78,7 +83,9 @@ def read_config_json(folder: Path) -> dict[str, Any]:
     try:
         data = json.loads(f.read_text())
     except FileNotFoundError:
-        raise StrategyError(f"{f}: missing (a speculator checkpoint needs its config.json)") from None
+        raise StrategyError(
+            f"{f}: missing (a speculator checkpoint needs its config.json)"
+        ) from None
     except json.JSONDecodeError as e:
         raise StrategyError(f"{f}: invalid JSON ({e})") from None
     if not isinstance(data, dict):
@@ -140,47 +147,192 @@ def checkpoint_keys(folder: Path) -> set[str]:
     return keys
 
 
-def sample_draft(
-    logits: torch.Tensor,  # [rows, vocab] float32 draft logits over the TARGET vocabulary
-    seqs: list[SpecSequence],  # the sequence of each row
-    generator: torch.Generator,  # used for rows whose request has no seeded generator
-) -> tuple[list[int], torch.Tensor | None]:
-    """Pick one draft token per row: argmax for greedy requests, a sample of the request's
-    sampling distribution (temperature / top-k / top-p / min-p applied to the draft logits)
-    otherwise. Returns the tokens and, unless every row is greedy, q [rows, vocab] float32 (a
-    one-hot row for greedy rows)."""
-    from speculant.engine.sampler import Row, target_probs, uniforms
-    from speculant.kernels.rejection_sampling import sample_from_probs
-
-    argmax = logits.argmax(dim=-1)
-    greedy = [s.sampling_params.is_greedy for s in seqs]
-    if all(greedy):
-        return argmax.tolist(), None
-    probs = target_probs(logits.float(), [Row(s, []) for s in seqs]).contiguous()
-    u = uniforms(seqs, [1] * len(seqs), generator, logits.device)
-    sampled = sample_from_probs(probs, u)
-    g = torch.tensor(greedy, device=logits.device)
-    tokens = torch.where(g, argmax, sampled)
-    if any(greedy):
-        onehot = F.one_hot(argmax, probs.shape[1]).to(probs.dtype)
-        probs = torch.where(g[:, None], onehot, probs)
-    return tokens.tolist(), probs
+def to_device_async(
+    values,  # python numbers, a numpy array or a CPU tensor
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """A tensor of ``values`` on ``device``. On CUDA it goes through pinned memory with an
+    asynchronous copy: ``torch.tensor(values, device="cuda")`` copies from pageable memory,
+    which waits for everything queued on the stream (a full synchronisation)."""
+    if isinstance(values, torch.Tensor):
+        t = values.to(dtype)
+    elif isinstance(values, np.ndarray):
+        t = torch.from_numpy(values).to(dtype)
+    else:
+        t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    # the caching host allocator keeps the pinned block alive until the copy has run
+    return t.pin_memory().to(device, non_blocking=True)
 
 
-def stack_probs(steps: list[torch.Tensor | None], rows_per_step: list[list[int]], batch: int,
-                vocab: int, device) -> torch.Tensor | None:
-    """[batch, len(steps), vocab] from per-step q tensors whose rows belong to ``rows_per_step``."""
-    if all(p is None for p in steps):
-        return None
-    out = torch.zeros(batch, max(len(steps), 1), vocab, dtype=torch.float32, device=device)
-    for j, (p, rows) in enumerate(zip(steps, rows_per_step)):
-        if p is not None and rows:
-            out[torch.tensor(rows, device=device), j] = p.float()
-    return out
+def graphs_wanted(device: torch.device) -> bool:
+    """CUDA graphs for the proposers' draft loops: on CUDA with the Triton kernels (the torch
+    attention path builds host tensors per call and cannot be captured), unless
+    ``SPECULANT_ENFORCE_EAGER`` is set."""
+    if device.type != "cuda" or os.environ.get("SPECULANT_ENFORCE_EAGER", "0") not in ("", "0"):
+        return False
+    from speculant.kernels._triton_utils import triton_enabled
+
+    return triton_enabled()
+
+
+class GraphCache:
+    """CUDA graphs of a function over static input buffers, captured lazily, one per key.
+
+    ``buffers(key, make)`` returns the static inputs of ``key`` (made by ``make`` on first use);
+    the caller fills them, then ``replay(key, fn)`` captures ``fn(*inputs)`` on first use and
+    replays it, returning its (static) outputs: read or copy them before the next replay of the
+    same key. The warm-up run before a capture executes ``fn`` once on the inputs as they are
+    (so ``fn`` must be idempotent for given inputs, e.g. write the same K/V twice). If a capture
+    fails the cache turns itself off (``enabled`` False) and the caller runs ``fn`` eagerly."""
+
+    def __init__(self, device: torch.device, what: str) -> None:
+        self.device = device
+        self.what = what
+        self.enabled = graphs_wanted(device)
+        self.inputs: dict[Any, tuple[torch.Tensor, ...]] = {}
+        self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self.pool = None
+
+    def buffers(
+        self, key, make: Callable[[], tuple[torch.Tensor, ...]]
+    ) -> tuple[torch.Tensor, ...]:
+        if key not in self.inputs:
+            self.inputs[key] = make()
+        return self.inputs[key]
+
+    def replay(self, key, fn: Callable[..., Any]) -> Any | None:
+        """The outputs of ``fn`` on the static inputs of ``key``; None if the capture failed."""
+        entry = self.graphs.get(key)
+        if entry is None:
+            try:
+                entry = self.graphs[key] = self._capture(fn, self.inputs[key])
+            except Exception as e:  # noqa: BLE001 - fall back to eager, say why
+                torch.cuda.synchronize(self.device)
+                self.enabled = False
+                logger.warning(
+                    "%s: CUDA graph capture failed, running eagerly (%s: %s)",
+                    self.what,
+                    type(e).__name__,
+                    e,
+                )
+                return None
+        entry[0].replay()
+        return entry[1]
+
+    def _capture(self, fn, inputs):
+        cur = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(cur)
+        with torch.cuda.stream(stream):  # warm-up: compiles kernels for these shapes
+            fn(*inputs)
+        cur.wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn(*inputs)
+        return graph, out
+
+
+def bucket(n: int) -> int:
+    """Padded batch size of a captured draft loop (n <= 256; larger n runs eagerly)."""
+    for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256):
+        if b >= n:
+            return b
+    return n
+
+
+class DraftSampler:
+    """Draft tokens of one propose call, chosen on the device: argmax for greedy requests, a
+    sample of the request's sampling distribution (temperature / top-k / top-p / min-p applied
+    to the draft logits) otherwise, with that distribution kept as q for the rejection sampler
+    (a one-hot row for greedy rows). Nothing here reads the device.
+
+    ``seqs``: the sequence of each row; ``steps[r]``: how many draft steps row r really uses
+    (rows may run more steps than they use; those draw no random number, so a seeded request's
+    generator advances exactly once per draft it gets)."""
+
+    def __init__(
+        self,
+        seqs: list[SpecSequence],
+        steps: list[int],
+        generator: torch.Generator,
+        device: torch.device,
+    ) -> None:
+        self.seqs = seqs
+        self.steps = steps
+        self.generator = generator
+        self.device = device
+        self.greedy = [s.sampling_params.is_greedy for s in seqs]
+        self.all_greedy = all(self.greedy)
+        self.qs: list[tuple[list[int], torch.Tensor]] = []  # per step: (rows, q [n, vocab])
+        self.params = None
+        if not self.all_greedy:
+            from speculant.engine.sampler import Row, sampling_tensors
+
+            self.params = sampling_tensors([Row(s, []) for s in seqs], device)
+            self.g = to_device_async(self.greedy, torch.bool, device)  # [rows]
+
+    def __call__(self, j: int, logits: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """Step j: logits [n, vocab] float32 over the TARGET vocabulary of ``rows`` (positions
+        in ``seqs``; None: all rows, n = len(seqs)) -> tokens [n] int64 on the device."""
+        argmax = logits.argmax(dim=-1)  # [n]
+        if self.all_greedy:
+            return argmax
+        from speculant.kernels.rejection_sampling import sample_from_probs
+        from speculant.kernels.sampling import sampling_probs
+
+        sub = range(len(self.seqs)) if rows is None else rows
+        params, g = self.params, self.g
+        if rows is not None:
+            idx = to_device_async(rows, torch.long, self.device)
+            params, g = tuple(t[idx] for t in params), g[idx]
+        probs = sampling_probs(logits.float(), *params).contiguous()  # [n, vocab]
+        u = []
+        for r in sub:
+            if self.greedy[r] or j >= self.steps[r]:
+                u.append(torch.full((1,), 0.5))  # not used: draws nothing
+            else:
+                gen = self.seqs[r].generator or self.generator
+                u.append(torch.rand(1, generator=gen, dtype=torch.float32))
+        u_dev = to_device_async(torch.cat(u), torch.float32, self.device)  # [n]
+        tokens = torch.where(g, argmax, sample_from_probs(probs, u_dev))
+        if any(self.greedy[r] for r in sub):
+            onehot = F.one_hot(argmax, probs.shape[1]).to(probs.dtype)
+            probs = torch.where(g[:, None], onehot, probs)
+        self.qs.append((list(sub), probs))
+        return tokens
+
+    def probs(self, batch_rows: list[int], batch: int, vocab: int) -> torch.Tensor | None:
+        """[batch, steps, vocab] float32 q of every step (None when every row is greedy);
+        ``batch_rows[r]``: the batch index of row r."""
+        if self.all_greedy or not self.qs:
+            return None
+        out = torch.zeros(batch, len(self.qs), vocab, dtype=torch.float32, device=self.device)
+        for j, (sub, q) in enumerate(self.qs):
+            idx = to_device_async([batch_rows[r] for r in sub], torch.long, self.device)
+            out[idx, j] = q.float()
+        return out
+
+
+def split_drafts(
+    tokens: torch.Tensor, rows: list[int], steps: list[int], batch: int
+) -> list[list[int]]:
+    """tokens [rows, max_steps] on the device -> per batch index the first ``steps[r]`` tokens of
+    its row (one device read for the whole call)."""
+    drafts: list[list[int]] = [[] for _ in range(batch)]
+    for r, toks in enumerate(tokens.tolist()):
+        drafts[rows[r]] = toks[: steps[r]]
+    return drafts
 
 
 def target_hidden_size(ctx: StrategyContext) -> int:
-    h = getattr(ctx.target_model, "hidden_size", None) or getattr(ctx.target_config, "hidden_size", None)
+    h = getattr(ctx.target_model, "hidden_size", None) or getattr(
+        ctx.target_config, "hidden_size", None
+    )
     if h is None:
         raise StrategyError("the target model does not expose its hidden size")
     return int(h)
@@ -210,8 +362,15 @@ class MLPSpeculatorNorm(nn.Module):
 
 
 class MLPSpeculatorModel(nn.Module):
-    def __init__(self, n_predict: int, emb_dim: int, inner_dim: int, vocab_size: int,
-                 tie_weights: bool, scale_input: bool) -> None:
+    def __init__(
+        self,
+        n_predict: int,
+        emb_dim: int,
+        inner_dim: int,
+        vocab_size: int,
+        tie_weights: bool,
+        scale_input: bool,
+    ) -> None:
         super().__init__()
         self.n_predict = n_predict
         self.emb_dim = emb_dim
@@ -222,9 +381,12 @@ class MLPSpeculatorModel(nn.Module):
         n_proj = min(2, n_predict) if tie_weights else n_predict
         self.emb = nn.ModuleList(nn.Embedding(vocab_size, inner_dim) for _ in range(n_shared))
         self.proj = nn.ModuleList(
-            nn.Linear(emb_dim if i == 0 else inner_dim, inner_dim, bias=False) for i in range(n_proj)
+            nn.Linear(emb_dim if i == 0 else inner_dim, inner_dim, bias=False)
+            for i in range(n_proj)
         )
-        self.head = nn.ModuleList(nn.Linear(inner_dim, vocab_size, bias=False) for _ in range(n_shared))
+        self.head = nn.ModuleList(
+            nn.Linear(inner_dim, vocab_size, bias=False) for _ in range(n_shared)
+        )
         self.ln = nn.ModuleList(MLPSpeculatorNorm(inner_dim, affine=True) for _ in range(n_shared))
         self.ln0 = MLPSpeculatorNorm(emb_dim, affine=False) if scale_input else None
         self.state_weight = 0.5 ** (0.5 / n_predict)
@@ -233,7 +395,12 @@ class MLPSpeculatorModel(nn.Module):
     def stage_modules(self, j: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
         """(emb, proj, ln, head) of draft position j (0-based)."""
         if self.tie_weights:
-            return self.emb[0], self.proj[0 if j == 0 else len(self.proj) - 1], self.ln[0], self.head[0]
+            return (
+                self.emb[0],
+                self.proj[0 if j == 0 else len(self.proj) - 1],
+                self.ln[0],
+                self.head[0],
+            )
         i = j % self.n_predict
         return self.emb[i], self.proj[i], self.ln[i], self.head[i]
 
@@ -242,7 +409,9 @@ class MLPSpeculatorModel(nn.Module):
             state = self.ln0(state) / math.sqrt(2.0)
         return state
 
-    def stage(self, j: int, state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def stage(
+        self, j: int, state: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """state [rows, emb_dim or inner], tokens [rows] -> (new state [rows, inner], logits fp32)."""
         emb, proj, ln, head = self.stage_modules(j)
         z = emb(tokens) * self.emb_scale
@@ -253,8 +422,9 @@ class MLPSpeculatorModel(nn.Module):
 _KEY = re.compile(r"^(emb|proj|head|ln)\.(\d+)\.(weight|bias)$")
 
 
-def load_mlp_speculator(folder: Path, cfg: dict[str, Any], device: torch.device,
-                        dtype: torch.dtype) -> MLPSpeculatorModel:
+def load_mlp_speculator(
+    folder: Path, cfg: dict[str, Any], device: torch.device, dtype: torch.dtype
+) -> MLPSpeculatorModel:
     """Build the model from config.json values and load its weights (strict)."""
     n = int(cfg["n_predict"])
     emb_dim = int(cfg["emb_dim"])
@@ -332,7 +502,9 @@ class MLPSpeculatorStrategy:
     @classmethod
     def matches_model(cls, path: Path, config: dict[str, Any]) -> bool:
         archs = config.get("architectures") or []
-        return config.get("model_type") == "mlp_speculator" or any(a in MLP_ARCHITECTURES for a in archs)
+        return config.get("model_type") == "mlp_speculator" or any(
+            a in MLP_ARCHITECTURES for a in archs
+        )
 
     def __init__(self, config: MLPSpeculatorOptions, ctx: StrategyContext) -> None:
         self.ctx = ctx
@@ -382,48 +554,85 @@ class MLPSpeculatorStrategy:
         self.folder = folder
         self.model = load_mlp_speculator(folder, cfg, ctx.device, ctx.dtype)
         self.generator = torch.Generator().manual_seed(ctx.seed + 104729)
+        self.graphs = GraphCache(ctx.device, f"mlp_speculator {folder}")
 
     @hookimpl
     @torch.inference_mode()
     def propose(self, batch: SpecBatch) -> Proposal:
         B = len(batch.seqs)
-        drafts: list[list[int]] = [[] for _ in range(B)]
         hs = batch.hidden_states
         if hs is None or not B:
-            return Proposal(token_ids=drafts)
-        ends = torch.tensor(batch.hidden_counts).cumsum(0) - 1
-        rows = [i for i, (s, c) in enumerate(zip(batch.seqs, batch.hidden_counts))
-                if c > 0 and s.max_draft > 0]
+            return Proposal(token_ids=[[] for _ in range(B)])
+        ends = [e - 1 for e in itertools.accumulate(batch.hidden_counts)]
+        rows = [
+            i
+            for i, (s, c) in enumerate(zip(batch.seqs, batch.hidden_counts))
+            if c > 0 and s.max_draft > 0
+        ]
         if not rows:
-            return Proposal(token_ids=drafts)
+            return Proposal(token_ids=[[] for _ in range(B)])
         dev = hs.device
+        # every row runs max(want) stages (the stages of a row depend on that row only)
         want = [min(batch.seqs[i].max_draft, self.num_speculative_tokens) for i in rows]
-        state = hs[ends[rows].to(dev)].to(self.ctx.dtype)  # the state that produced the last token
-        state = self.model.prepare_state(state)
-        tokens = torch.tensor([batch.seqs[i].token_ids[-1] for i in rows], dtype=torch.long, device=dev)
-        active = list(range(len(rows)))  # positions into `rows`
-        steps: list[torch.Tensor | None] = []
-        step_rows: list[list[int]] = []
-        for j in range(max(want)):
-            state, logits = self.model.stage(j, state, tokens)
-            seqs = [batch.seqs[rows[a]] for a in active]
-            toks, q = sample_draft(logits, seqs, self.generator)
-            for a, t in zip(active, toks):
-                drafts[rows[a]].append(t)
-            steps.append(q)
-            step_rows.append([rows[a] for a in active])
-            keep = [n for n, a in enumerate(active) if want[a] > j + 1]
-            if len(keep) != len(active):
-                idx = torch.tensor(keep, dtype=torch.long, device=dev)
-                state = state[idx]
-                tokens = torch.tensor([toks[n] for n in keep], dtype=torch.long, device=dev)
-                active = [active[n] for n in keep]
-            else:
-                tokens = torch.tensor(toks, dtype=torch.long, device=dev)
-            if not active:
-                break
-        probs = stack_probs(steps, step_rows, B, self.ctx.vocab_size, dev)
-        return Proposal(token_ids=drafts, probs=probs)
+        K = max(want)
+        last = [ends[i] for i in rows]
+        if last == list(range(hs.shape[0])):  # one state per sequence, all drafted: no gather
+            state = hs  # [rows, emb_dim]
+        else:
+            state = hs[to_device_async(last, torch.long, dev)]  # [rows, emb_dim]
+        tokens = [batch.seqs[i].token_ids[-1] for i in rows]
+        sampler = DraftSampler([batch.seqs[i] for i in rows], want, self.generator, dev)
+        if sampler.all_greedy and self.graphs.enabled and len(rows) <= 256:
+            out = self._greedy_graph(state, tokens, K)  # [rows, K]
+        else:
+            tok_t = to_device_async(tokens, torch.long, dev)  # [rows]
+            out = self._stages(state, tok_t, K, sampler)  # [rows, K]
+        drafts = split_drafts(out, rows, want, B)
+        return Proposal(token_ids=drafts, probs=sampler.probs(rows, B, self.ctx.vocab_size))
+
+    def _stages(
+        self,
+        state: torch.Tensor,
+        tokens: torch.Tensor,
+        K: int,
+        choose: Callable[[int, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """state [rows, emb_dim] (the target's state that produced ``tokens`` [rows]) -> the
+        draft tokens of K stages [rows, K]; ``choose(j, logits)`` picks stage j's tokens."""
+        state = self.model.prepare_state(state.to(self.ctx.dtype))
+        out = []
+        for j in range(K):
+            state, logits = self.model.stage(j, state, tokens)  # logits [rows, vocab] float32
+            tokens = choose(j, logits)  # [rows]
+            out.append(tokens)
+        return torch.stack(out, dim=1)  # [rows, K]
+
+    def _greedy_graph(self, state: torch.Tensor, tokens: list[int], K: int) -> torch.Tensor:
+        """All K greedy stages as one CUDA graph replay (batch padded to a bucket)."""
+        n, Bp = state.shape[0], bucket(state.shape[0])
+        dev = state.device
+
+        def make():
+            return (
+                torch.zeros(Bp, state.shape[1], dtype=self.ctx.dtype, device=dev),
+                torch.zeros(Bp, dtype=torch.long, device=dev),
+            )
+
+        key = (Bp, K)
+        st_buf, tok_buf = self.graphs.buffers(key, make)  # [Bp, emb_dim], [Bp]
+        st_buf[:n].copy_(state)
+        tok_buf[:n].copy_(to_device_async(tokens, torch.long, dev))
+
+        def greedy(j: int, logits: torch.Tensor) -> torch.Tensor:
+            return logits.argmax(dim=-1)
+
+        def fn(st, tok):
+            return self._stages(st, tok, K, greedy)
+
+        out = self.graphs.replay(key, fn)
+        if out is None:  # the capture failed: eagerly
+            out = fn(st_buf, tok_buf)
+        return out[:n]  # [rows, K]
 
 
 @hookimpl

@@ -9,6 +9,9 @@ kernels."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,8 +24,15 @@ pytestmark = [
 
 VOCAB = 1000
 # head_dim 64, GQA 4 (8 query heads over 2 KV heads), two layers, fp32 weights
-GEOMETRY = dict(vocab_size=VOCAB, tokenizer=False, hidden_size=512, intermediate_size=1024,
-                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+GEOMETRY = dict(
+    vocab_size=VOCAB,
+    tokenizer=False,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 # ragged prompts: one token, within one block, several blocks, long enough for split-K
 PROMPT_LENS = [1, 5, 16, 37, 130, 400]
 MAX_TOKENS = 48
@@ -39,13 +49,22 @@ def _generate(llm: LLM, params: SamplingParams) -> list[list[int]]:
 
 
 def _llm(path, **kw) -> LLM:
-    return LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", device="cuda",
-               max_model_len=1024, max_num_seqs=8, kv_cache_memory=256 << 20, **kw)
+    return LLM(
+        model=str(path),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        device="cuda",
+        max_model_len=1024,
+        max_num_seqs=8,
+        kv_cache_memory=256 << 20,
+        **kw,
+    )
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-RANDOM = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, ignore_eos=True,
-                        seed=1234)
+RANDOM = SamplingParams(
+    temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, ignore_eos=True, seed=1234
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,33 +90,178 @@ def torch_path_greedy(target):
         torch.cuda.empty_cache()
 
 
-def _spec(kind: str, draft_path) -> dict | None:
+# ------------------------------------------------------------------ EAGLE / MLPSpeculator heads
+H, NKV_DIM, INTER = GEOMETRY["hidden_size"], 2 * 64, GEOMETRY["intermediate_size"]
+
+
+def _save(folder: Path, cfg: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    return folder
+
+
+def _llama_cfg(**extra) -> dict:
+    return dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=H,
+        intermediate_size=INTER,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        vocab_size=VOCAB,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        torch_dtype="float32",
+        **extra,
+    )
+
+
+def _layer(g: torch.Generator, p: str, in_dim: int) -> dict[str, torch.Tensor]:
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.05
+
+    return {
+        p + "self_attn.q_proj.weight": w(H, in_dim),
+        p + "self_attn.k_proj.weight": w(NKV_DIM, in_dim),
+        p + "self_attn.v_proj.weight": w(NKV_DIM, in_dim),
+        p + "self_attn.o_proj.weight": w(H, H),
+        p + "mlp.gate_proj.weight": w(INTER, H),
+        p + "mlp.up_proj.weight": w(INTER, H),
+        p + "mlp.down_proj.weight": w(H, INTER),
+        p + "post_attention_layernorm.weight": torch.ones(H),
+    }
+
+
+@pytest.fixture(scope="module")
+def eagle1(tmp_path_factory) -> Path:
+    g = torch.Generator().manual_seed(11)
+    t = {
+        "fc.weight": torch.randn(H, 2 * H, generator=g) * 0.05,
+        "fc.bias": torch.zeros(H),
+        **_layer(g, "layers.0.", H),
+    }
+    return _save(tmp_path_factory.mktemp("eagle1"), _llama_cfg(bias=True), t)
+
+
+@pytest.fixture(scope="module")
+def eagle3(tmp_path_factory) -> Path:
+    """A draft vocabulary of 600 of the 1000 target ids (d2t maps them): the scatter path."""
+    g = torch.Generator().manual_seed(13)
+    vd = 600
+    ids = torch.randperm(VOCAB, generator=g)[:vd].sort().values
+    p = "midlayer."
+    t = {
+        "fc.weight": torch.randn(H, 3 * H, generator=g) * 0.05,
+        p + "input_layernorm.weight": torch.ones(H),
+        p + "hidden_norm.weight": torch.ones(H),
+        **_layer(g, p, 2 * H),
+        "norm.weight": torch.ones(H),
+        "lm_head.weight": torch.randn(vd, H, generator=g) * 0.05,
+        "d2t": ids - torch.arange(vd),
+    }
+    cfg = _llama_cfg(draft_vocab_size=vd)
+    cfg["architectures"] = ["LlamaForCausalLMEagle3"]
+    return _save(tmp_path_factory.mktemp("eagle3"), cfg, t)
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory) -> Path:
+    g = torch.Generator().manual_seed(17)
+    inner = 256
+    t = {
+        "emb.0.weight": torch.randn(VOCAB, inner, generator=g) * 0.1,
+        "proj.0.weight": torch.randn(inner, H, generator=g) * 0.05,
+        "proj.1.weight": torch.randn(inner, inner, generator=g) * 0.05,
+        "head.0.weight": torch.randn(VOCAB, inner, generator=g) * 0.1,
+        "ln.0.weight": torch.ones(inner),
+        "ln.0.bias": torch.zeros(inner),
+    }
+    cfg = {
+        "architectures": ["MLPSpeculatorPreTrainedModel"],
+        "model_type": "mlp_speculator",
+        "n_predict": 3,
+        "emb_dim": H,
+        "inner_dim": inner,
+        "vocab_size": VOCAB,
+        "tie_weights": True,
+        "scale_input": True,
+    }
+    return _save(tmp_path_factory.mktemp("mlp"), cfg, t)
+
+
+@pytest.fixture(scope="module")
+def heads(draft, eagle1, eagle3, mlp) -> dict[str, Path]:
+    return {"draft_model": draft, "eagle": eagle1, "eagle3": eagle3, "mlp_speculator": mlp}
+
+
+def _spec(kind: str, heads: dict[str, Path]) -> dict | None:
     if kind == "plain":
         return None
     if kind == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 4}
-    return {"model": str(draft_path), "num_speculative_tokens": 3}
+    spec = {"method": kind, "model": str(heads[kind]), "num_speculative_tokens": 3}
+    if kind == "eagle3":
+        spec["aux_hidden_layers"] = [0, 1, 2]
+    return spec
 
 
-@pytest.mark.parametrize("kind,eager", [("plain", True), ("plain", False), ("ngram", False),
-                                        ("draft_model", False), ("draft_model", True)])
-def test_triton_greedy_equals_torch_path(target, draft, torch_path_greedy, kind, eager,
-                                         monkeypatch):
-    """Triton kernels, eagerly and inside the engine's CUDA graphs, vs the eager torch path."""
+@pytest.mark.parametrize(
+    "kind,eager",
+    [
+        ("plain", True),
+        ("plain", False),
+        ("ngram", False),
+        ("draft_model", False),
+        ("draft_model", True),
+        ("eagle", False),
+        ("eagle", True),
+        ("mlp_speculator", False),
+        ("mlp_speculator", True),
+    ],
+)
+def test_triton_greedy_equals_torch_path(
+    target, heads, torch_path_greedy, kind, eager, monkeypatch
+):
+    """Triton kernels, eagerly and inside the engine's CUDA graphs (the draft loops of the draft
+    model, EAGLE and the MLPSpeculator included), vs the eager torch path."""
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
     monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "1" if eager else "0")
-    out = _generate(_llm(target, speculative_config=_spec(kind, draft), enforce_eager=eager),
-                    GREEDY)
+    out = _generate(
+        _llm(target, speculative_config=_spec(kind, heads), enforce_eager=eager), GREEDY
+    )
     assert [len(o) for o in out] == [MAX_TOKENS] * len(PROMPT_LENS)
     for i, (a, b) in enumerate(zip(out, torch_path_greedy)):
         assert a == b, f"prompt {i} (len {PROMPT_LENS[i]}): triton {a} != torch {b}"
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("kind", ["plain", "ngram", "draft_model"])
-def test_random_sampling_runs_and_is_reproducible(target, draft, kind, monkeypatch):
+def test_eagle3_greedy_equals_plain(tiny_factory, heads, monkeypatch):
+    """EAGLE-3 (fused features of 3 layers, 600-token draft vocabulary mapped by d2t) in CUDA
+    graphs: the same greedy tokens as plain decoding of its 3-layer target."""
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
-    llm = _llm(target, speculative_config=_spec(kind, draft))
+    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
+    target3 = tiny_factory("llama", seed=0, **{**GEOMETRY, "num_hidden_layers": 3})
+    plain = _generate(_llm(target3), GREEDY)
+    llm = _llm(target3, speculative_config=_spec("eagle3", heads))
+    assert _generate(llm, GREEDY) == plain
+    assert llm.get_metrics().num_draft_tokens > 0
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("kind", ["plain", "ngram", "draft_model", "eagle", "mlp_speculator"])
+def test_random_sampling_runs_and_is_reproducible(target, heads, kind, monkeypatch):
+    monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
+    llm = _llm(target, speculative_config=_spec(kind, heads))
     a = _generate(llm, RANDOM)
     b = _generate(llm, RANDOM)
     assert a == b  # per-request seed

@@ -44,8 +44,16 @@ class _Graph:
 
 
 class CudaGraphRunner:
-    def __init__(self, model, kv_caches, block_size: int, device: torch.device,
-                 max_blocks_per_seq: int, max_batch: int = 128, max_query: int = 16) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        block_size: int,
+        device: torch.device,
+        max_blocks_per_seq: int,
+        max_batch: int = 128,
+        max_query: int = 16,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -82,22 +90,37 @@ class CudaGraphRunner:
         return ids, pos, slots, ctx, qsl, tables
 
     def supports(self, seqs, query_lens: list[int]) -> bool:
-        return (0 < len(seqs) <= self.max_batch and max(query_lens) <= self.max_query
-                and all(len(s.block_table) <= self.W for s in seqs))
+        return (
+            0 < len(seqs) <= self.max_batch
+            and max(query_lens) <= self.max_query
+            and all(len(s.block_table) <= self.W for s in seqs)
+        )
 
     # ----------------------------------------------------------------- one step
-    def run(self, seqs, new_tokens: list[list[int]], aux_layers: tuple[int, ...]):
-        """Returns (hidden [T, hidden], aux [T, n_aux * hidden] or None), fresh tensors."""
+    def run(
+        self,
+        seqs,
+        new_tokens: list[list[int]],
+        aux_layers: tuple[int, ...],
+        token_ids: torch.Tensor | None = None,
+    ):
+        """Returns (hidden [T, hidden], aux [T, n_aux * hidden] or None), fresh tensors.
+
+        ``token_ids`` ([T] int64 on the device, flat in sequence order): the tokens to feed, when
+        they are still on the device (e.g. the previous draft step's choices); ``new_tokens``
+        then only gives the query lengths (its values are ignored). No device read either way."""
         query_lens = [len(t) for t in new_tokens]
         n, T = len(seqs), sum(query_lens)
         B, Q = _bucket(n, self.buckets), _bucket(max(query_lens), self.q_buckets)
         key = (B, Q, tuple(aux_layers))
-        self._stage(seqs, new_tokens, query_lens, B, Q)
+        self._stage(seqs, new_tokens, query_lens, B, Q, token_ids is not None)
+        if token_ids is not None:  # after the staged copy of the placeholder ids
+            self.dev64[:T].copy_(token_ids)
         g = self.graphs.get(key) or self._capture(*key)
         g.graph.replay()
         return g.hidden[:T].clone(), (g.aux[:T].clone() if g.aux is not None else None)
 
-    def _stage(self, seqs, new_tokens, query_lens, B: int, Q: int) -> None:
+    def _stage(self, seqs, new_tokens, query_lens, B: int, Q: int, on_device: bool = False) -> None:
         N, M, W = self.max_tokens, B * Q, self.W
         T = sum(query_lens)
         self.copied.synchronize()  # the previous step's copy has read the staging buffers
@@ -113,12 +136,17 @@ class CudaGraphRunner:
         for i, s in enumerate(seqs):
             bt = s.block_table
             tables[i, : len(bt)] = bt
-        h64[0:T] = [x for toks in new_tokens for x in toks]
+        if on_device:
+            h64[0:T] = 0  # the caller copies the ids in on the device
+        else:
+            h64[0:T] = [x for toks in new_tokens for x in toks]
         h64[T:M] = 0
         h64[N : N + T] = positions
         h64[N + T : N + M] = 0
-        h64[2 * N : 2 * N + T] = (tables[seq_of, positions // self.block_size].astype(np.int64)
-                                  * self.block_size + positions % self.block_size)
+        h64[2 * N : 2 * N + T] = (
+            tables[seq_of, positions // self.block_size].astype(np.int64) * self.block_size
+            + positions % self.block_size
+        )
         h64[2 * N + T : 2 * N + M] = -1
         h32[c : c + len(seqs)] = starts + qlens
         h32[c + len(seqs) : c + B] = 0
@@ -133,10 +161,15 @@ class CudaGraphRunner:
     # ----------------------------------------------------------------- capture
     def _forward(self, B: int, Q: int, aux_layers: tuple[int, ...]):
         ids, pos, slots, ctx_lens, qsl, tables = self._views(B, Q)
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=ctx_lens,
-                                 query_start_loc=qsl, query_lens=[Q] * B,
-                                 context_lens_list=[self.W * self.block_size] * B,
-                                 block_size=self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=tables,
+            context_lens=ctx_lens,
+            query_start_loc=qsl,
+            query_lens=[Q] * B,
+            context_lens_list=[self.W * self.block_size] * B,
+            block_size=self.block_size,
+        )
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, aux_layers=aux_layers)
         hidden = self.model(ids, pos, ctx)  # [B*Q, hidden]
         aux = torch.cat(ctx.aux_hidden, dim=-1) if ctx.aux_hidden else None
