@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from speculant import LLM, SamplingParams
 from speculant.engine.block_manager import BlockManager
@@ -14,8 +15,14 @@ from speculant.engine.sequence import Sequence
 from speculant.outputs import RequestMetrics
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-PROMPTS = [[1, 5, 6, 7], [1] + list(range(200, 230)), [1, 77], [1, 9, 9, 9, 9, 9], [1, 4000, 12],
-           [1] + list(range(1000, 1018))]
+PROMPTS = [
+    [1, 5, 6, 7],
+    [1] + list(range(200, 230)),
+    [1, 77],
+    [1, 9, 9, 9, 9, 9],
+    [1, 4000, 12],
+    [1] + list(range(1000, 1018)),
+]
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +72,14 @@ def test_block_manager_reserve_rollback_free():
     bm = BlockManager(num_blocks=8, block_size=4)
     a, b = _seq(10), _seq(3)
     bm.reserve(a, 10)
-    assert a.block_table == [0, 1, 2] and bm.num_free_blocks == 5
+    assert a.block_table == [0, 1, 2] and bm.num_free_blocks == 5  # empty cache: from block 0
     bm.reserve(b, 3)
-    assert b.block_table == [3]
+    assert b.block_table == [5]  # the middle of the largest free run [3, 8): room for a to grow
     assert bm.slot(a, 9) == 2 * 4 + 1
     bm.reserve(a, 12)  # still fits in 3 blocks
     assert len(a.block_table) == 3
     bm.reserve(a, 13)
-    assert a.block_table == [0, 1, 2, 4] and bm.num_free_blocks == 3
+    assert a.block_table == [0, 1, 2, 3] and bm.num_free_blocks == 3  # grows in place
     a.num_cached_tokens = 13
     bm.rollback(a, 13 - 2)  # drop the last 2 positions: 11 positions need 3 blocks
     assert a.block_table == [0, 1, 2] and a.num_cached_tokens == 11 and bm.num_free_blocks == 4
@@ -83,9 +90,57 @@ def test_block_manager_reserve_rollback_free():
     assert not bm.can_reserve(b, 4 * 7)
     with pytest.raises(RuntimeError, match="out of KV cache blocks"):
         bm.reserve(b, 4 * 7)
+    bm.reserve(b, 4 * 6)  # 6 blocks: [5, 6, 7] then, the next one taken, any free blocks
+    assert b.block_table[:3] == [5, 6, 7] and sorted(b.block_table[3:]) == [2, 3, 4]
+    assert bm.num_free_blocks == 0
     bm.free(a)
     bm.free(b)
     assert bm.num_free_blocks == 8 and a.block_table == [] and a.num_cached_tokens == 0
+
+
+def test_block_manager_keeps_sequences_consecutive():
+    """Sequences admitted together and decoded in lockstep keep consecutive blocks (the CPU
+    attention then reads each one's K/V as a slice of the cache, no gather)."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    seqs = [_seq(n) for n in (9, 5, 13, 2)]
+    for s in seqs:
+        bm.reserve(s, len(s))
+    for _step in range(20):
+        for s in seqs:
+            s.token_ids.append(0)
+            bm.reserve(s, len(s) + 3)  # a decode step with 3 lookahead slots
+    for s in seqs:
+        bt = s.block_table
+        assert bt == list(range(bt[0], bt[0] + len(bt)))
+    used = sorted(b for s in seqs for b in s.block_table)
+    assert len(set(used)) == len(used) and bm.num_free_blocks == 64 - len(used)
+
+
+def test_attention_slices_equal_gather_path():
+    """The CPU attention over consecutive blocks (cache slices) gives what the padded gather path
+    gives, for decode, verification (q_len > 1 over a longer context) and prefill rows."""
+    from speculant.engine.attention import AttentionMetadata, paged_attention_torch
+
+    torch.manual_seed(0)
+    bs, nkv, nh, d = 4, 2, 6, 8
+    k_cache = torch.randn(32, bs, nkv, d)  # [num_blocks, block_size, nkv, d]
+    v_cache = torch.randn(32, bs, nkv, d)
+    q_lens, ctx_lens = [1, 5, 7], [9, 14, 7]
+    tables = [[3, 4, 5], [10, 11, 12, 13], [20, 21]]
+    q = torch.randn(sum(q_lens), nh, d)  # [num_tokens, nh, d]
+    meta = AttentionMetadata.build(q_lens, ctx_lens, tables, bs, torch.device("cpu"))
+    assert meta.seq_starts == [12, 40, 80]
+    fast = paged_attention_torch(q, k_cache, v_cache, meta, 0.3)
+    ref_meta = AttentionMetadata.build(q_lens, ctx_lens, tables, bs, torch.device("cpu"))
+    ref_meta.seq_starts = None  # forces the gather path
+    ref = paged_attention_torch(q, k_cache, v_cache, ref_meta, 0.3)
+    assert fast.shape == ref.shape == (sum(q_lens), nh, d)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    # a non-consecutive table falls back to the gather path for the whole batch
+    meta2 = AttentionMetadata.build(
+        q_lens, ctx_lens, [[3, 5, 4], *tables[1:]], bs, torch.device("cpu")
+    )
+    assert meta2.seq_starts[0] == -1
 
 
 @pytest.mark.parametrize("j", [1, 5, 17])
@@ -111,23 +166,29 @@ def test_rollback_last_j_positions_then_regenerate(tiny, j):
 
 
 def test_n_greater_than_one(tiny):
-    out = tiny.generate({"prompt_token_ids": PROMPTS[0]},
-                        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True),
-                        use_tqdm=False)[0]
+    out = tiny.generate(
+        {"prompt_token_ids": PROMPTS[0]},
+        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     samples = [c.token_ids for c in out.outputs]
     assert all(len(t) == 16 for t in samples) and len({tuple(t) for t in samples}) == 3
-    again = tiny.generate({"prompt_token_ids": PROMPTS[0]},
-                          SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True),
-                          use_tqdm=False)[0]
+    again = tiny.generate(
+        {"prompt_token_ids": PROMPTS[0]},
+        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [c.token_ids for c in again.outputs] == samples
     greedy = tiny.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY.clone(n=2), use_tqdm=False)[0]
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == toks(tiny, PROMPTS[:1])[0]
 
 
 def test_chat_uses_the_chat_template(smollm):
-    conv = [{"role": "system", "content": "You are brief."},
-            {"role": "user", "content": "What is 2 + 2?"}]
+    conv = [
+        {"role": "system", "content": "You are brief."},
+        {"role": "user", "content": "What is 2 + 2?"},
+    ]
     sp = SamplingParams(temperature=0.0, max_tokens=12)
     out = smollm.chat(conv, sp, use_tqdm=False)[0]
     ids = smollm.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
@@ -152,7 +213,9 @@ def test_request_output_fields(smollm):
     assert c.text == smollm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
     assert c.text.strip() != ""
     assert len(c.logprobs) == 8 and all(t in d for t, d in zip(c.token_ids, c.logprobs))
-    assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)))
+    assert c.cumulative_logprob == pytest.approx(
+        sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs))
+    )
     assert c.cumulative_logprob < 0
     m = o.metrics
     assert m.num_output_tokens == 8
@@ -161,22 +224,34 @@ def test_request_output_fields(smollm):
     no_lp = smollm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     assert no_lp[0].outputs[0].logprobs is None and no_lp[0].prompt_logprobs is None
     # the chat reply of the instruct model ends with its EOS: finish_reason "stop"
-    eos = smollm.chat([{"role": "user", "content": "Say OK."}],
-                      SamplingParams(temperature=0.0, max_tokens=200), use_tqdm=False)[0].outputs[0]
+    eos = smollm.chat(
+        [{"role": "user", "content": "Say OK."}],
+        SamplingParams(temperature=0.0, max_tokens=200),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert eos.finish_reason == "stop" and eos.token_ids[-1] == smollm.engine.eos_token_id
     assert len(eos.token_ids) < 200
 
 
 def _cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "speculant.cli", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "speculant.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_cli_generate(tiny_llama, tiny):
     r = _cli("generate", "--model", str(tiny_llama), "--prompt", "Hello there", "--max-tokens", "7")
     assert r.returncode == 0, r.stderr
-    want = tiny.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=7),
-                         use_tqdm=False)[0].outputs[0].text
+    want = (
+        tiny.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=7), use_tqdm=False)[
+            0
+        ]
+        .outputs[0]
+        .text
+    )
     assert r.stdout == want + "\n"
 
 
@@ -199,8 +274,13 @@ def test_ngram_backs_off_when_drafts_keep_failing():
     toks = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3]  # lookup proposes "9 1 2"
 
     def propose(tokens):
-        s = SpecSequence(seq_id=7, token_ids=list(tokens), num_prompt_tokens=3, max_draft=3,
-                         sampling_params=SamplingParams())
+        s = SpecSequence(
+            seq_id=7,
+            token_ids=list(tokens),
+            num_prompt_tokens=3,
+            max_draft=3,
+            sampling_params=SamplingParams(),
+        )
         return strat.propose(SpecBatch(seqs=[s])).token_ids[0]
 
     assert propose(toks) == [9, 1, 2]

@@ -82,7 +82,9 @@ def _from_hub(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError as e:  # pragma: no cover - transformers depends on it
-        raise ModelNotFoundError(f"{repo_id!r} looks like a hub id but huggingface_hub is missing") from e
+        raise ModelNotFoundError(
+            f"{repo_id!r} looks like a hub id but huggingface_hub is missing"
+        ) from e
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*"]
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
@@ -105,7 +107,9 @@ def _from_hub(repo_id: str) -> Path:
 def materialize_gguf(gguf_path: Path) -> Path:
     """Convert a GGUF file once into a cached HF folder (dequantized float32 safetensors)."""
     st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()
+    ).hexdigest()[:16]
     out = cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
@@ -123,8 +127,10 @@ def materialize_gguf(gguf_path: Path) -> Path:
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
     except Exception as e:
-        raise ValueError(f"{gguf_path}: cannot read this GGUF's architecture ({e}); "
-                         f"supported architectures: {', '.join(sorted(MODEL_REGISTRY))}") from None
+        raise ValueError(
+            f"{gguf_path}: cannot read this GGUF's architecture ({e}); "
+            f"supported architectures: {', '.join(sorted(MODEL_REGISTRY))}"
+        ) from None
     if config.model_type not in MODEL_REGISTRY:
         raise ValueError(
             f"{gguf_path}: GGUF architecture {config.model_type!r} is not supported; "
@@ -194,7 +200,9 @@ def load_config(folder: Path):
     try:
         return AutoConfig.from_pretrained(str(folder))
     except Exception as e:
-        raise ValueError(f"{folder / 'config.json'}: cannot be read as a model config: {e}") from None
+        raise ValueError(
+            f"{folder / 'config.json'}: cannot be read as a model config: {e}"
+        ) from None
 
 
 def load_tokenizer(name_or_folder: str | Path):
@@ -224,18 +232,32 @@ def load_model(folder: Path, config, dtype: torch.dtype, device: torch.device, m
         if isinstance(mod, RotaryEmbedding):
             mod.reset(config, max_positions, device)
     model.load_weights(iter_weights(folder), source=str(folder))
-    if device.type == "cpu" and os.environ.get("SPECULANT_CPU_WEIGHT_LAYOUT", "col") == "col":
-        _column_major_linears(model)
+    if device.type == "cpu":
+        prepare_cpu_linears(model)
     return model.eval()
 
 
-def _column_major_linears(model: torch.nn.Module) -> None:
-    """Store every Linear weight [out, in] column-major (its transpose contiguous). Same values
-    and shapes; on CPU, F.linear then reads the weight in the order the BLAS streams it, which
-    measured 1.45x faster for one query row (decode) and 1.7x for 2-3 rows (short verification
-    passes) on SmolLM2-135M fp32 (see bench/bench_cpu.py). SPECULANT_CPU_WEIGHT_LAYOUT=row keeps
-    the checkpoint layout."""
+def prepare_cpu_linears(model: torch.nn.Module) -> None:
+    """CPU weight layouts for fast matmuls (same values and shapes, see layers.CpuLinear):
+
+    * every Linear weight [out, in] is stored column-major (its transpose contiguous): F.linear
+      for one query row (a decode step) then reads it in the order the BLAS streams it, measured
+      1.45x faster than the checkpoint layout on SmolLM2-135M fp32;
+    * fp32 Linears also get a oneDNN pre-packed copy used for 2+ rows (batched decode,
+      verification, prefill), where MKL's small-M SGEMM re-reads the weight (2-3x slower).
+
+    ``SPECULANT_CPU_WEIGHT_LAYOUT=row`` keeps the checkpoint layout, ``SPECULANT_CPU_PACKED=0``
+    skips the packed copy (it doubles the Linear weights' memory)."""
+    from speculant.models.layers import CpuLinear
+
+    col = os.environ.get("SPECULANT_CPU_WEIGHT_LAYOUT", "col") == "col"
+    packed = os.environ.get("SPECULANT_CPU_PACKED", "1") not in ("", "0")
     for mod in model.modules():
         w = getattr(mod, "weight", None)
-        if isinstance(mod, torch.nn.Linear) and w is not None and w.dim() == 2 and w.is_contiguous():
+        if not isinstance(mod, torch.nn.Linear) or w is None or w.dim() != 2:
+            continue
+        if col and w.is_contiguous():
             w.data = w.data.t().contiguous().t()
+        if packed and type(mod) is torch.nn.Linear:
+            mod.__class__ = CpuLinear  # in place: references to the module stay valid
+            mod.pack()
