@@ -451,11 +451,79 @@ def main() -> int:
         del hf
     result["extra"] = extra
     result["wall_s"] = time.perf_counter() - t_start
+    if only:
+        try:
+            extra["proposer_device_time_b1"] = profile_proposers(
+                engine, prompts, [s for s in strategies if s["method"] != "ngram"]
+            )
+            for row in extra["proposer_device_time_b1"]:
+                print("profile", json.dumps(row), flush=True)
+        except Exception as e:  # noqa: BLE001 - reported in the JSON
+            extra["errors"]["profile"] = f"{type(e).__name__}: {e}"
     json_path, png_path = write_outputs(result, out, "gpu_8b_proposers" if only else "gpu_8b")
     print(table(result))
     print(json.dumps({k: v for k, v in extra.items() if k != "cuda_graph_check"}, default=str))
     print(f"wrote {json_path} {png_path} in {result['wall_s']:.0f}s")
     return 0
+
+
+class ProposeProfiler:
+    """A pluggy wrapper around ``propose``: GPU kernel time of each call (torch.profiler, CUDA
+    activity only), to tell GPU-bound proposers from host-bound ones."""
+
+    def __init__(self) -> None:
+        self.device_ms: list[float] = []
+        self.kernels: dict[str, float] = {}
+
+    def make_hook(self):
+        from speculant import hookimpl
+
+        prof_self = self
+
+        class _Hook:
+            @hookimpl(wrapper=True)
+            def propose(self, batch):
+                from torch.profiler import ProfilerActivity, profile
+
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    result = yield
+                    torch.cuda.synchronize()
+                total = 0.0
+                for e in prof.key_averages():
+                    us = getattr(e, "self_device_time_total", None)
+                    us = us if us is not None else getattr(e, "self_cuda_time_total", 0.0)
+                    total += us
+                    prof_self.kernels[e.key] = prof_self.kernels.get(e.key, 0.0) + us
+                prof_self.device_ms.append(total / 1e3)
+                return result
+
+        return _Hook()
+
+
+def profile_proposers(engine, prompts, specs: list[dict], steps: int = 12) -> list[dict]:
+    """Batch 1: GPU kernel time per propose call (median over ``steps`` calls after warm-up)."""
+    from speculant.bench import _decode_run, _set_strategy
+
+    out = []
+    for spec in specs:
+        dec = _set_strategy(engine, {k: v for k, v in spec.items() if k != "name"})
+        _decode_run(engine, prompts[:1], 8)  # warm-up
+        p = ProposeProfiler()
+        dec.pm.register(p.make_hook(), name="bench:profiler")
+        _decode_run(engine, prompts[:1], steps)
+        ms = sorted(p.device_ms[2:] or p.device_ms)
+        calls = max(len(p.device_ms), 1)
+        top = sorted(p.kernels.items(), key=lambda kv: -kv[1])[:6]
+        out.append(
+            {
+                "name": spec.get("name", spec["method"]),
+                "device_ms_per_propose": ms[len(ms) // 2] if ms else None,
+                "top_kernels_ms_per_propose": {k[:80]: v / 1e3 / calls for k, v in top},
+            }
+        )
+    _set_strategy(engine, None)
+    return out
 
 
 def proposer_costs(runs: list[dict]) -> list[dict]:
