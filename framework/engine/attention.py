@@ -201,8 +201,14 @@ def attention(
             max_query_len=meta.max_query_len,
         )
     nkv, d = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, nkv, d)[meta.slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(-1, nkv, d)[meta.slot_mapping] = v.to(v_cache.dtype)
+    starts = meta.seq_starts
+    if starts is not None and len(starts) == 1 and starts[0] >= 0:  # one sequence: a slice
+        s0 = starts[0] + meta.context_lens_list[0] - meta.query_lens[0]
+        k_cache.view(-1, nkv, d)[s0 : s0 + k.shape[0]] = k  # [q_len, nkv, d]
+        v_cache.view(-1, nkv, d)[s0 : s0 + v.shape[0]] = v
+    else:
+        k_cache.view(-1, nkv, d)[meta.slot_mapping] = k.to(k_cache.dtype)
+        v_cache.view(-1, nkv, d)[meta.slot_mapping] = v.to(v_cache.dtype)
     return paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
 

@@ -17,13 +17,68 @@ def onednn_packing_available() -> bool:
     )
 
 
+class _NumpyBlas:
+    """numpy's bundled OpenBLAS as a one-row GEMV backend. Its SGEMV streamed SmolLM2's Linear
+    weights at ~21 GB/s on one core of this CPU where MKL's (torch's) reached ~15.5 GB/s. Used only
+    when its thread count can be set (to torch's, so a 1-thread benchmark stays 1 thread) and a
+    load-time timing on the model's own weights shows it faster (``choose_gemv``)."""
+
+    def __init__(self) -> None:
+        self.set_threads = None
+        self.threads = -1
+        try:
+            import ctypes
+            import glob
+            import os
+
+            import numpy as np
+
+            libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+            for path in glob.glob(os.path.join(libs, "*openblas*.so*")):
+                lib = ctypes.CDLL(path)
+                for name in (
+                    "scipy_openblas_set_num_threads64_",
+                    "openblas_set_num_threads64_",
+                    "scipy_openblas_set_num_threads",
+                    "openblas_set_num_threads",
+                ):
+                    fn = getattr(lib, name, None)
+                    if fn is not None:
+                        fn.argtypes = [ctypes.c_int]
+                        self.set_threads = fn
+                        return
+        except Exception:  # no numpy / no bundled OpenBLAS: torch's BLAS only
+            self.set_threads = None
+
+    @property
+    def available(self) -> bool:
+        return self.set_threads is not None
+
+    def sync_threads(self) -> None:
+        n = torch.get_num_threads()
+        if n != self.threads:
+            self.set_threads(n)
+            self.threads = n
+
+
+_numpy_blas: _NumpyBlas | None = None
+
+
+def numpy_blas() -> _NumpyBlas:
+    global _numpy_blas
+    if _numpy_blas is None:
+        _numpy_blas = _NumpyBlas()
+    return _numpy_blas
+
+
 class CpuLinear(nn.Linear):
     """CPU fp32 Linear with two copies of the weight, one per regime (loader.prepare_cpu_linears
     turns a loaded ``nn.Linear`` into this class in place, so modules shared by reference stay
     shared):
 
-    * one row (a decode step of one sequence): ``F.linear`` on the column-major weight
-      (``weight.t()`` contiguous), which MKL's GEMV streams at ~16 GB/s on one core;
+    * one row (a decode step of one sequence): a GEMV on the column-major weight (``weight.t()``
+      contiguous), through numpy's OpenBLAS when ``choose_gemv`` found it faster (~21 GB/s on
+      one core here), else ``F.linear`` (MKL, ~15.5 GB/s);
     * two or more rows (batched decode, verification passes of k + 1 tokens, prefill): oneDNN's
       GEMM on a weight pre-packed into its blocked layout. MKL's small-M SGEMM reads the weight
       once per few rows there (4 rows took 2.3x, 11 rows 3x the one-row time on SmolLM2), oneDNN
@@ -34,19 +89,52 @@ class CpuLinear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
+    np_wt = None  # numpy view [in, out] of the column-major weight, when numpy GEMV is on
 
-    def pack(self) -> None:
+    def pack(self, packed: bool = True, numpy_gemv: bool = False) -> None:
         w = self.weight
-        self.packed = None
-        if w.dtype == torch.float32 and w.device.type == "cpu" and onednn_packing_available():
+        self.packed = self.np_wt = None
+        if w.dtype != torch.float32 or w.device.type != "cpu":
+            return
+        if packed and onednn_packing_available():
             with torch.no_grad():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
+        if numpy_gemv and w.t().is_contiguous() and numpy_blas().available:
+            self.np_wt = w.detach().t().numpy()  # shares the weight's memory
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in] -> [rows, out]
-        p = self.packed
-        if p is not None and x.dim() == 2 and x.shape[0] > 1 and x.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), p, self.bias, "none", [], "")
+        if x.dim() == 2 and x.dtype == torch.float32:
+            if x.shape[0] > 1:
+                if self.packed is not None:
+                    return torch.ops.mkldnn._linear_pointwise(
+                        x.contiguous(), self.packed, self.bias, "none", [], ""
+                    )
+            elif self.np_wt is not None and not x.requires_grad:
+                numpy_blas().sync_threads()
+                y = torch.from_numpy(x.numpy() @ self.np_wt)  # [1, out]
+                return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def choose_gemv(linears: list[CpuLinear], repeats: int = 3) -> bool:
+    """Time one-row products over ``linears`` with torch's BLAS and with numpy's OpenBLAS
+    (interleaved, best of ``repeats``); True if numpy's was faster by 5% or more."""
+    import time
+
+    if not linears or not numpy_blas().available:
+        return False
+    xs = {m.in_features: torch.randn(1, m.in_features) for m in linears}  # [1, in] each
+    best = {"torch": float("inf"), "numpy": float("inf")}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for name in best:
+                for m in linears:
+                    m.pack(packed=False, numpy_gemv=name == "numpy")
+                t0 = time.perf_counter()
+                for m in linears:
+                    m(xs[m.in_features])
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best["numpy"] < 0.95 * best["torch"]
 
 
 class RMSNorm(nn.Module):
@@ -58,6 +146,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
         if x.dim() == 2 and x.stride(-1) == 1 and fused.enabled(x):
             return fused.rms_norm(x, self.weight, self.eps)
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            # the same arithmetic in fewer dispatches (no-op casts dropped, in-place temporaries)
+            var = x.pow(2).mean(-1, keepdim=True).add_(self.eps)  # [num_tokens, 1]
+            return self.weight * (x * var.rsqrt_())
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -115,6 +207,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)  # [max_pos, rot_dim]
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)  # [max_pos, rot_dim]
+        self._cpu_pos: torch.Tensor | None = None  # positions of the last CPU forward
+        self._cpu_cs: tuple[torch.Tensor, torch.Tensor] | None = None  # their cos, sin rows
         if not self.cos_cache.is_meta:
             self.reset(config, max_positions, self.cos_cache.device)
 
@@ -126,6 +220,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, rot_dim]
         self.cos_cache = (emb.cos() * scaling).to(device)
         self.sin_cache = (emb.sin() * scaling).to(device)
+        self._cpu_pos = self._cpu_cs = None
 
     def forward(
         self,
@@ -139,6 +234,21 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions].unsqueeze(1)  # [num_tokens, 1, rot_dim]
         sin = self.sin_cache[positions].unsqueeze(1)
         return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+
+    def rotate_cpu(
+        self,
+        positions: torch.Tensor,  # [num_tokens] (CPU)
+        x: torch.Tensor,  # [num_tokens, heads, head_dim]: q and k heads side by side
+    ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
+        """CPU path: the same rotation as ``forward`` applied to q and k heads in one go, with the
+        cos/sin rows gathered once per forward (every layer passes the same ``positions``)."""
+        if positions is not self._cpu_pos:
+            self._cpu_pos = positions
+            self._cpu_cs = (
+                self.cos_cache[positions].unsqueeze(1),  # [num_tokens, 1, rot_dim]
+                self.sin_cache[positions].unsqueeze(1),
+            )
+        return _apply_rope(x, *self._cpu_cs)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,15 @@ class LlamaAttention(nn.Module):
         ctx: ForwardContext,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        if qkv.device.type == "cpu":  # rotate q and k heads in one pass
+            nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, nh + nkv, d)  # [T, nh + nkv, d]
+            q, k = self.rope.rotate_cpu(positions, qk).split([nh, nkv], dim=1)
+            v = qkv[:, self.q_size + self.kv_size :].view(T, nkv, d)  # [T, nkv, d]
+            o = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [T, nh, d]
+            return self.o_proj(o.reshape(T, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -98,7 +106,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.max_positions = max_positions  # sizes CUDA-graph block tables
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         rope = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -124,7 +134,9 @@ class LlamaForCausalLM(nn.Module):
         a = self.layers[0].self_attn
         return a.num_kv_heads, a.head_dim
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+    def embed(
+        self, input_ids: torch.Tensor
+    ) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
         return self.embed_tokens(input_ids)
 
     def forward(

@@ -244,20 +244,34 @@ def prepare_cpu_linears(model: torch.nn.Module) -> None:
       for one query row (a decode step) then reads it in the order the BLAS streams it, measured
       1.45x faster than the checkpoint layout on SmolLM2-135M fp32;
     * fp32 Linears also get a oneDNN pre-packed copy used for 2+ rows (batched decode,
-      verification, prefill), where MKL's small-M SGEMM re-reads the weight (2-3x slower).
+      verification, prefill), where MKL's small-M SGEMM re-reads the weight (2-3x slower);
+    * one-row products go through numpy's OpenBLAS GEMV if a load-time timing on these weights
+      finds it faster than torch's (``SPECULANT_CPU_GEMV=auto|numpy|torch``).
 
     ``SPECULANT_CPU_WEIGHT_LAYOUT=row`` keeps the checkpoint layout, ``SPECULANT_CPU_PACKED=0``
     skips the packed copy (it doubles the Linear weights' memory)."""
-    from speculant.models.layers import CpuLinear
+    from speculant.models.layers import CpuLinear, choose_gemv
 
     col = os.environ.get("SPECULANT_CPU_WEIGHT_LAYOUT", "col") == "col"
     packed = os.environ.get("SPECULANT_CPU_PACKED", "1") not in ("", "0")
+    gemv = os.environ.get("SPECULANT_CPU_GEMV", "auto")  # auto | numpy | torch
+    linears = []
     for mod in model.modules():
         w = getattr(mod, "weight", None)
         if not isinstance(mod, torch.nn.Linear) or w is None or w.dim() != 2:
             continue
         if col and w.is_contiguous():
             w.data = w.data.t().contiguous().t()
-        if packed and type(mod) is torch.nn.Linear:
+        if type(mod) is torch.nn.Linear:
             mod.__class__ = CpuLinear  # in place: references to the module stay valid
-            mod.pack()
+        if isinstance(mod, CpuLinear):
+            linears.append(mod)
+    use_numpy = gemv == "numpy" or (gemv == "auto" and col and choose_gemv(linears))
+    for mod in linears:
+        mod.pack(packed=packed, numpy_gemv=use_numpy)
+    logger.info(
+        "CPU Linear: %d layers, packed oneDNN copy %s, one-row GEMV via %s",
+        len(linears),
+        "on" if packed else "off",
+        "numpy/OpenBLAS" if use_numpy else "torch",
+    )
