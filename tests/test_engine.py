@@ -270,7 +270,7 @@ def test_ngram_backs_off_when_drafts_keep_failing():
     from speculant.plugins.ngram import NgramConfig, NgramStrategy
     from speculant.spec_types import SpecBatch, SpecSequence
 
-    strat = NgramStrategy(NgramConfig(num_speculative_tokens=3, max_backoff=4), None)
+    strat = NgramStrategy(NgramConfig(num_speculative_tokens=3, max_backoff=4, min_draft=1), None)
     toks = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3]  # lookup proposes "9 1 2"
 
     def propose(tokens):
@@ -298,3 +298,29 @@ def test_ngram_backs_off_when_drafts_keep_failing():
     assert strat._fails[7] == 0 and strat._k[7] == 2
     strat.on_requests_finished([7])
     assert 7 not in strat._k and 7 not in strat._resume
+
+
+def test_ngram_min_draft_after_partial_acceptance():
+    """After a partly accepted draft the next draft has at least min_draft tokens (a verification
+    pass costs about the same for 2 or 5 query rows on CPU), capped at num_speculative_tokens."""
+    from speculant.plugins.ngram import NgramConfig, NgramStrategy
+    from speculant.spec_types import SpecBatch, SpecSequence
+
+    strat = NgramStrategy(NgramConfig(num_speculative_tokens=6, min_draft=4), None)
+    toks = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+
+    def propose(tokens):
+        s = SpecSequence(
+            seq_id=3,
+            token_ids=list(tokens),
+            num_prompt_tokens=2,
+            max_draft=6,
+            sampling_params=SamplingParams(),
+        )
+        return strat.propose(SpecBatch(seqs=[s])).token_ids[0]
+
+    assert propose(toks) == [3, 4, 5, 6, 7, 8]
+    toks += [3, 0]  # one draft token accepted, then the target's own token
+    assert strat._adapt(3, toks) == 4  # accepted + 1 = 2, raised to min_draft
+    strat3 = NgramStrategy(NgramConfig(num_speculative_tokens=3), None)
+    assert strat3._adapt(9, toks) == 3  # min_draft capped at k
