@@ -99,3 +99,6 @@ class VerifyResult:
 
     token_ids: list[list[int]]
     num_accepted: list[int]  # accepted draft tokens per sequence (len(token_ids[i]) - 1)
+    # optional: the target's log-probability (log_softmax of the raw score logits) of each token
+    # in token_ids, same shape; when None the engine computes them (one batched gather)
+    logprobs: list[list[float]] | None = None

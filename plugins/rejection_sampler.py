@@ -14,6 +14,7 @@ import torch
 
 from speculant import hookimpl
 from speculant.engine.sampler import Row, process_logits, target_probs, uniforms
+from speculant.engine.staging import to_device
 from speculant.kernels.rejection_sampling import rejection_sample
 from speculant.spec_types import Proposal, ScoreResult, SpecBatch, StrategyContext, VerifyResult
 
@@ -38,28 +39,46 @@ class RejectionSampler:
         device = scores.logits.device
         processed = process_logits(scores.logits, rows, self.ctx.eos_token_id)  # [sum(k_i + 1), vocab]
         greedy_seq = [s.params.is_greedy for s in seqs]
-        greedy_row = torch.tensor([r.seq.params.is_greedy for r in rows], device=device)
         if all(greedy_seq):
             target = processed
         else:
             probs = target_probs(processed, rows)
+            greedy_row = to_device([r.seq.params.is_greedy for r in rows], torch.bool, device)
             target = torch.where(greedy_row[:, None], processed, probs)
         lengths = proposal.lengths
-        draft_ids = torch.tensor([t for d in proposal.token_ids for t in d], dtype=torch.long,
-                                 device=device)
-        num_draft = torch.tensor(lengths, dtype=torch.int32, device=device)
+        max_k = max(lengths, default=0)
+        # every host-made input goes through pinned memory: no stream synchronisation before
+        # the one read at the end (see speculant.engine.staging)
+        draft_ids = to_device([t for d in proposal.token_ids for t in d], torch.long, device)  # [sum(k_i)]
+        num_draft = to_device(lengths, torch.int32, device)  # [batch]
         draft_probs = None
         if proposal.probs is not None and not all(greedy_seq):
             mask = torch.arange(proposal.probs.shape[1], device=proposal.probs.device)[None, :] < \
                 num_draft.to(proposal.probs.device)[:, None]
             draft_probs = proposal.probs[mask].float().to(device)  # [total_draft, vocab]
-        u_acc = uniforms(seqs, lengths, self.engine_gen, device)
-        u_smp = uniforms(seqs, [1] * len(seqs), self.engine_gen, device)
+        u_acc = uniforms(seqs, lengths, self.engine_gen, device)  # [sum(k_i)]
+        u_smp = uniforms(seqs, [1] * len(seqs), self.engine_gen, device)  # [batch]
         out, n_out = rejection_sample(draft_ids, num_draft, draft_probs, target.float(),
-                                      torch.tensor(greedy_seq, device=device), u_acc, u_smp)
-        out_l, n_l = out.tolist(), n_out.tolist()
-        tokens = [row[:n] for row, n in zip(out_l, n_l)]
-        return VerifyResult(token_ids=tokens, num_accepted=[n - 1 for n in n_l])
+                                      to_device(greedy_seq, torch.bool, device), u_acc, u_smp,
+                                      max_num_draft_tokens=max_k)  # [batch, max_k + 1], [batch]
+        # the target's log-probability (raw logits) of every output token: row start_i + j
+        starts, acc = [], 0
+        for n in lengths:
+            starts.append(acc)
+            acc += n + 1
+        rows_idx = (to_device(starts, torch.long, device)[:, None]
+                    + torch.arange(max_k + 1, device=device)[None, :]).clamp(max=len(rows) - 1)
+        lp_all = torch.log_softmax(scores.logits.float(), dim=-1)  # [sum(k_i + 1), vocab]
+        lp = lp_all[rows_idx, out.clamp(min=0)]  # [batch, max_k + 1]
+        B, W = out.shape
+        # one device-to-host read for tokens, counts and logprobs (float64 holds the ids exactly)
+        flat = torch.cat([out.reshape(-1).double(), n_out.double(), lp.reshape(-1).double()]).tolist()
+        out_l = [flat[i * W : (i + 1) * W] for i in range(B)]
+        n_l = [int(x) for x in flat[B * W : B * W + B]]
+        lp_off = B * W + B
+        tokens = [[int(t) for t in row[:n]] for row, n in zip(out_l, n_l)]
+        logprobs = [flat[lp_off + i * W : lp_off + i * W + n] for i, n in enumerate(n_l)]
+        return VerifyResult(token_ids=tokens, num_accepted=[n - 1 for n in n_l], logprobs=logprobs)
 
 
 @hookimpl

@@ -11,7 +11,7 @@ import torch
 from speculant.config import EngineConfig
 from speculant.engine.block_manager import BlockManager
 from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
-from speculant.engine.sampler import Row, sample, token_logprobs, topn_dict
+from speculant.engine.sampler import Row, sample_with_logprobs, topn_dict
 from speculant.engine.scheduler import Scheduler
 from speculant.engine.sequence import Sequence
 from speculant.models.loader import load_config, load_model, load_tokenizer, resolve_model
@@ -52,7 +52,8 @@ class LLMEngine:
         self.block_size = config.block_size
         num_blocks = self._num_blocks()
         self.block_manager = BlockManager(num_blocks, self.block_size)
-        self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype,
+                                  enforce_eager=config.enforce_eager)
         batched = config.max_num_batched_tokens or max(self.max_model_len, 2048)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched)
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -208,8 +209,8 @@ class LLMEngine:
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         rows = [Row(s, []) for s in seqs]
-        tokens = sample(logits, rows, self.generator, self.eos_token_id)
-        lps, dicts = token_logprobs(logits, tokens, rows, self.tokenizer)
+        tokens, lps, dicts = sample_with_logprobs(logits, rows, self.generator, self.eos_token_id,
+                                                  self.tokenizer)
         for s, t, lp, d in zip(seqs, tokens, lps, dicts):
             self.append_token(s, t, lp, d)
         return tokens

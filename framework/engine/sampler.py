@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from speculant.engine.sequence import Sequence
+from speculant.engine.staging import to_device
 from speculant.kernels.rejection_sampling import sample_from_probs
 from speculant.kernels.sampling import sampling_probs
 from speculant.outputs import Logprob
@@ -55,13 +56,13 @@ def process_logits(
                     logits[i] = res
         if p.has_penalties:
             dev = logits.device
-            out_t = torch.tensor(out_ids, dtype=torch.long, device=dev)
+            out_t = to_device(out_ids, torch.long, dev)
             counts = torch.zeros(V, device=dev).index_add_(
                 0, out_t.clamp(0, V - 1), torch.ones(len(out_ids), device=dev)
             ) if out_ids else torch.zeros(V, device=dev)
             if p.repetition_penalty != 1.0:
                 seen = counts > 0
-                prompt_t = torch.tensor(r.seq.token_ids[: r.seq.num_prompt_tokens], dtype=torch.long, device=dev)
+                prompt_t = to_device(r.seq.token_ids[: r.seq.num_prompt_tokens], torch.long, dev)
                 seen[prompt_t.clamp(0, V - 1)] = True
                 row = logits[i]
                 pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
@@ -79,11 +80,12 @@ def process_logits(
 
 
 def sampling_tensors(rows: list[Row], device) -> tuple[torch.Tensor, ...]:
-    temp = torch.tensor([r.seq.params.temperature for r in rows], dtype=torch.float32, device=device)
-    top_k = torch.tensor([r.seq.params.top_k for r in rows], dtype=torch.int32, device=device)
-    top_p = torch.tensor([r.seq.params.top_p for r in rows], dtype=torch.float32, device=device)
-    min_p = torch.tensor([r.seq.params.min_p for r in rows], dtype=torch.float32, device=device)
-    return temp, top_k, top_p, min_p
+    """Per-row temperature, top-k, top-p, min-p ``[num_rows]`` each, on ``device``."""
+    p = [r.seq.params for r in rows]
+    floats = to_device([[x.temperature for x in p], [x.top_p for x in p], [x.min_p for x in p]],
+                       torch.float32, device)  # [3, num_rows]
+    top_k = to_device([x.top_k for x in p], torch.int32, device)  # [num_rows]
+    return floats[0], top_k, floats[1], floats[2]
 
 
 def target_probs(processed: torch.Tensor, rows: list[Row]) -> torch.Tensor:
@@ -98,22 +100,59 @@ def uniforms(seqs: list[Sequence], counts: list[int], engine_gen: torch.Generato
     for s, n in zip(seqs, counts):
         gen = s.generator or engine_gen
         parts.append(torch.rand(n, generator=gen, dtype=torch.float32))
-    return torch.cat(parts).to(device) if parts else torch.empty(0, device=device)
+    return to_device(torch.cat(parts), torch.float32, device) if parts else torch.empty(0, device=device)
+
+
+def sample_tokens(logits: torch.Tensor, rows: list[Row], engine_gen: torch.Generator,
+                  eos_token_id: int | None) -> torch.Tensor:  # [num_rows] int64, on logits.device
+    """Sample one token per row, leaving the result on the device (no synchronisation)."""
+    processed = process_logits(logits, rows, eos_token_id)
+    greedy = [r.seq.params.is_greedy for r in rows]
+    if all(greedy):
+        return processed.argmax(dim=-1)
+    probs = target_probs(processed, rows)
+    u = uniforms([r.seq for r in rows], [1] * len(rows), engine_gen, logits.device)
+    sampled = sample_from_probs(probs, u)
+    argmax = processed.argmax(dim=-1)
+    g = to_device(greedy, torch.bool, logits.device)
+    return torch.where(g, argmax, sampled)
 
 
 def sample(logits: torch.Tensor, rows: list[Row], engine_gen: torch.Generator,
            eos_token_id: int | None) -> list[int]:
     """Sample one token per row (plain decoding and the first token after prefill)."""
-    processed = process_logits(logits, rows, eos_token_id)
-    greedy = [r.seq.params.is_greedy for r in rows]
-    if all(greedy):
-        return processed.argmax(dim=-1).tolist()
-    probs = target_probs(processed, rows)
-    u = uniforms([r.seq for r in rows], [1] * len(rows), engine_gen, logits.device)
-    sampled = sample_from_probs(probs, u)
-    argmax = processed.argmax(dim=-1)
-    g = torch.tensor(greedy, device=logits.device)
-    return torch.where(g, argmax, sampled).tolist()
+    return sample_tokens(logits, rows, engine_gen, eos_token_id).tolist()
+
+
+def chosen_logprobs(
+    logits: torch.Tensor,  # [num_rows, vocab] raw target logits
+    tokens: torch.Tensor,  # [num_rows] int64, same device
+) -> torch.Tensor:  # [num_rows] float32
+    """log_softmax(logits)[row, token] (the same numbers :func:`token_logprobs` gives)."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor,  # [num_rows, vocab] raw target logits
+    rows: list[Row],
+    engine_gen: torch.Generator,
+    eos_token_id: int | None,
+    tokenizer,
+) -> tuple[list[int], list[float], list[dict[int, Logprob] | None]]:
+    """Sample one token per row and return (tokens, their target logprobs, top-N dicts for rows
+    that asked for logprobs) with ONE device-to-host read for the tokens and logprobs."""
+    tok = sample_tokens(logits, rows, engine_gen, eos_token_id)  # [num_rows]
+    lp = chosen_logprobs(logits, tok)  # [num_rows]
+    # float64 holds every token id exactly
+    both = torch.stack([tok.to(torch.float64), lp.to(torch.float64)]).tolist()
+    tokens = [int(t) for t in both[0]]
+    dicts: list[dict[int, Logprob] | None] = [None] * len(rows)
+    asked = [i for i, r in enumerate(rows) if r.seq.params.logprobs is not None]
+    if asked:
+        full = torch.log_softmax(logits[asked].float(), dim=-1)
+        for j, i in enumerate(asked):
+            dicts[i] = topn_dict(full[j], tokens[i], rows[i].seq.params.logprobs, tokenizer)
+    return tokens, both[1], dicts
 
 
 def token_logprobs(
@@ -125,7 +164,7 @@ def token_logprobs(
     """Log-probability of each chosen token under the target model (raw logits, as vLLM
     returns by default), plus top-N dicts for rows whose request asked for logprobs."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0]
+    chosen = lp.gather(1, to_device(tokens, torch.long, lp.device)[:, None])[:, 0]
     chosen_list = chosen.tolist()
     dicts: list[dict[int, Logprob] | None] = []
     for i, r in enumerate(rows):

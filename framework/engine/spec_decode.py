@@ -7,9 +7,11 @@ import logging
 
 import pluggy
 import torch
+
 from speculant import hookspecs
-from speculant.engine.sampler import topn_dict
+from speculant.engine.sampler import chosen_logprobs, topn_dict
 from speculant.engine.sequence import Sequence
+from speculant.engine.staging import to_device
 from speculant.hookspecs import hookimpl
 from speculant.outputs import SpecMetrics
 from speculant.spec_registry import (
@@ -226,33 +228,46 @@ class SpecDecoder:
     def _apply(self, seqs, proposal: Proposal, scores: ScoreResult, result) -> None:
         eng = self.engine
         counts = [n + 1 for n in proposal.lengths]
-        lp_all = torch.log_softmax(scores.logits, dim=-1)
-        keep, starts = [], [len(s) - 1 for s in seqs]
-        row = 0
+        starts = [0]
+        for c in counts[:-1]:
+            starts.append(starts[-1] + c)  # first score row of each sequence
+        logprobs = result.logprobs
+        if logprobs is None:  # a verifier that did not return them: one batched gather
+            idx = [(r0 + j, t) for r0, toks in zip(starts, result.token_ids) for j, t in enumerate(toks)]
+            flat = chosen_logprobs(scores.logits[to_device([i for i, _ in idx], torch.long,
+                                                           scores.logits.device)],
+                                   to_device([t for _, t in idx], torch.long,
+                                             scores.logits.device)).tolist() if idx else []
+            logprobs, pos = [], 0
+            for toks in result.token_ids:
+                logprobs.append(flat[pos : pos + len(toks)])
+                pos += len(toks)
+        keep, hidden_starts = [], [len(s) - 1 for s in seqs]
         step_total = SpecMetrics()
-        for s, drafts, toks, acc in zip(seqs, proposal.token_ids, result.token_ids, result.num_accepted):
+        for s, drafts, toks, lps, acc, r0 in zip(seqs, proposal.token_ids, result.token_ids, logprobs,
+                                                 result.num_accepted, starts):
             base = len(s)  # tokens before this step; cache now holds base + len(drafts)
             m = s.metrics.spec
             m.record(len(drafts), acc)
             m.num_spec_steps += 1
             step_total.record(len(drafts), acc)
             keep.append(acc + 1)
-            for j, t in enumerate(toks):
-                lp = lp_all[row + j]
-                top = None
-                if s.params.logprobs is not None:
-                    top = topn_dict(lp, t, s.params.logprobs, eng.tokenizer)
+            full = None
+            if s.params.logprobs is not None:  # top-N dicts: this sequence's rows only
+                full = torch.log_softmax(scores.logits[r0 : r0 + len(toks)].float(), dim=-1)
+            for j, (t, lp) in enumerate(zip(toks, lps)):
+                top = topn_dict(full[j], t, s.params.logprobs, eng.tokenizer) if full is not None else None
                 m.num_emitted_tokens += 1
                 step_total.num_emitted_tokens += 1
-                if eng.append_token(s, t, float(lp[t]), top):
+                if eng.append_token(s, t, lp, top):
                     break
-            row += len(drafts) + 1
             # the cache is valid for the last token and the accepted drafts only
             if not s.is_finished:
                 eng.block_manager.rollback(s, base + acc)
         step_total.num_spec_steps = len(seqs)
         self.total.merge(step_total)
-        self.record_hidden(seqs, counts, scores.hidden_states, scores.aux_hidden_states, keep, starts)
+        self.record_hidden(seqs, counts, scores.hidden_states, scores.aux_hidden_states, keep,
+                           hidden_starts)
 
     def _rollback(self, seqs) -> None:
         for s in seqs:
