@@ -5,8 +5,9 @@
 
 In one process: HBM copy bandwidth; the target (Llama-3-8B geometry, bf16, random weights
 initialised on the GPU: nothing is downloaded); plain decoding vs the oracle at a in {0.6, 0.8,
-0.9} x k in {3, 5}, n-gram, a Llama-3.2-1B-geometry draft model, an EAGLE-1 head and an
-MLPSpeculator sized for the target (synthetic checkpoints written to a temporary folder), over a
+0.9} x k in {3, 5}, n-gram, a Llama-3.2-1B-geometry draft model, an EAGLE-1 head (full-vocabulary
+LM head shared with the target), an EAGLE-3 head (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B geometry:
+32000-token draft vocabulary) and an MLPSpeculator sized for the target (synthetic checkpoints written to a temporary folder), over a
 batch sweep with ``disable_by_batch_size``; CUDA graphs vs eager; Hugging Face transformers
 ``generate`` on the same weights (shared, zero-copy). Writes gpu_8b.json and gpu_8b.png.
 
@@ -124,8 +125,15 @@ def write_config(folder: Path, cfg: dict, seed: int) -> Path:
     return folder
 
 
-def write_tensors(folder: Path, cfg: dict, shapes: dict[str, tuple[int, ...]], seed: int) -> Path:
-    """A small checkpoint (config.json + model.safetensors) of random bf16 tensors."""
+def write_tensors(
+    folder: Path,
+    cfg: dict,
+    shapes: dict[str, tuple[int, ...]],
+    seed: int,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """A small checkpoint (config.json + model.safetensors) of random bf16 tensors (plus
+    ``extra`` tensors as given)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -141,6 +149,7 @@ def write_tensors(folder: Path, cfg: dict, shapes: dict[str, tuple[int, ...]], s
         else:
             t.normal_(0.0, INIT_STD, generator=gen)
         tensors[name] = t.cpu()
+    tensors.update(extra or {})
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 
@@ -161,6 +170,38 @@ def eagle1_checkpoint(folder: Path) -> Path:
         p + "post_attention_layernorm.weight": (H,),
     }
     return write_tensors(folder, dict(LLAMA3_8B, num_hidden_layers=1, bias=True), shapes, 11)
+
+
+def eagle3_checkpoint(folder: Path, draft_vocab: int = 32000) -> Path:
+    """yuhuili/EAGLE3-LLaMA3.1-Instruct-8B geometry: one midlayer over [embeds, fused hidden]
+    (2H wide attention input), fc 3H -> H, its own 32000-token head mapped through d2t."""
+    H, F, kv, V = 4096, 14336, 1024, 128256
+    p = "midlayer."
+    shapes = {
+        "fc.weight": (H, 3 * H),
+        p + "input_layernorm.weight": (H,),
+        p + "hidden_norm.weight": (H,),
+        p + "self_attn.q_proj.weight": (H, 2 * H),
+        p + "self_attn.k_proj.weight": (kv, 2 * H),
+        p + "self_attn.v_proj.weight": (kv, 2 * H),
+        p + "self_attn.o_proj.weight": (H, H),
+        p + "mlp.gate_proj.weight": (F, H),
+        p + "mlp.up_proj.weight": (F, H),
+        p + "mlp.down_proj.weight": (H, F),
+        p + "post_attention_layernorm.weight": (H,),
+        "norm.weight": (H,),
+        "lm_head.weight": (draft_vocab, H),
+    }
+    gen = torch.Generator().manual_seed(13)
+    sel = torch.randperm(V, generator=gen)[:draft_vocab].sort().values
+    d2t = sel - torch.arange(draft_vocab)  # target id = draft id + d2t[draft id]
+    cfg = dict(
+        LLAMA3_8B,
+        num_hidden_layers=1,
+        architectures=["LlamaForCausalLMEagle3"],
+        draft_vocab_size=draft_vocab,
+    )
+    return write_tensors(folder, cfg, shapes, 14, extra={"d2t": d2t})
 
 
 def mlp_speculator_checkpoint(folder: Path, n_predict: int = 4) -> Path:
@@ -302,23 +343,32 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default=None, help="default 1,4,8,16,64 (1,8 with --only)")
     ap.add_argument("--warmup-tokens", type=int, default=16)
     ap.add_argument("--disable-by-batch-size", type=int, default=16)
-    ap.add_argument("--skip", default="", help="comma-separated: hf,draft,eagle,mlp,ngram,check")
+    ap.add_argument(
+        "--skip", default="", help="comma-separated: hf,draft,eagle,eagle3,mlp,ngram,check"
+    )
     ap.add_argument(
         "--only",
         default="",
-        help="quick proposer-cost mode, comma-separated from draft,eagle,mlp,ngram: "
+        help="quick proposer-cost mode, comma-separated from draft,eagle,eagle3,mlp,ngram: "
         "only these strategies (no oracle sweep, graph check or HF generate); "
         "default batch sizes 1,8 and 64 tokens; writes gpu_8b_proposers.json",
+    )
+    ap.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="also run plain and oracle a=0.8 k=5 decoding at batch 1 under cProfile (host "
+        "time per function; the .tolist() rows show where the host waits for the GPU) and "
+        "write host_profile.txt",
     )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     skip = set(filter(None, args.skip.split(",")))
     only = set(filter(None, args.only.split(",")))
     if only:
-        unknown = only - {"draft", "eagle", "mlp", "ngram"}
+        unknown = only - {"draft", "eagle", "eagle3", "mlp", "ngram"}
         if unknown:
             ap.error(f"--only: unknown {sorted(unknown)}")
-        skip |= {"hf", "check", "oracle"} | ({"draft", "eagle", "mlp", "ngram"} - only)
+        skip |= {"hf", "check", "oracle"} | ({"draft", "eagle", "eagle3", "mlp", "ngram"} - only)
     args.batch_sizes = args.batch_sizes or ("1,8" if only else "1,4,8,16,64")
     args.max_tokens = args.max_tokens or (64 if only else 256)
     out = Path(args.out)
@@ -404,6 +454,16 @@ def main() -> int:
                 **dis,
             )
         )
+    if "eagle3" not in skip:
+        optional.append(
+            dict(
+                name="eagle3",
+                method="eagle3",
+                model=str(eagle3_checkpoint(tmp / "eagle3")),
+                num_speculative_tokens=3,
+                **dis,
+            )
+        )
     if "mlp" not in skip:
         optional.append(
             dict(
@@ -460,6 +520,8 @@ def main() -> int:
                 print("profile", json.dumps(row), flush=True)
         except Exception as e:  # noqa: BLE001 - reported in the JSON
             extra["errors"]["profile"] = f"{type(e).__name__}: {e}"
+    if args.host_profile:
+        (out / "host_profile.txt").write_text(host_profile(engine, prompts, args.max_tokens))
     json_path, png_path = write_outputs(result, out, "gpu_8b_proposers" if only else "gpu_8b")
     print(table(result))
     print(json.dumps({k: v for k, v in extra.items() if k != "cuda_graph_check"}, default=str))
@@ -524,6 +586,38 @@ def profile_proposers(engine, prompts, specs: list[dict], steps: int = 12) -> li
         )
     _set_strategy(engine, None)
     return out
+
+
+def host_profile(engine, prompts, max_tokens: int) -> str:
+    """cProfile of batch-1 decoding, plain and with the oracle (a = 0.8, k = 5): where the host
+    spends a step's time (the synchronising reads show up as the time the host waits)."""
+    import cProfile
+    import io
+    import pstats
+
+    from speculant.bench import _decode_run, _set_strategy
+
+    _set_strategy(engine, None)
+    rec = _decode_run(engine, prompts[:1], max_tokens + 8)
+    refs = [{"prompt_token_ids": prompts[0], "output_token_ids": rec["tokens"][0]}]
+    oracle = dict(method="oracle", alpha=0.8, num_speculative_tokens=5, references=refs)
+    buf = io.StringIO()
+    for cfg in (None, oracle):
+        _set_strategy(engine, cfg)
+        _decode_run(engine, prompts[:1], 16)  # warm-up
+        prof = cProfile.Profile()
+        prof.enable()
+        r = _decode_run(engine, prompts[:1], max_tokens)
+        prof.disable()
+        buf.write(
+            f"\n=== {'oracle a=0.8 k=5' if cfg else 'plain'}: {r['steps']} steps, "
+            f"{1e3 * r['decode_s'] / r['steps']:.3f} ms per step (under cProfile)\n"
+        )
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("tottime").print_stats(30)
+        st.sort_stats("cumulative").print_stats(40)
+    _set_strategy(engine, None)
+    return buf.getvalue()
 
 
 def proposer_costs(runs: list[dict]) -> list[dict]:

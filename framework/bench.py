@@ -5,8 +5,10 @@ For every (strategy, batch size) it reports decode throughput (tokens/s over all
 seconds per output token of one sequence (the ``time_generation`` figure), the speedup over plain
 decoding at that batch size, the measured acceptance ``a`` (probability a draft token is accepted
 given the earlier ones were, counted exactly per draft), the mean number of tokens per target step, the proposer cost ratio
-``c`` (proposer time per step / plain decode step time) and the theoretical speedup of Leviathan
-et al. ``(1 - a^(k+1)) / ((1 - a)(k c + 1))`` from the measured ``a`` and ``c``.
+``c`` and the theoretical speedup of Leviathan et al. ``(1 - a^(k+1)) / ((1 - a)(k c + 1))``
+from the measured ``a`` and ``c``. As in that formula, ``c`` is the cost of ONE draft run (one
+draft token) relative to one plain target decode step: ``k c`` is what proposing costs per
+speculative step, so ``c = (propose time per step / k) / plain step time``.
 
 Timing: every interval is read on the host clock after ``torch.cuda.synchronize()`` (the decode
 loop itself also waits for each step's tokens), so no asynchronous GPU work is left out. Oracle
@@ -43,7 +45,8 @@ def _sync(device) -> None:
 
 
 class _StepTimer:
-    """A pluggy wrapper around ``propose`` and ``score``: synchronised wall time of each."""
+    """A pluggy wrapper around ``propose`` (synchronised wall time: the proposer's whole cost) and
+    ``score`` (host time to issue it), counting draft acceptance in ``verify``."""
 
     def __init__(self, device) -> None:
         self.device = device
@@ -66,10 +69,11 @@ class _StepTimer:
 
     @hookimpl(wrapper=True)
     def score(self, batch, proposal):
-        _sync(self.device)
+        # NOT synchronised: on CUDA the engine queues verification behind the target forward
+        # while the GPU runs it; a sync here would serialise the two and slow every timed
+        # speculative step. This is the host time to issue the scoring forward.
         t0 = time.perf_counter()
         result = yield
-        _sync(self.device)
         self.score_s += time.perf_counter() - t0
         self.score_calls += 1
         return result
@@ -203,13 +207,14 @@ def _summarise(spec, bs, r, dec, timer, plain, record) -> dict:
     k = dec.k
     a = timer.acceptance
     propose_step = timer.propose_s / timer.propose_calls if timer.propose_calls else None
-    c = propose_step / plain["step_s"] if (plain and propose_step is not None) else None
+    # Leviathan et al.'s c: one draft run (k of them per speculative step) / one plain step
+    c = propose_step / (k * plain["step_s"]) if (plain and propose_step is not None) else None
     row.update(
         mean_accepted_length=m.mean_accepted_length, acceptance=a,
         acceptance_rate=m.acceptance_rate, num_spec_steps=m.num_spec_steps,
         num_plain_steps=m.num_plain_steps, num_times_disabled=m.num_times_disabled,
         propose_s_per_step=propose_step,
-        score_s_per_step=timer.score_s / timer.score_calls if timer.score_calls else None,
+        score_issue_s_per_step=timer.score_s / timer.score_calls if timer.score_calls else None,
         c=c,
         theoretical_speedup=theoretical_speedup(a, k, c) if (a is not None and c is not None
                                                              and m.num_spec_steps) else None,

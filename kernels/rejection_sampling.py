@@ -142,6 +142,11 @@ def rejection_sample_ref(
     out[req[keep], pos[keep]] = x[keep]
 
     final_row = cu_start + ar_b + n_acc  # [B] target row sampled from
+    if greedy.device.type == "cpu" and bool(greedy.all()):
+        # every row greedy: the bonus / correction token is the argmax, nothing to sample (this
+        # skips the inverse CDF over [B, V]; checked on the CPU only, where it is no device read)
+        out[ar_b, n_acc] = t_argmax[final_row]
+        return out, (n_acc + 1).to(torch.int32)
     rejected = n_acc < nd
     p_row = tp[final_row]  # [B, V]
     if T > 0:

@@ -324,3 +324,33 @@ def test_ngram_min_draft_after_partial_acceptance():
     assert strat._adapt(3, toks) == 4  # accepted + 1 = 2, raised to min_draft
     strat3 = NgramStrategy(NgramConfig(num_speculative_tokens=3), None)
     assert strat3._adapt(9, toks) == 3  # min_draft capped at k
+
+
+def test_ngram_index_matches_vectorised_search():
+    """The incremental n-gram index gives exactly the drafts of the vectorised full rescan
+    (find_draft) at every step of growing sequences, for every n range and k."""
+    import random
+
+    import torch
+
+    from speculant.plugins.ngram import NgramIndex, find_draft
+
+    rng = random.Random(0)
+    for trial in range(40):
+        vocab = rng.choice([2, 3, 5, 50])
+        n_min = rng.randint(1, 3)
+        n_max = rng.randint(n_min, 5)
+        k = rng.randint(1, 6)
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        index = NgramIndex(n_min, n_max)
+        for _ in range(40):
+            index.update(tokens)
+            want = find_draft(torch.tensor(tokens), n_min, n_max, k)
+            assert index.find(k) == want, (trial, tokens, n_min, n_max, k)
+            tokens = tokens + [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+    # a sequence that is not an extension of the indexed one is re-indexed from scratch
+    index = NgramIndex(1, 2)
+    index.update([1, 2, 3, 1])
+    assert index.find(2) == [2, 3]
+    index.update([7, 8, 9, 7])
+    assert index.find(2) == [8, 9]
