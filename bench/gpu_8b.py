@@ -521,7 +521,10 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - reported in the JSON
             extra["errors"]["profile"] = f"{type(e).__name__}: {e}"
     if args.host_profile:
-        (out / "host_profile.txt").write_text(host_profile(engine, prompts, args.max_tokens))
+        profiled = [sp for sp in strategies if sp["method"] in ("eagle3", "draft_model")]
+        (out / "host_profile.txt").write_text(
+            host_profile(engine, prompts, min(args.max_tokens, 128), profiled)
+        )
     json_path, png_path = write_outputs(result, out, "gpu_8b_proposers" if only else "gpu_8b")
     print(table(result))
     print(json.dumps({k: v for k, v in extra.items() if k != "cuda_graph_check"}, default=str))
@@ -588,9 +591,10 @@ def profile_proposers(engine, prompts, specs: list[dict], steps: int = 12) -> li
     return out
 
 
-def host_profile(engine, prompts, max_tokens: int) -> str:
-    """cProfile of batch-1 decoding, plain and with the oracle (a = 0.8, k = 5): where the host
-    spends a step's time (the synchronising reads show up as the time the host waits)."""
+def host_profile(engine, prompts, max_tokens: int, specs: list[dict] = ()) -> str:
+    """cProfile of batch-1 decoding, plain, with the oracle (a = 0.8, k = 5) and with each of
+    ``specs``: where the host spends a step's time (the synchronising reads show up as the time
+    the host waits)."""
     import cProfile
     import io
     import pstats
@@ -602,7 +606,7 @@ def host_profile(engine, prompts, max_tokens: int) -> str:
     refs = [{"prompt_token_ids": prompts[0], "output_token_ids": rec["tokens"][0]}]
     oracle = dict(method="oracle", alpha=0.8, num_speculative_tokens=5, references=refs)
     buf = io.StringIO()
-    for cfg in (None, oracle):
+    for cfg in (None, oracle, *[{k: v for k, v in sp.items() if k != "name"} for sp in specs]):
         _set_strategy(engine, cfg)
         _decode_run(engine, prompts[:1], 16)  # warm-up
         prof = cProfile.Profile()
@@ -610,7 +614,7 @@ def host_profile(engine, prompts, max_tokens: int) -> str:
         r = _decode_run(engine, prompts[:1], max_tokens)
         prof.disable()
         buf.write(
-            f"\n=== {'oracle a=0.8 k=5' if cfg else 'plain'}: {r['steps']} steps, "
+            f"\n=== {cfg['method'] if cfg else 'plain'}: {r['steps']} steps, "
             f"{1e3 * r['decode_s'] / r['steps']:.3f} ms per step (under cProfile)\n"
         )
         st = pstats.Stats(prof, stream=buf)
