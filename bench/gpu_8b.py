@@ -521,6 +521,8 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - reported in the JSON
             extra["errors"]["profile"] = f"{type(e).__name__}: {e}"
     if args.host_profile:
+        extra["plain_kernel_profile"] = plain_kernel_profile(engine, prompts)
+        print("plain kernel profile", json.dumps(extra["plain_kernel_profile"]), flush=True)
         profiled = [sp for sp in strategies if sp["method"] in ("eagle3", "draft_model")]
         (out / "host_profile.txt").write_text(
             host_profile(engine, prompts, min(args.max_tokens, 128), profiled)
@@ -622,6 +624,47 @@ def host_profile(engine, prompts, max_tokens: int, specs: list[dict] = ()) -> st
         st.sort_stats("cumulative").print_stats(40)
     _set_strategy(engine, None)
     return buf.getvalue()
+
+
+def plain_kernel_profile(engine, prompts, steps: int = 16) -> dict:
+    """GPU kernel time of plain batch-1 decode steps (torch.profiler, CUDA activity only):
+    total per step against the step's wall time, and the kernels that take it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from speculant.bench import _decode_run, _set_strategy
+    from speculant.sampling_params import SamplingParams
+
+    _set_strategy(engine, None)
+    _decode_run(engine, prompts[:1], 8)  # warm-up
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    engine.add_request(f"kprof-{time.monotonic_ns()}", None, prompts[0], params)
+    engine.step()  # prefill: not profiled
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        n = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            n += 1
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = us if us is not None else getattr(e, "self_cuda_time_total", 0.0)
+        kernels[e.key] = (us, e.count)
+    total_ms = sum(us for us, _ in kernels.values()) / 1e3
+    n = max(n, 1)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
+    return {
+        "steps": n,
+        "wall_ms_per_decode_step_profiled": 1e3 * wall / n,
+        "gpu_ms_per_step": total_ms / n,
+        "top_kernels": [
+            {"kernel": k[:100], "ms_per_step": us / 1e3 / n, "calls_per_step": c / n}
+            for k, (us, c) in top
+        ],
+    }
 
 
 def proposer_costs(runs: list[dict]) -> list[dict]:
