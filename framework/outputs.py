@@ -24,8 +24,8 @@ class SpecMetrics:
     num_spec_steps: int = 0  # decode steps run with speculation on
     num_plain_steps: int = 0  # decode steps run without speculation (disabled or no drafts)
     num_emitted_tokens: int = 0  # tokens emitted by decode steps (accepted + bonus)
-    # run-level (LLM.get_metrics() only): times a modifier (batch_size_disable) switched
-    # speculation off / back on
+    # run-level (LLM.get_metrics() only): times a modifier (batch_size_disable) or the engine's
+    # auto_disable controller switched speculation off / back on
     num_times_disabled: int = 0
     num_times_enabled: int = 0
 

@@ -74,6 +74,10 @@ class SpeculativeConfig(BaseModel):
     draft_tensor_parallel_size: int | None = Field(None, ge=1)
     disable_by_batch_size: int | None = Field(None, ge=1)
     acceptance_method: str = "rejection_sampler"
+    # engine-level: run plain steps while speculative ones measure slower (engine/spec_control.py)
+    auto_disable: bool = False
+    auto_disable_tolerance: float = Field(0.05, ge=0.0, lt=1.0)  # off below (1 - this) x plain
+    auto_disable_interval: int = Field(64, ge=2, le=65536)  # most steps between two measurements
 
     @model_validator(mode="after")
     def _method(self) -> SpeculativeConfig:
@@ -141,12 +145,16 @@ def pop_legacy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any] | None:
     return {_LEGACY[k]: v for k, v in found.items()}
 
 
+# SpeculativeConfig fields the engine consumes itself (never passed to a strategy's Config)
+ENGINE_OPTIONS = ("method", "acceptance_method", "disable_by_batch_size", "draft_tensor_parallel_size",
+                  "auto_disable", "auto_disable_tolerance", "auto_disable_interval")
+
+
 def build_strategy_config(cls: type, spec: SpeculativeConfig) -> BaseModel | None:
     """Validate the options meant for strategy ``cls`` with its own pydantic ``Config``."""
     Config = getattr(cls, "Config", None)
     data = {k: v for k, v in spec.model_dump(exclude_none=True).items()
-            if k not in ("method", "acceptance_method", "disable_by_batch_size",
-                         "draft_tensor_parallel_size")}
+            if k not in ENGINE_OPTIONS}
     data.update(spec.strategy_options)
     if spec.draft_tensor_parallel_size is not None:
         data["draft_tensor_parallel_size"] = spec.draft_tensor_parallel_size

@@ -11,6 +11,7 @@ import torch
 from speculant import hookspecs
 from speculant.engine.sampler import chosen_logprobs, topn_dict
 from speculant.engine.sequence import Sequence
+from speculant.engine.spec_control import SpecController
 from speculant.engine.staging import to_device
 from speculant.hookspecs import hookimpl
 from speculant.outputs import SpecMetrics
@@ -91,7 +92,9 @@ class SpecDecoder:
             self.pm.check_pending()
         except pluggy.PluginValidationError as e:
             raise StrategyError(f"strategy {cls.name!r} implements an unknown hook: {e}") from None
-        self.enabled = True
+        self.enabled = True  # False while a modifier (on_batch_size_change) turned speculation off
+        self.control = (SpecController(spec.auto_disable_tolerance, spec.auto_disable_interval)
+                        if spec.auto_disable else None)
         self.last_batch_size = 0
         self.total = SpecMetrics()
         self.seq_by_id: dict[int, Sequence] = {}
@@ -100,6 +103,8 @@ class SpecDecoder:
 
     # ----------------------------------------------------------------- engine callbacks
     def max_lookahead(self) -> int:
+        if self.control is not None and not self.control.would_speculate(self.last_batch_size):
+            return 0
         return self.k if self.enabled else 0
 
     def release(self, seq_ids: list[int]) -> None:
@@ -139,7 +144,20 @@ class SpecDecoder:
                     self.total.num_times_disabled += 1
                 logger.info("speculation %s at batch size %d", "on" if self.enabled else "off", len(seqs))
             self.last_batch_size = len(seqs)
-        if not self.enabled:
+        if self.control is None:
+            self._step(seqs, self.enabled)
+            return
+        emitted = self.total.num_emitted_tokens
+        speculate = self.control.begin(len(seqs), allowed=self.enabled)
+        self._step(seqs, speculate)
+        switched = self.control.end(self.total.num_emitted_tokens - emitted)
+        if switched == "off":
+            self.total.num_times_disabled += 1
+        elif switched == "on":
+            self.total.num_times_enabled += 1
+
+    def _step(self, seqs: list[Sequence], speculate: bool) -> None:
+        if not speculate:
             # build no batch: it would hand the pending target hidden states to no proposer
             # (and drop them); kept, they let the proposer catch up when speculation returns
             self._plain_step(seqs)
