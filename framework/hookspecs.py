@@ -19,7 +19,8 @@ Markers: ``from speculant import hookimpl``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 

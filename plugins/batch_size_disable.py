@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 
 from pydantic import BaseModel, ConfigDict, Field
+
 from speculant import hookimpl
 from speculant.spec_types import StrategyContext
 
