@@ -354,6 +354,11 @@ def main() -> int:
         "default batch sizes 1,8 and 64 tokens; writes gpu_8b_proposers.json",
     )
     ap.add_argument(
+        "--no-auto",
+        action="store_true",
+        help="skip the auto_disable=True rows of the n-gram, draft, EAGLE and MLP strategies",
+    )
+    ap.add_argument(
         "--host-profile",
         action="store_true",
         help="also run plain and oracle a=0.8 k=5 decoding at batch 1 under cProfile (host "
@@ -369,6 +374,7 @@ def main() -> int:
         if unknown:
             ap.error(f"--only: unknown {sorted(unknown)}")
         skip |= {"hf", "check", "oracle"} | ({"draft", "eagle", "eagle3", "mlp", "ngram"} - only)
+        args.no_auto = True
     args.batch_sizes = args.batch_sizes or ("1,8" if only else "1,4,8,16,64")
     args.max_tokens = args.max_tokens or (64 if only else 256)
     out = Path(args.out)
@@ -474,14 +480,24 @@ def main() -> int:
                 **dis,
             )
         )
+    if "ngram" in {s["method"] for s in strategies}:
+        optional.insert(0, dict(name="ngram", method="ngram", num_speculative_tokens=3, **dis))
+        strategies = [s for s in strategies if s["method"] != "ngram"]
+    auto = []
     for spec in optional:  # keep only strategies that can be built from synthetic checkpoints
         try:
             SpecDecoder(engine, {k: v for k, v in spec.items() if k != "name"})
             strategies.append(spec)
+            if not args.no_auto:
+                # the same strategy with the engine's auto-disable: its drafts never match here
+                # (random weights / random prompts), so these rows show what a user pays for a
+                # strategy that does not fit the workload
+                auto.append(dict(spec, name=spec["name"] + " +auto", auto_disable=True))
         except Exception as e:  # noqa: BLE001 - reported in the JSON
             extra["errors"][spec["name"]] = f"{type(e).__name__}: {e}"
             print(f"skipping {spec['name']}: {e}", flush=True)
         torch.cuda.empty_cache()
+    strategies += auto
 
     result = run_bench(
         engine, prompts, strategies, args.max_tokens, batch_sizes, warmup_tokens=args.warmup_tokens
@@ -523,7 +539,11 @@ def main() -> int:
     if args.host_profile:
         extra["plain_kernel_profile"] = plain_kernel_profile(engine, prompts)
         print("plain kernel profile", json.dumps(extra["plain_kernel_profile"]), flush=True)
-        profiled = [sp for sp in strategies if sp["method"] in ("eagle3", "draft_model")]
+        profiled = [
+            sp
+            for sp in strategies
+            if sp["method"] in ("eagle3", "draft_model") and not sp.get("auto_disable")
+        ]
         (out / "host_profile.txt").write_text(
             host_profile(engine, prompts, min(args.max_tokens, 128), profiled)
         )
