@@ -170,7 +170,13 @@ def run_bench(engine, prompts: list[list[int]], strategies: list[dict], max_toke
                 if cfg["method"] == "oracle" and not {"references", "reference_file"} & set(cfg):
                     cfg["references"] = refs
             dec = _set_strategy(engine, cfg)
-            _decode_run(engine, prompts[:bs], warmup_tokens)  # warm-up: compile, capture graphs
+            warm = warmup_tokens
+            if cfg is not None and cfg.get("auto_disable"):
+                # auto-disable probes after 1, 2, 4, ... up to `interval` plain steps: warm up
+                # over a whole back-off cycle so that every catch-up shape a probe makes is
+                # compiled / captured before timing (one-time costs of a long-running server)
+                warm = max(warmup_tokens, 2 * cfg.get("auto_disable_interval", 64) + 16)
+            _decode_run(engine, prompts[:bs], warm)  # warm-up: compile, capture graphs
             if dec is not None:
                 dec.total = SpecMetrics()  # count the timed run only
             timer = _StepTimer(engine.device)
