@@ -94,6 +94,7 @@ from speculant.engine.attention import AttentionMetadata, ForwardContext
 from speculant.models.layers import RMSNorm, RotaryEmbedding
 from speculant.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from speculant.models.weights import WeightLoader, WeightLoadError
+from speculant.plugins.eagle_graph import fused_greedy
 from speculant.plugins.mlp_speculator import (
     DraftSampler,
     GraphCache,
@@ -497,6 +498,15 @@ class _EagleBase:
             plan.append(_Plan(i, st, row0[i], c, start, n, ks[i]))
         if not plan:
             return Proposal(token_ids=[[] for _ in range(B)])
+        if self.graphs.enabled:  # all greedy and short catch-ups: everything in one CUDA graph
+            toks = fused_greedy(self, batch, feats, plan, K)  # [drafting rows, K] or None
+            if toks is not None:
+                for p in plan:
+                    p.st.valid = p.n - 1
+                rows = [p for p in plan if p.k > 0]
+                return Proposal(
+                    token_ids=split_drafts(toks, [p.i for p in rows], [p.k for p in rows], B)
+                )
 
         # 1) the verified positions, with the target's features (one staged copy of the ints)
         bs = self.cache.block_size

@@ -268,3 +268,38 @@ def test_random_sampling_runs_and_is_reproducible(target, heads, kind, monkeypat
     for o in a:
         assert len(o) == MAX_TOKENS and all(0 <= t < VOCAB for t in o)
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_eagle_one_graph_propose_equals_eager(tiny_factory, target, heads, kind, monkeypatch):
+    """The whole greedy propose as one CUDA graph (plugins/eagle_graph.py: catch-up, gather,
+    K draft steps) proposes exactly the drafts of the eager propose, step for step."""
+    monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
+    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
+    tgt = target
+    if kind == "eagle3":
+        tgt = tiny_factory("llama", seed=0, **{**GEOMETRY, "num_hidden_layers": 3})
+    runs = []
+    for graphs in (False, True):
+        llm = _llm(tgt, speculative_config=_spec(kind, heads))
+        strat = llm.engine.spec.strategy
+        strat.graphs.enabled = graphs  # False: the eager propose (the target keeps its graphs)
+        spec, seen = llm.engine.spec, []
+        real = spec._propose
+
+        def spy(batch, real=real, seen=seen):
+            prop = real(batch)
+            seen.append(prop.token_ids if prop is not None else None)
+            return prop
+
+        spec._propose = spy
+        runs.append((_generate(llm, GREEDY), seen))
+        if graphs:
+            assert any(k[0] == "fused" for k in strat.graphs.graphs), list(strat.graphs.graphs)
+        del llm
+        torch.cuda.empty_cache()
+    (out_e, seen_e), (out_g, seen_g) = runs
+    assert out_g == out_e
+    assert len(seen_g) == len(seen_e) and sum(map(bool, seen_g)) > 10
+    for step, (a, b) in enumerate(zip(seen_g, seen_e)):
+        assert a == b, f"step {step}: one-graph drafts {a} != eager {b}"

@@ -1,0 +1,162 @@
+"""The whole greedy EAGLE propose as one CUDA graph replay: the catch-up forward over the verified
+positions (the target's features in), the gather of each drafting sequence's last row, and the K
+greedy draft steps (``_EagleBase._chain``). One graph per (batch bucket Bp, query bucket Q, K),
+captured lazily in the strategy's ``GraphCache``.
+
+Inputs live in two static buffers per key, filled before each replay: ``ints`` (int64, one host
+array, one asynchronous copy) and ``feats`` ([Bp * Q, F] target features, F = H for EAGLE-1,
+3 * target hidden for EAGLE-3). Padding is that of engine/cuda_graph.py: a catch-up of
+T <= Bp * Q rows over n <= Bp sequences leaves rows T.. as padding (token 0, position 0, slot -1,
+which store_kv skips) and sequences n.. with context length 0 and an empty query range (the
+attention kernel skips them); the chain pads the same way (``_chain_ints``). Sequences are
+ordered drafting ones first, so chain row r is catch-up sequence r and both read one block-table
+region.
+
+``ints`` layout (M = Bp * Q rows, S = K - 1)::
+
+    ids [M] | positions [M] | slots [M] | context lens [Bp] | query starts [Bp + 1] |
+    last catch-up row of each drafting sequence [Bp] (padding: 0) |
+    chain ints (``_chain_ints``): positions, slots, context lens [S, Bp] each,
+        query starts [Bp + 1], block tables [Bp, W] (also the catch-up's)
+
+Calls that do not fit (a catch-up longer than the largest query bucket, more than 256
+sequences, no drafting sequence) return None and the caller runs its eager path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from speculant.engine.attention import AttentionMetadata, ForwardContext
+from speculant.plugins.mlp_speculator import bucket, to_device_async
+
+QUERY_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)  # catch-up rows per sequence: 1..k+1 normally
+MAX_BATCH = 256
+
+
+def query_bucket(n: int) -> int | None:
+    return next((q for q in QUERY_BUCKETS if q >= n), None)
+
+
+def fused_ints(strat, batch, order: list, A: int, Bp: int, Q: int, K: int, W: int) -> np.ndarray:
+    """The ``ints`` of one call (layout above); ``order``: the _Plan rows, the ``A`` drafting
+    ones first."""
+    bs, M = strat.cache.block_size, Bp * Q
+    ids = np.zeros(M, np.int64)
+    pos = np.zeros(M, np.int64)
+    slots = np.full(M, -1, np.int64)
+    ctx = np.zeros(Bp, np.int64)
+    qsl = np.zeros(Bp + 1, np.int64)
+    last = np.zeros(Bp, np.int64)
+    chain = strat._chain_ints(order[:A], K, Bp, W)
+    tables = chain[chain.size - Bp * W :].reshape(Bp, W)  # a view: the shared block tables
+    t = 0
+    for r, p in enumerate(order):
+        c = p.count  # positions p.start .. p.n - 2, fed tokens p.start + 1 .. p.n - 1
+        if r >= A:
+            tables[r, : len(p.st.table)] = p.st.table
+        ids[t : t + c] = batch.seqs[p.i].token_ids[p.start + 1 : p.n]
+        q = np.arange(p.start, p.n - 1)
+        idx = q - p.st.offset  # index in the sequence's draft cache
+        pos[t : t + c] = q
+        slots[t : t + c] = tables[r, idx // bs] * bs + idx % bs
+        ctx[r] = p.n - 1 - p.st.offset
+        t += c
+        qsl[r + 1] = t
+        if r < A:
+            last[r] = t - 1
+    qsl[len(order) + 1 :] = t
+    return np.concatenate([ids, pos, slots, ctx, qsl, last, chain])
+
+
+def _stage_into(buf: torch.Tensor, arr: np.ndarray) -> None:
+    """``buf`` [n] <- ``arr`` [n]: on CUDA one asynchronous copy from pinned memory."""
+    src = torch.from_numpy(arr)
+    if buf.is_cuda:
+        buf.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        buf.copy_(src)
+
+
+def fused_greedy(
+    strat,
+    batch,
+    feats: torch.Tensor,  # [rows, F] the target's features of the whole batch
+    plan: list,  # _Plan rows of this call
+    K: int,
+) -> torch.Tensor | None:  # [drafting sequences, K] greedy drafts, plan order; None: not here
+    order = [p for p in plan if p.k > 0]
+    A = len(order)
+    order += [p for p in plan if p.k == 0]
+    Q = query_bucket(max(p.count for p in plan))
+    if not A or Q is None or len(plan) > MAX_BATCH:
+        return None
+    if not all(batch.seqs[p.i].sampling_params.is_greedy for p in order[:A]):
+        return None
+    Bp, W, dev = bucket(len(plan)), strat.graph_width, feats.device
+    if any(len(p.st.table) > W for p in plan):  # grow() bounds it by max_model_len + k
+        raise AssertionError(f"draft block table wider than the graph's ({W} blocks)")
+    M, S = Bp * Q, K - 1
+    n_ints = 3 * M + 3 * Bp + 1 + 3 * S * Bp + Bp + 1 + Bp * W
+
+    def make():
+        return (
+            torch.zeros(n_ints, dtype=torch.long, device=dev),
+            torch.zeros(M, feats.shape[1], dtype=strat.ctx.dtype, device=dev),
+        )
+
+    key = ("fused", Bp, Q, K)
+    ints_buf, feats_buf = strat.graphs.buffers(key, make)  # [n_ints], [M, F]
+    _stage_into(ints_buf, fused_ints(strat, batch, order, A, Bp, Q, K, W))
+    rows = [r for p in order for r in range(p.row, p.row + p.count)]
+    T = len(rows)
+    if rows == list(range(feats.shape[0])):
+        feats_buf[:T].copy_(feats)
+    else:
+        feats_buf[:T].copy_(feats.index_select(0, to_device_async(rows, torch.long, dev)))
+
+    def fn(ints: torch.Tensor, fs: torch.Tensor) -> torch.Tensor:
+        return propose_graph(strat, ints, fs, Bp, Q, K, W)
+
+    out = strat.graphs.replay(key, fn)
+    if out is None:  # the capture failed: eagerly
+        out = fn(ints_buf, feats_buf)
+    return out[:A]
+
+
+def propose_graph(
+    strat,
+    ints: torch.Tensor,  # [n_ints] int64, layout above
+    feats: torch.Tensor,  # [Bp * Q, F] the target's features, catch-up rows first
+    Bp: int,
+    Q: int,
+    K: int,
+    W: int,
+) -> torch.Tensor:  # [Bp, K] greedy drafts (padded rows: garbage)
+    """What the graph runs: catch-up forward, gather of the last rows, the K greedy steps."""
+    M, bs = Bp * Q, strat.cache.block_size
+    o = 3 * M
+    ids, pos, slots = ints[:M], ints[M : 2 * M], ints[2 * M : o]
+    ctx = ints[o : o + Bp].to(torch.int32)
+    qsl = ints[o + Bp : o + 2 * Bp + 1].to(torch.int32)
+    last = ints[o + 2 * Bp + 1 : o + 3 * Bp + 1]
+    chain = ints[o + 3 * Bp + 1 :]
+    tables = chain[chain.numel() - Bp * W :].view(Bp, W).to(torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        block_tables=tables,
+        context_lens=ctx,
+        query_start_loc=qsl,
+        query_lens=[Q] * Bp,
+        context_lens_list=[W * bs] * Bp,
+        block_size=bs,
+    )
+    fctx = ForwardContext(meta=meta, kv_caches=strat.cache.kv_caches)
+    out = strat.draft(strat._embed(ids), feats, pos, fctx, True)  # [M, H]
+    x = out.index_select(0, last)  # [Bp, H] the draft state of each row's last position
+
+    def greedy(j: int, logits: torch.Tensor) -> torch.Tensor:  # [Bp, vocab] -> [Bp]
+        return logits.argmax(dim=-1)
+
+    return strat._chain(chain, x, K, W, greedy)
