@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_eagle import SMALL_V, TARGET_LAYERS, make_eagle1, make_eagle3
+
 from speculant import LLM, SamplingParams
 from speculant.spec_registry import StrategyError, pop_legacy_kwargs
-from test_eagle import SMALL_V, TARGET_LAYERS, make_eagle1, make_eagle3
 
 THRESHOLD = 3
 K = 3

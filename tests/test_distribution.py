@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from speculant import LLM, SamplingParams
 from test_eagle import make_eagle1, make_eagle3
+
+from speculant import LLM, SamplingParams
 
 V = 32
 TEMPERATURE, TOP_P = 0.8, 0.95

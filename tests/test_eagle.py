@@ -27,192 +27,26 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoints import (
+    EPS,
+    HD,
+    NH,
+    NKV,
+    THETA,
+    eagle1_tensors,
+    eagle3_tensors,
+    llama_config,
+    make_eagle1,
+    make_eagle3,
+    smollm_eagle_heads,
+    write_checkpoint,
+)
+
 from speculant import LLM, SamplingParams
 from speculant.spec_registry import StrategyError, get_strategy, infer_method
 
-H, NH, NKV, I_DIM = 64, 4, 2, 128  # conftest's tiny Llama: hidden, heads, kv heads, mlp width
-HD = H // NH
 SMALL_V = 64
 TARGET_LAYERS = 7  # EAGLE-3's default feature layers (2, L // 2, L - 3) = (2, 3, 4) are distinct
-EPS = 1e-6
-THETA = 10000.0
-
-
-# --------------------------------------------------------------------------------------------
-# writing checkpoints in the published formats
-# --------------------------------------------------------------------------------------------
-def _llama_config(vocab: int, layers: int, hidden: int = H, **extra) -> dict:
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "hidden_act": "silu",
-        "hidden_size": hidden,
-        "intermediate_size": I_DIM,
-        "max_position_embeddings": 512,
-        "num_attention_heads": NH,
-        "num_key_value_heads": NKV,
-        "num_hidden_layers": layers,
-        "rms_norm_eps": EPS,
-        "rope_theta": THETA,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "vocab_size": vocab,
-    }
-    cfg.update(extra)
-    return cfg
-
-
-def _attn_mlp(g: torch.Generator, prefix: str, in_dim: int, hidden: int) -> dict:
-    def w(*shape):
-        return torch.randn(*shape, generator=g) * 0.15
-
-    return {
-        f"{prefix}self_attn.q_proj.weight": w(NH * HD, in_dim),
-        f"{prefix}self_attn.k_proj.weight": w(NKV * HD, in_dim),
-        f"{prefix}self_attn.v_proj.weight": w(NKV * HD, in_dim),
-        f"{prefix}self_attn.o_proj.weight": w(hidden, NH * HD),
-        f"{prefix}mlp.gate_proj.weight": w(I_DIM, hidden),
-        f"{prefix}mlp.up_proj.weight": w(I_DIM, hidden),
-        f"{prefix}mlp.down_proj.weight": w(hidden, I_DIM),
-        f"{prefix}post_attention_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
-    }
-
-
-def target_embedding(target: Path) -> torch.Tensor:
-    from safetensors.torch import load_file
-
-    return load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"]  # [V, H]
-
-
-def eagle1_tensors(
-    target: Path,
-    layers: int = 1,
-    bias: bool = True,
-    seed: int = 0,
-    hidden: int = H,
-    copy: bool = False,
-) -> dict[str, torch.Tensor]:
-    """Random EAGLE-1 weights. ``copy``: fc passes the target's hidden state through and the
-    layers add little, so the head mostly drafts the target's last token again (the tiny
-    targets repeat tokens a lot: such drafts are often, not always, accepted)."""
-    g = torch.Generator().manual_seed(seed)
-    t = {"fc.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.1}
-    if copy:
-        t["fc.weight"] = 0.2 * t["fc.weight"] + torch.cat(
-            [0 * torch.eye(hidden), torch.eye(hidden)], 1
-        )
-    if bias:
-        t["fc.bias"] = 0.1 * torch.randn(hidden, generator=g)
-    for i in range(layers):
-        t.update(_attn_mlp(g, f"layers.{i}.", hidden, hidden))
-        if copy:
-            t[f"layers.{i}.self_attn.o_proj.weight"] *= 0.05
-            t[f"layers.{i}.mlp.down_proj.weight"] *= 0.05
-        if i > 0:  # EAGLE-1 drops the first layer's input norm
-            t[f"layers.{i}.input_layernorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
-    emb = target_embedding(target)
-    t["embed_tokens.weight"] = emb if hidden == emb.shape[1] else torch.zeros(emb.shape[0], hidden)
-    return t
-
-
-def _head_view(e: torch.Tensor) -> torch.Tensor:
-    """[rows, H] -> [rows, H]: what the copy midlayer's attention outputs for input e (heads 0, 1
-    read kv head 0 = dims 0:16, heads 2, 3 read kv head 1 = dims 32:48)."""
-    return torch.cat([e[:, :HD], e[:, :HD], e[:, 2 * HD : 3 * HD], e[:, 2 * HD : 3 * HD]], -1)
-
-
-def eagle3_tensors(
-    vocab: int,
-    draft_vocab: int,
-    seed: int = 0,
-    hidden: int = H,
-    embedding: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Random EAGLE-3 weights. With the target's ``embedding`` [V, H], a "copy" head: the
-    midlayer's attention looks at its own position only (q = k = 10 * the normalized token
-    embedding), passes that embedding through (v, o), and the LM head's rows are the draft
-    tokens' embeddings seen the same way, so it mostly drafts its input token again."""
-    g = torch.Generator().manual_seed(seed)
-    t = {"fc.weight": torch.randn(hidden, 3 * hidden, generator=g) * 0.1}
-    t.update(_attn_mlp(g, "midlayer.", 2 * hidden, hidden))
-    for name in ("input_layernorm", "hidden_norm"):
-        t[f"midlayer.{name}.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
-    t["norm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
-    t["lm_head.weight"] = torch.randn(draft_vocab, hidden, generator=g) * 0.15
-    # the draft vocabulary: a random subset of the target's, sorted as the EAGLE-3 scripts do
-    sel = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values  # [draft_vocab]
-    t["d2t"] = sel - torch.arange(draft_vocab)  # target id = draft id + d2t[draft id]
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[sel] = True
-    t["t2d"] = t2d
-    if embedding is not None:
-        p, eye = "midlayer.self_attn.", torch.eye(hidden)
-        kv_rows = torch.cat([eye[:HD], eye[2 * HD : 3 * HD]])  # [NKV * HD, H]
-        zeros = torch.zeros(NKV * HD, hidden)
-        t[p + "q_proj.weight"] = torch.cat([10 * eye, torch.zeros(hidden, hidden)], 1)
-        t[p + "k_proj.weight"] = torch.cat([kv_rows, zeros], 1)
-        t[p + "v_proj.weight"] = torch.cat([kv_rows, zeros], 1)
-        t[p + "o_proj.weight"] = 5 * eye
-        t["fc.weight"] *= 0.1
-        t["midlayer.mlp.down_proj.weight"] *= 0.05
-        for name in (
-            "midlayer.input_layernorm.weight",
-            "midlayer.post_attention_layernorm.weight",
-            "norm.weight",
-        ):
-            t[name] = torch.ones(hidden)
-        e = embedding[sel].float()
-        t["lm_head.weight"] = _head_view(e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True)))
-    return t
-
-
-def write_checkpoint(
-    path: Path, cfg: dict, tensors: dict[str, torch.Tensor], fmt: str = "bin"
-) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    state = {k: v.contiguous() for k, v in tensors.items()}
-    if fmt == "safetensors":
-        from safetensors.torch import save_file
-
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        torch.save(state, path / "pytorch_model.bin")
-    return path
-
-
-def make_eagle1(
-    path: Path,
-    target: Path,
-    vocab: int,
-    fmt: str = "bin",
-    layers: int = 1,
-    bias: bool = True,
-    seed: int = 0,
-    copy: bool = False,
-) -> Path:
-    cfg = _llama_config(vocab, layers)
-    if not bias:
-        cfg["bias"] = False
-    return write_checkpoint(path, cfg, eagle1_tensors(target, layers, bias, seed, copy=copy), fmt)
-
-
-def make_eagle3(
-    path: Path,
-    vocab: int,
-    draft_vocab: int,
-    fmt: str = "safetensors",
-    seed: int = 0,
-    target: Path | None = None,
-) -> Path:
-    """``target`` given: a "copy" head built from the target's embedding (see eagle3_tensors)."""
-    cfg = _llama_config(
-        vocab, 1, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab
-    )
-    emb = None if target is None else target_embedding(target)
-    return write_checkpoint(path, cfg, eagle3_tensors(vocab, draft_vocab, seed, embedding=emb), fmt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -514,7 +348,7 @@ def test_method_inference_from_path(ckpts, tmp_path):
 def test_wrong_hidden_size_is_explained(small_target, tmp_path):
     """An EAGLE head trained for a target with another hidden size: a StrategyError naming the
     config file, both sizes and the fix, not a shape error from torch."""
-    cfg = _llama_config(SMALL_V, 1, hidden=32)
+    cfg = llama_config(SMALL_V, 1, hidden=32)
     e1 = write_checkpoint(tmp_path / "e1", cfg, eagle1_tensors(small_target, hidden=32))
     with pytest.raises(StrategyError) as e:
         LLM(
@@ -524,7 +358,7 @@ def test_wrong_hidden_size_is_explained(small_target, tmp_path):
     assert str(e1 / "config.json") in msg and "hidden_size=32" in msg and "64" in msg
     assert "EAGLE checkpoint trained for this target" in msg
 
-    cfg3 = _llama_config(
+    cfg3 = llama_config(
         SMALL_V, 1, hidden=32, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=SMALL_V
     )
     e3 = write_checkpoint(tmp_path / "e3", cfg3, eagle3_tensors(SMALL_V, SMALL_V, hidden=32))
@@ -546,7 +380,7 @@ def test_bad_checkpoints(small_target, ckpts, tmp_path):
         )
 
     # the wrong vocabulary
-    cfg = _llama_config(100, 1)
+    cfg = llama_config(100, 1)
     bad = write_checkpoint(tmp_path / "v", cfg, eagle1_tensors(small_target))
     with pytest.raises(StrategyError, match=r"config\.json: vocab_size=100 .* 64 tokens"):
         build(bad)
@@ -559,16 +393,16 @@ def test_bad_checkpoints(small_target, ckpts, tmp_path):
     t = eagle1_tensors(small_target)
     missing = dict(t)
     del missing["layers.0.mlp.up_proj.weight"]
-    bad = write_checkpoint(tmp_path / "missing", _llama_config(SMALL_V, 1), missing)
+    bad = write_checkpoint(tmp_path / "missing", llama_config(SMALL_V, 1), missing)
     with pytest.raises(StrategyError, match=r"pytorch_model\.bin.*missing.*up_proj"):
         build(bad)
     extra = dict(t, **{"layers.0.self_attn.extra.weight": torch.zeros(3)})
-    bad = write_checkpoint(tmp_path / "extra", _llama_config(SMALL_V, 1), extra)
+    bad = write_checkpoint(tmp_path / "extra", llama_config(SMALL_V, 1), extra)
     with pytest.raises(StrategyError, match=r"pytorch_model\.bin.*unexpected.*extra\.weight"):
         build(bad)
     t3 = eagle3_tensors(SMALL_V, 40)
     t3["d2t"] = t3["d2t"][:10]
-    cfg3 = _llama_config(SMALL_V, 1, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=40)
+    cfg3 = llama_config(SMALL_V, 1, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=40)
     bad = write_checkpoint(tmp_path / "d2t", cfg3, t3, "safetensors")
     with pytest.raises(StrategyError, match=r"model\.safetensors: d2t has shape \(10,\)"):
         build(bad)
@@ -589,49 +423,7 @@ def test_smollm_random_heads_are_lossless(smollm, tmp_path):
     3 KV heads of 64, rope_theta 1e5, 30 layers: EAGLE-3 reads layers 2, 15, 27; tied target
     embedding / LM head): greedy output identical to plain decoding. Random heads are (almost)
     never accepted; this checks shapes and plumbing at a real model size, not acceptance."""
-    cfg = smollm.engine.hf_config
-    hidden, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-    hd, inter, vocab = hidden // nh, cfg.intermediate_size, smollm.engine.vocab_size
-    g = torch.Generator().manual_seed(0)
-
-    def w(*shape):
-        return torch.randn(*shape, generator=g) * 0.02
-
-    def layer(p: str, in_dim: int) -> dict:
-        return {
-            p + "self_attn.q_proj.weight": w(nh * hd, in_dim),
-            p + "self_attn.k_proj.weight": w(nkv * hd, in_dim),
-            p + "self_attn.v_proj.weight": w(nkv * hd, in_dim),
-            p + "self_attn.o_proj.weight": w(hidden, nh * hd),
-            p + "mlp.gate_proj.weight": w(inter, hidden),
-            p + "mlp.up_proj.weight": w(inter, hidden),
-            p + "mlp.down_proj.weight": w(hidden, inter),
-            p + "post_attention_layernorm.weight": torch.ones(hidden),
-        }
-
-    base = {
-        "model_type": "llama", "hidden_size": hidden, "intermediate_size": inter,
-        "num_attention_heads": nh, "num_key_value_heads": nkv, "num_hidden_layers": 1,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": 100000.0, "vocab_size": vocab,
-        "max_position_embeddings": 8192, "hidden_act": "silu",
-    }  # fmt: skip
-    e1 = write_checkpoint(
-        tmp_path / "e1", {**base, "architectures": ["LlamaForCausalLM"]},
-        {"fc.weight": w(hidden, 2 * hidden), "fc.bias": w(hidden), **layer("layers.0.", hidden)},
-    )  # fmt: skip
-    draft_vocab = 4096
-    t3 = {
-        "fc.weight": w(hidden, 3 * hidden), **layer("midlayer.", 2 * hidden),
-        "midlayer.input_layernorm.weight": torch.ones(hidden),
-        "midlayer.hidden_norm.weight": torch.ones(hidden), "norm.weight": torch.ones(hidden),
-        "lm_head.weight": w(draft_vocab, hidden),
-        "d2t": torch.arange(draft_vocab) * 7 % vocab - torch.arange(draft_vocab),
-    }  # fmt: skip
-    e3 = write_checkpoint(
-        tmp_path / "e3",
-        {**base, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab},
-        t3, "safetensors",
-    )  # fmt: skip
+    e1, e3 = smollm_eagle_heads(tmp_path, smollm.engine.hf_config, smollm.engine.vocab_size)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in smollm.generate(prompts, params, use_tqdm=False)]

@@ -7,18 +7,15 @@ the total-variation bound of the sampling checks."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import BIG_V, H, make_mlp, mlp_config, random_mlp_tensors, write_mlp
 
 from speculant import LLM, SamplingParams
 from speculant.spec_registry import StrategyError, infer_method
-
-H = 64  # conftest's tiny hidden size
-BIG_V = 49152
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,66 +115,6 @@ def successor_table(out: list[int], vocab: int) -> list[int]:
         if succ[a] < 0:
             succ[a] = b
     return [s if s >= 0 else 0 for s in succ]
-
-
-# --------------------------------------------------------------------------------------------
-# MLPSpeculator checkpoints in the published format
-# --------------------------------------------------------------------------------------------
-def mlp_config(emb_dim: int, vocab: int, n_predict: int, inner_dim: int, tie: bool,
-               scale_input: bool) -> dict:
-    return {
-        "architectures": ["MLPSpeculatorPreTrainedModel"],
-        "model_type": "mlp_speculator",
-        "emb_dim": emb_dim,
-        "inner_dim": inner_dim,
-        "n_candidates": n_predict,
-        "n_predict": n_predict,
-        "scale_input": scale_input,
-        "tie_weights": tie,
-        "top_k_tokens_per_head": [1] * n_predict,
-        "torch_dtype": "float32",
-        "transformers_version": "4.40.2",
-        "vocab_size": vocab,
-    }
-
-
-def random_mlp_tensors(emb_dim: int, vocab: int, n_predict: int, inner_dim: int, tie: bool,
-                       seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    inner = inner_dim or emb_dim
-    std = 1 / math.sqrt(inner)
-    t: dict[str, torch.Tensor] = {}
-    n_stage = 1 if tie else n_predict
-    for i in range(n_stage):
-        t[f"emb.{i}.weight"] = torch.randn(vocab, inner, generator=g) * std
-        t[f"head.{i}.weight"] = torch.randn(vocab, inner, generator=g) * std
-        t[f"ln.{i}.weight"] = 1 + 0.1 * torch.randn(inner, generator=g)
-        t[f"ln.{i}.bias"] = 0.1 * torch.randn(inner, generator=g)
-    for i in range(min(2, n_predict) if tie else n_predict):
-        t[f"proj.{i}.weight"] = torch.randn(inner, emb_dim if i == 0 else inner, generator=g) * std
-    return t
-
-
-def write_mlp(path: Path, tensors: dict[str, torch.Tensor], cfg: dict, prefix: str = "speculator.",
-              fmt: str = "safetensors") -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    state = {prefix + k: v.contiguous() for k, v in tensors.items()}
-    if fmt == "safetensors":
-        from safetensors.torch import save_file
-
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        torch.save(state, path / "pytorch_model.bin")
-    return path
-
-
-def make_mlp(path: Path, emb_dim: int = H, vocab: int = BIG_V, n_predict: int = 3,
-             inner_dim: int = 32, tie: bool = False, scale_input: bool = False, seed: int = 0,
-             prefix: str = "speculator.", fmt: str = "safetensors") -> Path:
-    cfg = mlp_config(emb_dim, vocab, n_predict, inner_dim, tie, scale_input)
-    return write_mlp(path, random_mlp_tensors(emb_dim, vocab, n_predict, inner_dim, tie, seed), cfg,
-                     prefix, fmt)
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,7 +11,13 @@ import pytest
 
 from speculant import LLM, Proposal, SamplingParams, hookimpl
 from speculant.engine.spec_decode import ProposalError
-from speculant.plugin_manager import ENTRY_POINT_GROUP, get_plugin_manager, list_plugins, register, unregister
+from speculant.plugin_manager import (
+    ENTRY_POINT_GROUP,
+    get_plugin_manager,
+    list_plugins,
+    register,
+    unregister,
+)
 from speculant.spec_registry import StrategyError, available_strategies
 
 BUILTINS = {"ngram", "rejection_sampler"}
