@@ -14,7 +14,9 @@ checked for equality (ours plain == ours ngram == HF plain, token for token).
 
     python bench/bench_cpu.py --threads 1 [--repeats 3] [--max-tokens 64] [-k 10] [--only engine|ngram]
 
-Writes bench/results/cpu_engine.json, cpu_ngram.json and cpu_bench.png.
+Writes bench/results/cpu_engine.json, cpu_ngram.json and cpu_bench.png; with torch threads other
+than 1 (``--threads 2``, or torch's default on a machine with more cores) the names get a suffix,
+e.g. cpu_engine_2threads.json, so the 1-thread figures stay next to them.
 """
 
 from __future__ import annotations
@@ -335,6 +337,7 @@ def main() -> int:
     transformers.logging.set_verbosity_error()
     folder = resolve_model(None)
     out = Path(args.out)
+    sfx = "" if torch.get_num_threads() == 1 else f"_{torch.get_num_threads()}threads"
     out.mkdir(parents=True, exist_ok=True)
     meta = {
         "model": "SmolLM2-135M-Instruct (embedded GGUF, dequantized fp32)",
@@ -345,6 +348,8 @@ def main() -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        # other processes on the cores share the memory bandwidth the GEMVs are bound by
+        "loadavg_1_5_15_at_start": os.getloadavg(),
     }
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -358,11 +363,12 @@ def main() -> int:
         print("(a) engine vs HF generate, greedy", flush=True)
         engine = bench_engine(llm, hf, tok, counter, args.repeats, args.max_tokens)
         engine["bandwidth"] = bandwidth(llm.engine.model)
+        engine["loadavg_1_5_15_at_end"] = os.getloadavg()
         engine["hf_floor_note"] = (
             "HF reads the same weights per step; its tok/s over "
             "floor_tok_s_stream is its fraction of the ceiling"
         )
-        (out / "cpu_engine.json").write_text(json.dumps({**meta, **engine}, indent=1))
+        (out / f"cpu_engine{sfx}.json").write_text(json.dumps({**meta, **engine}, indent=1))
     if args.only in (None, "ngram"):
         print("(b) ngram vs HF prompt lookup, greedy", flush=True)
         llm_ng = LLM(
@@ -374,12 +380,12 @@ def main() -> int:
         ngram = bench_ngram(
             llm, llm_ng, hf, tok, counter, args.repeats, args.max_tokens, args.k, args.hf_k
         )
-        (out / "cpu_ngram.json").write_text(json.dumps({**meta, **ngram}, indent=1))
-    if engine is None and (out / "cpu_engine.json").exists():
-        engine = json.loads((out / "cpu_engine.json").read_text())
-    if ngram is None and (out / "cpu_ngram.json").exists():
-        ngram = json.loads((out / "cpu_ngram.json").read_text())
-    plot(engine, ngram, out / "cpu_bench.png")
+        (out / f"cpu_ngram{sfx}.json").write_text(json.dumps({**meta, **ngram}, indent=1))
+    if engine is None and (out / f"cpu_engine{sfx}.json").exists():
+        engine = json.loads((out / f"cpu_engine{sfx}.json").read_text())
+    if ngram is None and (out / f"cpu_ngram{sfx}.json").exists():
+        ngram = json.loads((out / f"cpu_ngram{sfx}.json").read_text())
+    plot(engine, ngram, out / f"cpu_bench{sfx}.png")
     print("\nsummary")
     if engine:
         if "bandwidth" in engine:

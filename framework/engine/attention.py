@@ -212,6 +212,94 @@ def attention(
     return paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
 
+def cpu_kv_views(
+    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+) -> list[list[tuple]] | None:
+    """CPU, once per forward: for every layer and sequence, the cache views its attention writes
+    and reads, so a layer does no slicing of its own. None unless every sequence's blocks are
+    consecutive (``seq_starts``). Per layer, per sequence:
+    (q_start, q_end, k_dst [q_len, nkv, d], v_dst, k_ctx, v_ctx, mask [q_len, ctx_len] | None),
+    with k_ctx [nkv, d, ctx_len] and v_ctx [nkv, ctx_len, d] for one query row (``_attend_one``),
+    k_ctx / v_ctx [1, nkv, ctx_len, d] for several (SDPA)."""
+    starts = meta.seq_starts
+    if starts is None or min(starts, default=-1) < 0:
+        return None
+    L, _, nb, bs, nkv, d = kv_cache.shape
+    flat = kv_cache.view(L, 2, nb * bs, nkv, d)  # [L, 2, num_slots, nkv, d]
+    per_seq = []
+    q0 = 0
+    for ql, cl, st in zip(meta.query_lens, meta.context_lens_list, starts):
+        kc, vc = flat[:, 0, st : st + cl], flat[:, 1, st : st + cl]  # [L, cl, nkv, d]
+        if ql == 1:
+            kc, vc = kc.permute(0, 2, 3, 1), vc.transpose(1, 2)  # [L, nkv, d, cl], [L, nkv, cl, d]
+        else:
+            kc, vc = kc.transpose(1, 2).unsqueeze(1), vc.transpose(1, 2).unsqueeze(1)
+        per_seq.append((
+            q0, q0 + ql,
+            flat[:, 0, st + cl - ql : st + cl].unbind(0),  # L x [ql, nkv, d]
+            flat[:, 1, st + cl - ql : st + cl].unbind(0),
+            kc.unbind(0), vc.unbind(0), meta.causal_mask(ql, cl),
+        ))
+        q0 += ql
+    return [
+        [(a, b, kw[i], vw[i], kc[i], vc[i], m) for a, b, kw, vw, kc, vc, m in per_seq]
+        for i in range(L)
+    ]
+
+
+def attention_cpu(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    views: list[tuple],  # this layer's entry of cpu_kv_views: one tuple per sequence
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+    """``attention`` on the CPU over the views of ``cpu_kv_views``: write this step's K/V, then
+    attend causally over each sequence's context slice."""
+    if len(views) == 1:
+        _, _, kw, vw, kc, vc, mask = views[0]
+        kw.copy_(k)
+        vw.copy_(v)
+        return _attend_one(q, kc, vc, mask, scale)
+    outs = []
+    for a, b, kw, vw, kc, vc, mask in views:
+        kw.copy_(k[a:b])
+        vw.copy_(v[a:b])
+        outs.append(_attend_one(q[a:b], kc, vc, mask, scale))
+    return torch.cat(outs)
+
+
+def _attend_one(
+    q: torch.Tensor,  # [q_len, nh, d]
+    kc: torch.Tensor,  # [nkv, d, ctx_len] (q_len 1) or [1, nkv, ctx_len, d]
+    vc: torch.Tensor,  # [nkv, ctx_len, d] (q_len 1) or [1, nkv, ctx_len, d]
+    mask: torch.Tensor | None,  # [q_len, ctx_len] bool
+    scale: float,
+) -> torch.Tensor:  # [q_len, nh * d]
+    ql, nh, d = q.shape
+    if ql == 1:  # one query row: the head group of each KV head as one small batched matmul
+        s = torch.bmm(q.reshape(kc.shape[0], -1, d), kc)  # [nkv, nh // nkv, ctx_len]
+        p = torch.softmax(s.mul_(cpu_const(scale)), -1)
+        return torch.bmm(p, vc).view(1, nh * d)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], kc, vc, attn_mask=mask, scale=scale, enable_gqa=True
+    )  # [1, nh, ql, d]
+    return o[0].transpose(0, 1).reshape(ql, nh * d)
+
+
+_CONSTS: dict[float, torch.Tensor] = {}
+
+
+def cpu_const(v: float) -> torch.Tensor:
+    """A 0-d float32 CPU tensor of ``v``, made once: an op with a tensor operand dispatches ~2x
+    faster than one with a Python scalar (no scalar wrapping / type promotion per call)."""
+    t = _CONSTS.get(v)
+    if t is None:
+        t = _CONSTS[v] = torch.tensor(v, dtype=torch.float32)
+    return t
+
+
 @dataclass
 class ForwardContext:
     """Everything a model forward needs besides the token ids and positions."""
@@ -222,6 +310,8 @@ class ForwardContext:
     aux_hidden: list[torch.Tensor] = field(
         default_factory=list
     )  # filled: [num_tokens, hidden] each
+    # CPU: the whole cache [num_layers, 2, num_blocks, block_size, nkv, d] (cpu_kv_views)
+    kv_cache: torch.Tensor | None = None
 
     def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]

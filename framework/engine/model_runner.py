@@ -62,7 +62,8 @@ class ModelRunner:
         positions = [p for s, q in zip(seqs, query_lens) for p in range(s.num_cached_tokens, s.num_cached_tokens + q)]
         meta = AttentionMetadata.build(query_lens, ctx_lens, [s.block_table for s in seqs],
                                        self.block_size, self.device)
-        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, aux_layers=tuple(aux_layers))
+        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, aux_layers=tuple(aux_layers),
+                             kv_cache=self.kv_cache if self.device.type == "cpu" else None)
         ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, ctx)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speculant.engine.attention import cpu_const
 from speculant.models import fused
 
 
@@ -90,10 +91,12 @@ class CpuLinear(nn.Linear):
 
     packed: torch.Tensor | None = None
     np_wt = None  # numpy view [in, out] of the column-major weight, when numpy GEMV is on
+    w = b = None  # plain references to weight [out, in] and bias [out] (``rows``)
 
     def pack(self, packed: bool = True, numpy_gemv: bool = False) -> None:
         w = self.weight
         self.packed = self.np_wt = None
+        self.w, self.b = w.detach(), None if self.bias is None else self.bias.detach()
         if w.dtype != torch.float32 or w.device.type != "cpu":
             return
         if packed and onednn_packing_available():
@@ -114,6 +117,23 @@ class CpuLinear(nn.Linear):
                 y = torch.from_numpy(x.numpy() @ self.np_wt)  # [1, out]
                 return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in] -> [rows, out]
+        """``forward`` for the CPU model loop (models/cpu_forward.py): fp32 ``x`` without grad,
+        no module-call overhead; the caller syncs numpy's threads once per forward."""
+        if x.shape[0] == 1:
+            if self.np_wt is not None:
+                y = torch.from_numpy(x.numpy() @ self.np_wt)  # [1, out]
+                return y if self.b is None else y.add_(self.b)
+        elif self.packed is not None:
+            return _linear_pointwise(x.contiguous(), self.packed, self.b, "none", [], "")
+        return F.linear(x, self.w, self.b)
+
+
+def _linear_pointwise(*args):  # oneDNN linear on a pre-packed weight, op looked up once
+    global _linear_pointwise
+    _linear_pointwise = torch.ops.mkldnn._linear_pointwise.default
+    return _linear_pointwise(*args)
 
 
 def choose_gemv(linears: list[CpuLinear], repeats: int = 3) -> bool:
@@ -147,13 +167,23 @@ class RMSNorm(nn.Module):
         if x.dim() == 2 and x.stride(-1) == 1 and fused.enabled(x):
             return fused.rms_norm(x, self.weight, self.eps)
         if x.device.type == "cpu" and x.dtype == torch.float32:
-            # the same arithmetic in fewer dispatches (no-op casts dropped, in-place temporaries)
-            var = x.pow(2).mean(-1, keepdim=True).add_(self.eps)  # [num_tokens, 1]
-            return self.weight * (x * var.rsqrt_())
+            return rms_norm_cpu(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+def rms_norm_cpu(
+    x: torch.Tensor,  # [num_tokens, hidden] float32, CPU
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """weight * (x * rsqrt(mean(x^2) + eps)), bit for bit the HF arithmetic (mean is sum / N,
+    x * x == x.pow(2)) in 6 dispatches with tensor constants."""
+    ms = torch.sum(x * x, -1, True)  # [num_tokens, 1]
+    r = torch.addcdiv(cpu_const(eps), ms, cpu_const(float(x.shape[-1]))).rsqrt_()  # eps + ms / N
+    return torch.mul(x, r).mul_(weight)
 
 
 def _rope_params(config) -> dict:
@@ -208,7 +238,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)  # [max_pos, rot_dim]
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)  # [max_pos, rot_dim]
         self._cpu_pos: torch.Tensor | None = None  # positions of the last CPU forward
-        self._cpu_cs: tuple[torch.Tensor, torch.Tensor] | None = None  # their cos, sin rows
+        self._cpu_cs: tuple | None = None  # their cos, signed sin, sin rows
+        self._sin_signed: torch.Tensor | None = None  # [max_pos, rot_dim] (rotate_cpu)
         if not self.cos_cache.is_meta:
             self.reset(config, max_positions, self.cos_cache.device)
 
@@ -220,7 +251,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, rot_dim]
         self.cos_cache = (emb.cos() * scaling).to(device)
         self.sin_cache = (emb.sin() * scaling).to(device)
-        self._cpu_pos = self._cpu_cs = None
+        self._cpu_pos = self._cpu_cs = self._sin_signed = None
 
     def forward(
         self,
@@ -242,13 +273,44 @@ class RotaryEmbedding(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
         """CPU path: the same rotation as ``forward`` applied to q and k heads in one go, with the
         cos/sin rows gathered once per forward (every layer passes the same ``positions``)."""
+        cos, sin = self.cpu_tables(positions)
+        if sin is None:  # partial rotary
+            return _apply_rope(x, cos, self._cpu_cs[2])
+        return rope_cpu(x, cos, sin)
+
+    def cpu_tables(
+        self, positions: torch.Tensor  # [num_tokens] (CPU)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(cos [num_tokens, 1, rot_dim], signed sin [num_tokens, 1, rot_dim] for ``rope_cpu``,
+        None for a partial rotary) of ``positions``, gathered once per forward."""
         if positions is not self._cpu_pos:
             self._cpu_pos = positions
+            full = self.cos_cache.shape[-1] == self.head_dim
             self._cpu_cs = (
                 self.cos_cache[positions].unsqueeze(1),  # [num_tokens, 1, rot_dim]
+                self.cpu_sin_signed()[positions].unsqueeze(1) if full else None,
                 self.sin_cache[positions].unsqueeze(1),
             )
-        return _apply_rope(x, *self._cpu_cs)
+        return self._cpu_cs[0], self._cpu_cs[1]
+
+    def cpu_sin_signed(self) -> torch.Tensor:  # [max_pos, rot_dim]
+        """sin with rotate_half's sign folded in: (-sin, sin) halves (``rope_cpu``)."""
+        if self._sin_signed is None:
+            half = self.sin_cache.shape[-1] // 2
+            self._sin_signed = torch.cat((-self.sin_cache[:, :half], self.sin_cache[:, half:]), -1)
+        return self._sin_signed
+
+
+def rope_cpu(
+    x: torch.Tensor,  # [num_tokens, heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+    sin_signed: torch.Tensor,  # [num_tokens, 1, head_dim]: (-sin, sin) halves
+) -> torch.Tensor:  # [num_tokens, heads, head_dim]
+    """Full rotate-half RoPE in 3 compute dispatches, bit for bit ``_apply_rope``: the halves
+    swapped by a flip of a [.., 2, half] view, times the sign-folded sin, plus x * cos."""
+    T, H, D = x.shape
+    swapped = x.view(T, H, 2, D // 2).flip(2).view(T, H, D)  # (x2, x1), a new tensor
+    return swapped.mul_(sin_signed).add_(x * cos)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

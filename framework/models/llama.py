@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from speculant.engine.attention import ForwardContext
-from speculant.models import fused
+from speculant.models import cpu_forward, fused
 from speculant.models.layers import RMSNorm, RotaryEmbedding, activation
 from speculant.models.weights import WeightLoader
 
@@ -120,6 +120,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = rope
+        self._cpu_plan: cpu_forward.CpuPlan | bool | None = None  # built at the first CPU forward
 
     @property
     def hidden_size(self) -> int:
@@ -147,6 +148,11 @@ class LlamaForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]: final-norm output (the LM head's input)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled():
+            if self._cpu_plan is None:
+                self._cpu_plan = cpu_forward.cpu_plan(self) or False
+            if self._cpu_plan:
+                return cpu_forward.forward(self._cpu_plan, x, positions, ctx)
         for i, layer in enumerate(self.layers):
             if i in ctx.aux_layers:
                 ctx.aux_hidden.append(x)  # input of layer i == output of layer i-1

@@ -237,6 +237,32 @@ def load_model(folder: Path, config, dtype: torch.dtype, device: torch.device, m
     return model.eval()
 
 
+def _hugepage_arena(nbytes: int) -> torch.Tensor | None:
+    """A uint8 CPU tensor [nbytes] in anonymous memory advised for transparent huge pages (2 MiB
+    aligned), or None where that is unavailable or ``SPECULANT_CPU_HUGEPAGES=0``. A decode step
+    streams every weight once; with 4 KiB pages that is a TLB miss (and a page walk through the
+    caches) every 4 KiB, with huge pages one every 2 MiB."""
+    import mmap
+
+    if (
+        nbytes < (64 << 20)
+        or not hasattr(mmap, "MADV_HUGEPAGE")
+        or os.environ.get("SPECULANT_CPU_HUGEPAGES", "1") in ("", "0")
+    ):
+        return None
+    try:
+        import numpy as np
+
+        huge = 2 << 20
+        mm = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mm.madvise(mmap.MADV_HUGEPAGE)
+        buf = np.frombuffer(mm, dtype=np.uint8)  # keeps the mapping alive
+        start = (-buf.ctypes.data) % huge
+        return torch.from_numpy(buf[start : start + nbytes])
+    except (OSError, ValueError, ImportError):
+        return None
+
+
 def prepare_cpu_linears(model: torch.nn.Module) -> None:
     """CPU weight layouts for fast matmuls (same values and shapes, see layers.CpuLinear):
 
@@ -248,6 +274,9 @@ def prepare_cpu_linears(model: torch.nn.Module) -> None:
     * one-row products go through numpy's OpenBLAS GEMV if a load-time timing on these weights
       finds it faster than torch's (``SPECULANT_CPU_GEMV=auto|numpy|torch``).
 
+    * the column-major copies live in one mapping advised for transparent huge pages
+      (``_hugepage_arena``; ``SPECULANT_CPU_HUGEPAGES=0`` opts out).
+
     ``SPECULANT_CPU_WEIGHT_LAYOUT=row`` keeps the checkpoint layout, ``SPECULANT_CPU_PACKED=0``
     skips the packed copy (it doubles the Linear weights' memory)."""
     from speculant.models.layers import CpuLinear, choose_gemv
@@ -256,12 +285,25 @@ def prepare_cpu_linears(model: torch.nn.Module) -> None:
     packed = os.environ.get("SPECULANT_CPU_PACKED", "1") not in ("", "0")
     gemv = os.environ.get("SPECULANT_CPU_GEMV", "auto")  # auto | numpy | torch
     linears = []
-    for mod in model.modules():
-        w = getattr(mod, "weight", None)
-        if not isinstance(mod, torch.nn.Linear) or w is None or w.dim() != 2:
-            continue
-        if col and w.is_contiguous():
-            w.data = w.data.t().contiguous().t()
+    todo = [
+        m for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and getattr(m, "weight", None) is not None
+        and m.weight.dim() == 2
+    ]
+    moved = {id(m.weight) for m in todo if col and m.weight.is_contiguous()}
+    arena = _hugepage_arena(sum(m.weight.nbytes for m in todo if id(m.weight) in moved))
+    offset = 0
+    for mod in todo:
+        w = mod.weight
+        if id(w) in moved:
+            moved.discard(id(w))  # a weight shared by two Linears (tied) moves once
+            if arena is not None:  # column-major, in huge pages
+                cm = arena[offset : offset + w.nbytes].view(w.dtype).view(w.shape[1], w.shape[0])
+                offset += w.nbytes
+                cm.copy_(w.data.t())
+                w.data = cm.t()
+            else:
+                w.data = w.data.t().contiguous().t()
         if type(mod) is torch.nn.Linear:
             mod.__class__ = CpuLinear  # in place: references to the module stay valid
         if isinstance(mod, CpuLinear):
@@ -269,6 +311,8 @@ def prepare_cpu_linears(model: torch.nn.Module) -> None:
     use_numpy = gemv == "numpy" or (gemv == "auto" and col and choose_gemv(linears))
     for mod in linears:
         mod.pack(packed=packed, numpy_gemv=use_numpy)
+    if hasattr(model, "_cpu_plan"):
+        model._cpu_plan = None  # rebuilt from the prepared Linears at the next forward
     logger.info(
         "CPU Linear: %d layers, packed oneDNN copy %s, one-row GEMV via %s",
         len(linears),
