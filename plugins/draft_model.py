@@ -10,7 +10,8 @@ sequence's tokens, rolls its cache back to the common prefix (rejected drafts ar
 suffix), and feeds what it misses (accepted drafts it never cached, the bonus token, tokens
 produced while speculation was off, or a whole sequence that is new or came back after
 preemption). That catch-up forward also yields the first draft token; ``k - 1`` more batched
-decode steps (one forward for all sequences per step) yield the rest.
+decode steps (one forward for all sequences per step) yield the rest. On CUDA a greedy propose with
+short catch-ups is one CUDA graph replay instead (:mod:`speculant.plugins.draft_graph`).
 
 Greedy requests draft with the argmax. Sampling requests draft from the draft model's
 distribution after the request's temperature / top-k / top-p / min-p (drawn with the request's
@@ -30,7 +31,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from speculant import hookimpl
 from speculant.engine.block_manager import BlockManager
 from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
-from speculant.plugins.mlp_speculator import DraftSampler, split_drafts, to_device_async
+from speculant.plugins.draft_graph import fused_greedy
+from speculant.plugins.mlp_speculator import (
+    DraftSampler,
+    GraphCache,
+    split_drafts,
+    to_device_async,
+)
 from speculant.spec_types import Proposal, SpecBatch, SpecSequence, StrategyContext
 
 logger = logging.getLogger("speculant")
@@ -160,6 +167,9 @@ class DraftModelStrategy:
         self.block_manager = BlockManager(num_blocks, self.block_size)
         self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype)
         self.states: dict[int, _DraftSeq] = {}
+        # greedy proposes as one CUDA graph replay each (draft_graph.py); off on the CPU
+        self.graphs = GraphCache(self.device, "draft model propose")
+        self.graph_staging: dict = {}  # their pinned input buffers (draft_graph._stage)
         self.generator = torch.Generator().manual_seed(ctx.seed + 104729)
         logger.info(
             "draft model %s (%s, %d layers) on %s: %d KV blocks of %d",
@@ -254,6 +264,14 @@ class DraftModelStrategy:
             [seqs[i] for i in active], [ks[i] for i in active], self.generator, self.device
         )
         states = [self.states[seqs[i].seq_id] for i in active]
+        if sampler.all_greedy and self.graphs.enabled:  # catch-up and k steps in one graph
+            toks = fused_greedy(self, states, feeds, [ks[i] for i in active])  # [rows, K] | None
+            if toks is not None:
+                drafts = split_drafts(toks, active, [ks[i] for i in active], len(seqs))
+                for st, f, i in zip(states, feeds, active):
+                    st.tokens.extend(f)
+                    st.tokens.extend(drafts[i][: ks[i] - 1])
+                return Proposal(token_ids=drafts)
         hidden = self._forward(states, feeds)  # [sum(len(feed)), hidden]
         for st, f in zip(states, feeds):
             st.tokens.extend(f)

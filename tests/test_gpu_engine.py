@@ -303,3 +303,39 @@ def test_eagle_one_graph_propose_equals_eager(tiny_factory, target, heads, kind,
     assert len(seen_g) == len(seen_e) and sum(map(bool, seen_g)) > 10
     for step, (a, b) in enumerate(zip(seen_g, seen_e)):
         assert a == b, f"step {step}: one-graph drafts {a} != eager {b}"
+
+
+def test_draft_model_one_graph_propose_equals_eager(target, draft, monkeypatch):
+    """The whole greedy draft-model propose as one CUDA graph (plugins/draft_graph.py: catch-up,
+    gather, k draft steps) proposes exactly the drafts of the eager propose (the draft runner's
+    graph per forward, LM head and argmax outside), step for step; the draft is the target too,
+    so catch-ups of accepted drafts (query bucket 2) are exercised as well as bonus-only ones."""
+    monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
+    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
+    for d in (draft, target):
+        runs = []
+        for graphs in (False, True):
+            spec = {"method": "draft_model", "model": str(d), "num_speculative_tokens": 3}
+            llm = _llm(target, speculative_config=spec)
+            strat = llm.engine.spec.strategy
+            strat.graphs.enabled = graphs  # False: the eager propose (runner graphs per forward)
+            spec_dec, seen = llm.engine.spec, []
+            real = spec_dec._propose
+
+            def spy(batch, real=real, seen=seen):
+                prop = real(batch)
+                seen.append(prop.token_ids if prop is not None else None)
+                return prop
+
+            spec_dec._propose = spy
+            runs.append((_generate(llm, GREEDY), seen))
+            if graphs:
+                keys = list(strat.graphs.graphs)  # (Bp, Q, K)
+                assert keys and (d is draft or 2 in {q for _, q, _ in keys}), keys
+            del llm
+            torch.cuda.empty_cache()
+        (out_e, seen_e), (out_g, seen_g) = runs
+        assert out_g == out_e
+        assert len(seen_g) == len(seen_e) and sum(map(bool, seen_g)) > 10
+        for step, (a, b) in enumerate(zip(seen_g, seen_e)):
+            assert a == b, f"draft {d.name} step {step}: one-graph drafts {a} != eager {b}"

@@ -1,0 +1,227 @@
+"""The whole greedy draft-model propose as one CUDA graph replay: the catch-up forward (the tokens
+the draft cache misses, normally the accepted drafts and the bonus token), the gather of each
+sequence's last row, then K greedy steps (LM head, argmax, and for the first K - 1 a one-token
+forward of the chosen token). One graph per (batch bucket Bp, query bucket Q, K), captured lazily
+in the strategy's ``GraphCache``. Calls that do not fit (catch-ups longer than the largest query
+bucket, more sequences than the largest batch bucket, block tables wider than the graph's)
+return None and the caller runs its eager path.
+
+Shapes follow the draft runner's CUDA graphs (engine/cuda_graph.py) exactly: the same batch and
+query buckets and block-table width, so the catch-up and each draft step run the kernels, tilings
+and split-K choices of the eager path and greedy drafts are the same. Padding is theirs too: a
+catch-up of T <= Bp * Q rows over A <= Bp sequences leaves rows T.. as padding (token 0, position
+0, slot -1, which store_kv skips) and sequences A.. with context length 0 and an empty query range.
+A sequence that drafts fewer than K tokens runs the steps it does not use without writing K/V
+(slot -1, position 0, context: its catch-up's): its output there is dropped.
+
+All inputs are one int64 buffer per key, filled from a pinned host buffer of its own with one
+asynchronous copy (M = Bp * Q, S = K - 1)::
+
+    ids [M] | positions [M] | slots [M] | context lens [Bp] | query starts [Bp + 1] |
+    last catch-up row of each sequence [Bp] | step positions [S, Bp] | step slots [S, Bp] |
+    step context lens [S, Bp] | step query starts [Bp + 1] | block tables [Bp, W]
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from speculant.engine.attention import AttentionMetadata, ForwardContext
+from speculant.engine.cuda_graph import BATCH_BUCKETS, QUERY_BUCKETS
+
+MAX_BATCH, MAX_QUERY = 128, 16  # ModelRunner's max_graph_batch / max_graph_query defaults
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+def shapes(strat) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(batch buckets, query buckets, block-table width W): the draft runner's graphs' where it
+    has them (CUDA), else what it would use (the CPU test)."""
+    g = strat.runner.graphs
+    if g is not None:
+        return g.buckets, g.q_buckets, g.W
+    bs = strat.block_size
+    width = min(strat.block_manager.num_blocks, -(-(strat.max_len + MAX_QUERY) // bs) + 1)
+    batch = tuple(b for b in BATCH_BUCKETS if b <= MAX_BATCH)
+    return batch, tuple(q for q in QUERY_BUCKETS if q <= MAX_QUERY), width
+
+
+def _sizes(Bp: int, Q: int, K: int, W: int) -> list[int]:
+    M, S = Bp * Q, K - 1
+    return [M, M, M, Bp, Bp + 1, Bp, S * Bp, S * Bp, S * Bp, Bp + 1, Bp * W]
+
+
+def fused_ints(
+    out: np.ndarray,  # [sum(_sizes)] int64, written in full (layout above)
+    states: list,  # _DraftSeq of each drafting sequence (num_cached_tokens: before the catch-up)
+    feeds: list[list[int]],  # catch-up tokens of each
+    ks: list[int],  # drafts of each (1..K)
+    Bp: int,
+    Q: int,
+    K: int,
+    W: int,
+    bs: int,
+) -> None:
+    A, S = len(states), K - 1
+    parts = np.split(out, np.cumsum(_sizes(Bp, Q, K, W))[:-1])
+    ids, pos, slots, ctx, qsl, last, spos, sslots, sctx, sqsl, tables = parts
+    spos, sslots, sctx, tables = (
+        spos.reshape(S, Bp),
+        sslots.reshape(S, Bp),
+        sctx.reshape(S, Bp),
+        tables.reshape(Bp, W),
+    )
+    out.fill(0)
+    slots.fill(-1)
+    sslots.fill(-1)
+    for r, st in enumerate(states):
+        bt = st.block_table
+        tables[r, : len(bt)] = bt
+    c = np.fromiter(map(len, feeds), np.int64, A)  # [A] catch-up lengths
+    n = np.fromiter((st.num_cached_tokens for st in states), np.int64, A) + c  # [A] after it
+    k = np.asarray(ks, np.int64)  # [A]
+    np.cumsum(c, out=qsl[1 : A + 1])
+    T = int(qsl[A])
+    qsl[A + 1 :] = T
+    last[:A] = qsl[1 : A + 1] - 1
+    ctx[:A] = n
+    seq = np.repeat(np.arange(A), c)  # [T] row of each catch-up token
+    p = (n - c)[seq] + np.arange(T) - qsl[:A][seq]  # [T] its position
+    ids[:T] = np.fromiter(itertools.chain.from_iterable(feeds), np.int64, T)
+    pos[:T] = p
+    slots[:T] = tables[seq, p // bs] * bs + p % bs
+    # step j feeds draft j at position n + j; rows with k - 1 <= j skip it (no write)
+    sqsl[: A + 1] = np.arange(A + 1)
+    sqsl[A + 1 :] = A
+    q = n[None, :] + np.arange(S)[:, None]  # [S, A]
+    use = np.arange(S)[:, None] < (k - 1)[None, :]  # [S, A]
+    blk = tables[np.arange(A)[None, :], np.minimum(q // bs, W - 1)]  # [S, A]
+    spos[:, :A] = np.where(use, q, 0)
+    sslots[:, :A] = np.where(use, blk * bs + q % bs, -1)
+    sctx[:, :A] = np.where(use, q + 1, n[None, :])
+
+
+def _fctx(
+    slots: torch.Tensor,  # [Bp * Q] int64
+    tables: torch.Tensor,  # [Bp, W] int32
+    ctx: torch.Tensor,  # [Bp] int32
+    qsl: torch.Tensor,  # [Bp + 1] int32
+    Q: int,
+    bs: int,
+    kv_caches: list,
+) -> ForwardContext:
+    Bp, W = tables.shape
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        block_tables=tables,
+        context_lens=ctx,
+        query_start_loc=qsl,
+        query_lens=[Q] * Bp,
+        context_lens_list=[W * bs] * Bp,
+        block_size=bs,
+    )
+    return ForwardContext(meta=meta, kv_caches=kv_caches)
+
+
+def _catch_up(
+    model,
+    kv_caches: list,  # per layer (k_cache, v_cache) [num_blocks, bs, nkv, d] each
+    ints: torch.Tensor,  # [n_ints] int64, layout above
+    Bp: int,
+    Q: int,
+    K: int,
+    W: int,
+    bs: int,
+) -> torch.Tensor:  # [Bp] first greedy draft of each row (padding rows: garbage)
+    """Catch-up forward, gather of each row's last position, LM head and argmax."""
+    ids, pos, slots, ctx, qsl, last, *_, tables = ints.split(_sizes(Bp, Q, K, W))
+    i32 = torch.int32
+    fctx = _fctx(slots, tables.view(Bp, W).to(i32), ctx.to(i32), qsl.to(i32), Q, bs, kv_caches)
+    hidden = model(ids, pos, fctx)  # [Bp * Q, hidden]
+    return model.compute_logits(hidden.index_select(0, last)).argmax(dim=-1)
+
+
+def _draft_steps(
+    model,
+    kv_caches: list,  # per layer (k_cache, v_cache) [num_blocks, bs, nkv, d] each
+    ints: torch.Tensor,  # [n_ints] int64, layout above
+    tok: torch.Tensor,  # [Bp] the first drafts (_catch_up)
+    Bp: int,
+    Q: int,
+    K: int,
+    W: int,
+    bs: int,
+) -> torch.Tensor:  # [Bp, K] greedy drafts (padding rows and unused steps: garbage)
+    """The K - 1 further greedy steps: feed the last draft, LM head, argmax."""
+    S, i32 = K - 1, torch.int32
+    *_, spos, sslots, sctx, sqsl, tables = ints.split(_sizes(Bp, Q, K, W))
+    tables, sqsl = tables.view(Bp, W).to(i32), sqsl.to(i32)
+    spos, sslots, sctx = spos.view(S, Bp), sslots.view(S, Bp), sctx.view(S, Bp).to(i32)
+    out = [tok]
+    for j in range(S):
+        x = model(tok, spos[j], _fctx(sslots[j], tables, sctx[j], sqsl, 1, bs, kv_caches))
+        tok = model.compute_logits(x).argmax(dim=-1)  # [Bp]
+        out.append(tok)
+    return torch.stack(out, dim=1)
+
+
+def propose_graph(model, kv_caches: list, ints: torch.Tensor, Bp, Q, K, W, bs) -> torch.Tensor:
+    """What the graph runs: ints [n_ints] int64 -> [Bp, K] greedy drafts."""
+    tok = _catch_up(model, kv_caches, ints, Bp, Q, K, W, bs)  # [Bp]
+    return _draft_steps(model, kv_caches, ints, tok, Bp, Q, K, W, bs)
+
+
+def _stage(strat, key, buf: torch.Tensor, fill) -> None:
+    """``fill`` the int64 inputs (numpy [n]) into ``buf`` [n]: on CUDA through this key's pinned
+    host buffer, rewritten only once its last asynchronous copy has run."""
+    if not buf.is_cuda:
+        host = np.zeros(buf.numel(), np.int64)
+        fill(host)
+        buf.copy_(torch.from_numpy(host))
+        return
+    staging = strat.graph_staging  # key -> (pinned [n] int64, event of its last copy)
+    if key not in staging:
+        staging[key] = (
+            torch.empty(buf.numel(), dtype=buf.dtype, pin_memory=True),
+            torch.cuda.Event(),
+        )
+    host, copied = staging[key]
+    copied.synchronize()
+    fill(host.numpy())
+    buf.copy_(host, non_blocking=True)
+    copied.record()
+
+
+def fused_greedy(
+    strat,
+    states: list,  # _DraftSeq of each drafting sequence, synced and reserved
+    feeds: list[list[int]],  # catch-up tokens of each
+    ks: list[int],  # drafts of each, >= 1
+) -> torch.Tensor | None:  # [len(states), max(ks)] greedy drafts; None: run the eager path
+    """The greedy propose as one graph replay. On success the draft caches hold the catch-up and the
+    fed-back drafts (``num_cached_tokens`` advanced; ``tokens`` is the caller's)."""
+    batch_buckets, query_buckets, W = shapes(strat)
+    A, K, bs = len(states), max(ks), strat.block_size
+    Bp = _bucket(A, batch_buckets)
+    Q = _bucket(max(len(f) for f in feeds), query_buckets)
+    if Bp is None or Q is None or any(len(st.block_table) > W for st in states):
+        return None
+    n_ints, key, dev = sum(_sizes(Bp, Q, K, W)), (Bp, Q, K), strat.device
+    graphs, model, kv = strat.graphs, strat.model, strat.runner.kv_caches
+    (buf,) = graphs.buffers(key, lambda: (torch.zeros(n_ints, dtype=torch.long, device=dev),))
+    _stage(strat, key, buf, lambda h: fused_ints(h, states, feeds, ks, Bp, Q, K, W, bs))
+    for st, feed, k in zip(states, feeds, ks):
+        st.num_cached_tokens += len(feed) + k - 1
+
+    def whole(ints: torch.Tensor) -> torch.Tensor:  # [n_ints] -> [Bp, K]
+        return propose_graph(model, kv, ints, Bp, Q, K, W, bs)
+
+    out = graphs.replay(key, whole)
+    if out is None:  # a capture failed: the same function, eagerly
+        out = whole(buf)
+    return out[:A]

@@ -1,0 +1,139 @@
+"""The one-graph greedy draft-model propose (plugins/draft_graph.py) run eagerly on the CPU: the
+padded function the CUDA graph captures (catch-up padded to a query bucket, batch padded to a
+bucket, padding rows with slot -1, padded sequences with context 0 and an empty query range, the
+gather of each sequence's last row, K greedy steps, rows drafting fewer than K tokens writing no
+K/V in the steps they do not use) must propose exactly the drafts of the eager path, step for
+step. Attention runs through the kernels' torch references in both runs (store_kv skips slot -1,
+paged attention skips empty query ranges), which is what the Triton kernels do in the graph."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_eagle_graph import _kernel_attention
+
+import speculant.engine.attention as attention_mod
+import speculant.plugins.draft_graph as draft_graph
+from speculant import LLM, SamplingParams
+
+V = 64
+# at most 4 running: later prompts join running ones, their first catch-up (the whole prompt)
+# padded to a larger query bucket; the last one's exceeds the largest bucket: eager
+PROMPT_LENS = [3, 9, 5, 12, 4, 7, 6, 24]
+MAX_TOKENS = [24, 14, 31, 11, 22, 27, 18, 16]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_factory) -> Path:
+    return tiny_factory("llama", vocab_size=V, tokenizer=False, num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def weak_draft(tiny_factory) -> Path:
+    """One random layer and a 32-token context: near it sequences draft fewer than k tokens."""
+    return tiny_factory(
+        "llama",
+        seed=1,
+        vocab_size=V,
+        tokenizer=False,
+        num_hidden_layers=1,
+        max_position_embeddings=32,
+    )
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, V, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _run(target: Path, draft: Path, fused: bool, monkeypatch) -> tuple:
+    """(outputs, (token ids, drafts) of every speculative step, ((Bp, Q, K) of each graph call,
+    whether a row of it drafts fewer than K tokens))."""
+    llm = LLM(
+        model=str(target),
+        skip_tokenizer_init=True,
+        max_num_seqs=4,
+        speculative_config={"model": str(draft), "num_speculative_tokens": 3},
+    )
+    strat = llm.engine.spec.strategy
+    strat.model._cpu_plan = False  # both runs: the layers' path, attention through attend()
+    calls, short = [], []
+    if fused:  # "capture" = run the graph's function eagerly on the static inputs
+        graphs, static = strat.graphs, {}
+        graphs.enabled = True
+
+        def replay(key, fn):  # outputs are static, as a graph's
+            out = fn(*graphs.inputs[key])
+            return static.setdefault(key, out).copy_(out)
+
+        monkeypatch.setattr(graphs, "replay", replay)
+        real_ints = draft_graph.fused_ints
+
+        def spy_ints(out, states, feeds, ks, Bp, Q, K, *a):
+            calls.append((Bp, Q, K))
+            short.append(min(ks) < max(ks))  # rows that skip the last steps
+            return real_ints(out, states, feeds, ks, Bp, Q, K, *a)
+
+        monkeypatch.setattr(draft_graph, "fused_ints", spy_ints)
+    spec, seen = llm.engine.spec, []
+    real_propose = spec._propose
+
+    def spy(batch):
+        prop = real_propose(batch)
+        if prop is not None:
+            seen.append(([list(s.token_ids) for s in batch.seqs], prop.token_ids))
+        return prop
+
+    spec._propose = spy
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+    assert (
+        not strat.states and strat.block_manager.num_free_blocks == strat.block_manager.num_blocks
+    )
+    return [list(o.outputs[0].token_ids) for o in outs], seen, (calls, short)
+
+
+@pytest.mark.parametrize("which", ["self", "weak"])
+def test_one_graph_propose_equals_eager(target, weak_draft, monkeypatch, which):
+    monkeypatch.setattr(attention_mod, "attention", _kernel_attention)
+    draft = target if which == "self" else weak_draft
+    out_e, seen_e, _ = _run(target, draft, False, monkeypatch)
+    out_f, seen_f, (calls, short) = _run(target, draft, True, monkeypatch)
+    assert out_f == out_e
+    assert len(seen_f) == len(seen_e)
+    for step, (a, b) in enumerate(zip(seen_f, seen_e)):
+        assert a == b, f"step {step}: fused {a[1]} != eager {b[1]}"
+    assert len(calls) > len(seen_f) // 2, (len(calls), len(seen_f))  # mostly one graph
+    assert len(calls) < len(seen_f)  # the long first catch-up fell back to the eager path
+    assert len({q for _, q, _ in calls} - {1, 2}) >= 2  # catch-ups of whole prompts
+    assert len({b for b, _, _ in calls}) > 1  # the batch shrank through several buckets
+    if which == "weak":  # sequences near the draft's context end draft fewer than K tokens
+        assert any(short) and not all(short)
+
+
+def test_fused_ints_layout():
+    """Two sequences (catch-ups of 2 and 1 tokens, 3 and 1 drafts) padded to Bp=2, Q=2, K=3."""
+
+    class St:
+        def __init__(self, cached, table):
+            self.num_cached_tokens, self.block_table = cached, table
+
+    bs, W = 4, 3
+    states = [St(5, [2, 7, 9]), St(2, [4])]  # blocks for n + k - 1 positions
+    M, S, Bp = 4, 2, 2
+    a = np.full(3 * M + 3 * Bp + 1 + 3 * S * Bp + Bp + 1 + Bp * W, 99, np.int64)
+    draft_graph.fused_ints(a, states, [[11, 12], [13]], [3, 1], 2, 2, 3, W, bs)
+    parts = np.split(a, np.cumsum([M, M, M, Bp, Bp + 1, Bp, S * Bp, S * Bp, S * Bp, Bp + 1]))
+    ids, pos, slots, ctx, qsl, last, spos, sslots, sctx, sqsl, tables = parts
+    assert ids.tolist() == [11, 12, 13, 0]
+    assert pos.tolist() == [5, 6, 2, 0]
+    assert slots.tolist() == [7 * 4 + 1, 7 * 4 + 2, 4 * 4 + 2, -1]
+    assert ctx.tolist() == [7, 3] and qsl.tolist() == [0, 2, 3] and last.tolist() == [1, 2]
+    assert spos.reshape(S, Bp).tolist() == [[7, 0], [8, 0]]  # row 1 drafts once: no steps
+    assert sslots.reshape(S, Bp).tolist() == [[7 * 4 + 3, -1], [9 * 4 + 0, -1]]
+    assert sctx.reshape(S, Bp).tolist() == [[8, 3], [9, 3]]
+    assert sqsl.tolist() == [0, 1, 2]
+    assert tables.reshape(Bp, W).tolist() == [[2, 7, 9], [4, 0, 0]]
