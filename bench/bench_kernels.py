@@ -12,10 +12,16 @@ What it does:
    16) for context 8k/16k/32k x batch 1/8/32/64 x q_len 1 (decode) and 6 (k=5 verification):
    median time (``triton.testing.do_bench``, L2 flushed before each run) of the eager call and
    of a CUDA-graph replay of it; achieved bandwidth = KV bytes read / time, as % of the copy
-   bandwidth; and ``scaled_dot_product_attention`` on the same K/V gathered contiguous.
+   bandwidth; and ``scaled_dot_product_attention`` on the same K/V gathered contiguous. Each
+   is also timed after evicting L2 by a 256 MB *read* (``*_clean_l2``): do_bench's flush is a
+   256 MB zero fill whose dirty lines are written back while the timed kernel reads, which
+   weighs on the small (batch 1, ~30-70 us) cases.
 4. Launch-parameter sweeps for decode / verification attention (``--sweep``; ``--sweep-cases
    b:ctx:q,...`` picks the shapes, ``--sweep-splits-only`` varies only the split count and the
-   program order, ``--sweep-only`` skips everything else).
+   program order, ``--sweep-only`` skips everything else). ``--decode-sweep``: the tiled
+   kernel with and without the fused split merge against the all-heads decode kernel, its
+   split counts, chunk sizes, warps, stages and merge step (``--decode-sweep-cases``);
+   ``--attention-only`` skips section 5.
 5. Rejection sampling at batch 64, k 5, vocab 128256 (all-random, all-greedy, mixed, with and
    without draft probs), ``sample_from_probs``, and ``sampling_probs`` (torch vs Triton) on the
    same rows; ``store_kv``.
@@ -103,6 +109,36 @@ def bench_graph(fn, rep=100) -> float:
         fn()
     torch.cuda.synchronize()
     return bench(g.replay, rep=rep)
+
+
+def bench_graph_clean_l2(fn, rep=50) -> float:
+    """Median ms of a CUDA-graph replay of ``fn`` after evicting L2 by READING 256 MB (no dirty
+    lines left to write back, unlike do_bench's zero fill): the cold-cache time without the
+    write-back of the flush buffer competing for HBM."""
+    if SMOKE:
+        return bench(fn)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    flush = torch.empty(64 << 20, dtype=torch.float32, device=DEV).normal_()
+    acc = torch.empty((), dtype=torch.float32, device=DEV)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for i in range(-5, rep):
+        torch.sum(flush, out=acc)
+        if i >= 0:
+            starts[i].record()
+        g.replay()
+        if i >= 0:
+            ends[i].record()
+    torch.cuda.synchronize()
+    ts = sorted(a.elapsed_time(b) for a, b in zip(starts, ends))
+    return float(ts[len(ts) // 2])
 
 
 OUT_PATH: Path | None = None
@@ -194,21 +230,22 @@ def checks():
         for i, n in enumerate(per):
             bt[i, :n] = perm[o : o + n]
             o += n
-        qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
-                           device=DEV)
+        qsl = torch.tensor(
+            [0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEV
+        )
         cl = torch.tensor(ctxs, dtype=torch.int32, device=DEV)
         q = torch.randn(int(qsl[-1]), H, D, device=DEV).to(dtype)
         ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, D**-0.5)
         for splits in (None, 1, 7):
             res = torch.full_like(q, float("nan"))
-            paged_attention(q, kc, vc, bt, cl, qsl, D**-0.5, max_query_len=300, out=res,
-                            num_splits=splits)
+            paged_attention(
+                q, kc, vc, bt, cl, qsl, D**-0.5, max_query_len=300, out=res, num_splits=splits
+            )
             key = f"paged_attention_{str(dtype)[6:]}_splits{splits}"
             out[key] = {"rel_err": rel_err(res, ref), "nan": bool(res.isnan().any())}
     # head_dim 64, GQA 1 and 8, block size 32
-    for (H, Hkv, D, bs) in ((16, 16, 64, 32), (32, 4, 64, 16), (8, 1, 256, 16)):
-        q, kc, vc, bt, cl, qsl = make_paged(3, 50 if SMOKE else 5000, 6, H=H, Hkv=Hkv, D=D,
-                                            bs=bs)
+    for H, Hkv, D, bs in ((16, 16, 64, 32), (32, 4, 64, 16), (8, 1, 256, 16)):
+        q, kc, vc, bt, cl, qsl = make_paged(3, 50 if SMOKE else 5000, 6, H=H, Hkv=Hkv, D=D, bs=bs)
         ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, D**-0.5)
         res = paged_attention(q, kc, vc, bt, cl, qsl, D**-0.5)
         out[f"paged_attention_H{H}_Hkv{Hkv}_D{D}_bs{bs}"] = {"rel_err": rel_err(res, ref)}
@@ -223,13 +260,18 @@ def checks():
     slots[::97] = -1
     store_kv(k, v, kc, vc, slots)
     store_kv_ref(k, v, kr, vr, slots)
-    out["store_kv"] = {"exact": bool(torch.equal(kc.nan_to_num(), kr.nan_to_num())
-                                     and torch.equal(vc.nan_to_num(), vr.nan_to_num())
-                                     and torch.equal(kc.isnan(), kr.isnan()))}
+    out["store_kv"] = {
+        "exact": bool(
+            torch.equal(kc.nan_to_num(), kr.nan_to_num())
+            and torch.equal(vc.nan_to_num(), vr.nan_to_num())
+            and torch.equal(kc.isnan(), kr.isnan())
+        )
+    }
     # rejection sampling: exact equality on big vocab, random & greedy mixed, both draft kinds
     for with_q in (True, False):
-        args = rejection_inputs(4 if SMOKE else 64, 5, VOCAB, with_q=with_q, greedy_frac=0.5,
-                                ragged=True)
+        args = rejection_inputs(
+            4 if SMOKE else 64, 5, VOCAB, with_q=with_q, greedy_frac=0.5, ragged=True
+        )
         o1, n1 = rejection_sample(*args, max_num_draft_tokens=5)
         o2, n2 = rejection_sample_ref(*args, max_num_draft_tokens=5)
         out[f"rejection_sample_q{with_q}"] = {
@@ -275,40 +317,64 @@ def attention_bench(hbm_gbps, contexts, batches, q_lens, with_sdpa=True):
                 out = torch.empty_like(q)
                 scale = 128**-0.5
 
-                def fn(q=q, kc=kc, vc=vc, bt=bt, cl=cl, qsl=qsl, out=out, q_len=q_len,
-                       scale=scale):
+                def fn(q=q, kc=kc, vc=vc, bt=bt, cl=cl, qsl=qsl, out=out, q_len=q_len, scale=scale):
                     paged_attention(q, kc, vc, bt, cl, qsl, scale, max_query_len=q_len, out=out)
 
                 fn()
                 cfg = pa_mod.choose_launch_config(
-                    num_tokens=q.shape[0], num_seqs=batch, num_heads=32, num_kv_heads=8,
-                    head_dim=128, max_query_len=q_len, max_context=bt.shape[1] * 16,
-                    dtype=q.dtype, sm_count=pa_mod.num_sms(DEV),
+                    num_tokens=q.shape[0],
+                    num_seqs=batch,
+                    num_heads=32,
+                    num_kv_heads=8,
+                    head_dim=128,
+                    max_query_len=q_len,
+                    max_context=bt.shape[1] * 16,
+                    dtype=q.dtype,
+                    sm_count=pa_mod.num_sms(DEV),
                 )
                 t_eager = bench(fn)
                 t_graph = bench_graph(fn)
+                try:
+                    t_clean = bench_graph_clean_l2(fn)
+                except Exception as e:  # noqa: BLE001
+                    log(f"   clean-L2 timing failed: {e!r}"[:300])
+                    t_clean = float("nan")
                 nbytes = kv_bytes(batch, ctx)
                 row = {
-                    "ctx": ctx, "batch": batch, "q_len": q_len,
+                    "ctx": ctx,
+                    "batch": batch,
+                    "q_len": q_len,
                     "kv_bytes": nbytes,
-                    "num_splits": cfg["num_splits"], "block_q": cfg["block_q"],
-                    "block_n": cfg["block_n"], "num_warps": cfg["num_warps"],
-                    "num_stages": cfg["num_stages"], "prefetch": cfg["prefetch"],
-                    "ms_eager": t_eager, "ms_graph": t_graph,
+                    "num_splits": cfg["num_splits"],
+                    "block_q": cfg["block_q"],
+                    "block_n": cfg["block_n"],
+                    "num_warps": cfg["num_warps"],
+                    "num_stages": cfg["num_stages"],
+                    "prefetch": cfg["prefetch"],
+                    "decode_kernel": cfg.get("decode_kernel", False),
+                    "fused_merge": cfg.get("fused_merge", False),
+                    "ms_eager": t_eager,
+                    "ms_graph": t_graph,
+                    "ms_graph_clean_l2": t_clean,
+                    "pct_hbm_graph_clean_l2": 100 * nbytes / (t_clean * 1e-3) / 1e9 / hbm_gbps,
                     "GBps_graph": nbytes / (t_graph * 1e-3) / 1e9,
                     "pct_hbm_graph": 100 * nbytes / (t_graph * 1e-3) / 1e9 / hbm_gbps,
                     "pct_hbm_eager": 100 * nbytes / (t_eager * 1e-3) / 1e9 / hbm_gbps,
                 }
                 if with_sdpa:
                     try:
-                        row.update(sdpa_bench(q, kc, vc, bt, batch, ctx, q_len, scale, out,
-                                              hbm_gbps))
+                        row.update(
+                            sdpa_bench(q, kc, vc, bt, batch, ctx, q_len, scale, out, hbm_gbps)
+                        )
+                        row["vs_sdpa"] = row["sdpa_ms"] / t_graph
                     except Exception as e:  # noqa: BLE001
                         row["sdpa_error"] = repr(e)[:300]
                 rows.append(row)
                 log(
                     f"   ctx={ctx:6d} b={batch:3d} q={q_len} splits={cfg['num_splits']:2d} "
                     f"graph {t_graph * 1e3:8.1f} us ({row['pct_hbm_graph']:5.1f}% hbm) "
+                    f"cleanL2 {t_clean * 1e3:8.1f} us "
+                    f"sdpa-cleanL2 {row.get('sdpa_ms_clean_l2', float('nan')) * 1e3:8.1f} us "
                     f"eager {t_eager * 1e3:8.1f} us  sdpa {row.get('sdpa_ms', float('nan')) * 1e3:8.1f}"
                     f" us  err {row.get('rel_err_vs_sdpa', float('nan')):.1e}"
                 )
@@ -332,8 +398,10 @@ def sdpa_bench(q, kc, vc, bt, batch, ctx, q_len, scale, out, hbm_gbps):
         F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
 
         def sfn():
-            return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale,
-                                                  enable_gqa=True)
+            return F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+
         mode = "enable_gqa"
     except Exception:  # noqa: BLE001
         kx = kd.repeat_interleave(H // Hkv, 1)
@@ -341,6 +409,7 @@ def sdpa_bench(q, kc, vc, bt, batch, ctx, q_len, scale, out, hbm_gbps):
 
         def sfn():
             return F.scaled_dot_product_attention(qd, kx, vx, attn_mask=mask, scale=scale)
+
         mode = "expanded"
     ref = sfn().transpose(1, 2).reshape(-1, H, D)
     t = bench(sfn)
@@ -351,15 +420,29 @@ def sdpa_bench(q, kc, vc, bt, batch, ctx, q_len, scale, out, hbm_gbps):
         "sdpa_pct_hbm": 100 * nbytes / (t * 1e-3) / 1e9 / hbm_gbps,
         "rel_err_vs_sdpa": rel_err(out, ref),
     }
+    try:
+        res["sdpa_ms_clean_l2"] = bench_graph_clean_l2(sfn)
+    except Exception as e:  # noqa: BLE001
+        res["sdpa_clean_l2_error"] = repr(e)[:200]
     return res
 
 
 @section("decode attention launch sweep")
 def attention_sweep(hbm_gbps, cases=None, splits_only=False):
     rows = []
-    cases = cases or [(1, 8192, 1), (1, 32768, 1), (4, 16384, 1), (8, 8192, 1), (64, 32768, 1),
-             (1, 8192, 6), (1, 32768, 6), (8, 8192, 6), (8, 32768, 6), (32, 8192, 6),
-             (64, 16384, 6)]
+    cases = cases or [
+        (1, 8192, 1),
+        (1, 32768, 1),
+        (4, 16384, 1),
+        (8, 8192, 1),
+        (64, 32768, 1),
+        (1, 8192, 6),
+        (1, 32768, 6),
+        (8, 8192, 6),
+        (8, 32768, 6),
+        (32, 8192, 6),
+        (64, 16384, 6),
+    ]
     if SMOKE:
         cases = [(1, 300, 1), (2, 100, 6)]
     for batch, ctx, q_len in cases:
@@ -372,8 +455,9 @@ def attention_sweep(hbm_gbps, cases=None, splits_only=False):
             for nw in (4, 8):
                 for ns in (2, 3):
                     for pf in (False, True):
-                        variants.append({"block_n": bn, "num_warps": nw, "num_stages": ns,
-                                         "prefetch": pf})
+                        variants.append(
+                            {"block_n": bn, "num_warps": nw, "num_stages": ns, "prefetch": pf}
+                        )
         if SMOKE or splits_only:
             variants = variants[:2] if SMOKE else []
         for splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96):
@@ -384,35 +468,155 @@ def attention_sweep(hbm_gbps, cases=None, splits_only=False):
             variants.append({"heads_first": hf})
             for f in (0.5, 2.0):
                 cfg = pa_mod.choose_launch_config(
-                    num_tokens=q.shape[0], num_seqs=batch, num_heads=32, num_kv_heads=8,
-                    head_dim=128, max_query_len=q_len, max_context=bt.shape[1] * 16,
-                    dtype=q.dtype, sm_count=pa_mod.num_sms(DEV))
-                variants.append({"heads_first": hf,
-                                 "num_splits": max(1, round(cfg["num_splits"] * f))})
+                    num_tokens=q.shape[0],
+                    num_seqs=batch,
+                    num_heads=32,
+                    num_kv_heads=8,
+                    head_dim=128,
+                    max_query_len=q_len,
+                    max_context=bt.shape[1] * 16,
+                    dtype=q.dtype,
+                    sm_count=pa_mod.num_sms(DEV),
+                )
+                variants.append(
+                    {"heads_first": hf, "num_splits": max(1, round(cfg["num_splits"] * f))}
+                )
         for ov in variants:
+
             def fn(ov=ov, q=q, kc=kc, vc=vc, bt=bt, cl=cl, qsl=qsl, q_len=q_len, out=out):
-                pa_mod._paged_attention_triton(q, kc, vc, bt, cl, qsl, 128**-0.5, q_len, out,
-                                               overrides=ov)
+                pa_mod._paged_attention_triton(
+                    q, kc, vc, bt, cl, qsl, 128**-0.5, q_len, out, overrides=ov
+                )
+
             try:
                 fn()
                 t = bench_graph(fn, rep=30)
             except Exception as e:  # noqa: BLE001
-                rows.append({"batch": batch, "ctx": ctx, "q_len": q_len, **ov,
-                             "error": repr(e)[:200]})
+                rows.append(
+                    {"batch": batch, "ctx": ctx, "q_len": q_len, **ov, "error": repr(e)[:200]}
+                )
                 continue
             pct = 100 * nbytes / (t * 1e-3) / 1e9 / hbm_gbps
-            rows.append({"batch": batch, "ctx": ctx, "q_len": q_len, **ov, "ms_graph": t,
-                         "pct_hbm": pct})
+            rows.append(
+                {"batch": batch, "ctx": ctx, "q_len": q_len, **ov, "ms_graph": t, "pct_hbm": pct}
+            )
             if best is None or t < best[0]:
                 best = (t, ov, pct)
         if best is None:
             log(f"   b={batch} ctx={ctx} q={q_len}: every variant failed: {rows[-1]}")
         else:
-            log(f"   b={batch} ctx={ctx} q={q_len}: best {best[1]} {best[0] * 1e3:.1f} us "
-                f"({best[2]:.1f}%)")
+            log(
+                f"   b={batch} ctx={ctx} q={q_len}: best {best[1]} {best[0] * 1e3:.1f} us "
+                f"({best[2]:.1f}%)"
+            )
         del q, kc, vc, bt, out
         torch.cuda.empty_cache()
     RESULTS["attention_sweep"] = rows
+
+
+@section("decode kernel / fused merge sweep")
+def decode_sweep(hbm_gbps, cases=None):
+    """Tiled vs all-heads decode kernel, split merge fused or launched, split counts, chunk
+    sizes, warps and stages (overrides of the default launch config)."""
+    rows = []
+    cases = cases or [
+        (1, 8192, 1),
+        (1, 32768, 1),
+        (8, 8192, 1),
+        (8, 32768, 1),
+        (32, 8192, 1),
+        (64, 32768, 1),
+        (1, 8192, 6),
+        (8, 8192, 6),
+        (1, 32768, 6),
+    ]
+    if SMOKE:
+        cases = [(1, 300, 1), (2, 100, 6)]
+    for batch, ctx, q_len in cases:
+        q, kc, vc, bt, cl, qsl = make_paged(batch, ctx, q_len)
+        out = torch.empty_like(q)
+        nbytes = kv_bytes(batch, ctx)
+        cfg0 = pa_mod.choose_launch_config(
+            num_tokens=q.shape[0],
+            num_seqs=batch,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            max_query_len=q_len,
+            max_context=bt.shape[1] * 16,
+            dtype=q.dtype,
+            sm_count=1 if SMOKE else pa_mod.num_sms(DEV),
+        )
+        variants = [{}, {"fused_merge": not cfg0["fused_merge"]}]
+        if q_len == 1:
+            variants += [
+                {"decode_kernel": False, "fused_merge": False},
+                {"decode_kernel": False, "fused_merge": True},
+            ]
+            dflt = pa_mod.choose_decode_config(
+                num_tokens=q.shape[0],
+                num_heads=32,
+                num_kv_heads=8,
+                max_context=bt.shape[1] * 16,
+                sm_count=1 if SMOKE else pa_mod.num_sms(DEV),
+            )["num_splits"]
+            sp = sorted(
+                {max(1, round(dflt * f)) for f in (0.25, 0.5, 0.75, 1.5, 2.0)}
+                | ({1, 2, 3, 4} if batch >= 32 else set())
+            )
+            dk = {"decode_kernel": True, "fused_merge": True}
+            variants += [{"decode_kernel": True, "fused_merge": False}, dk]
+            variants += [{**dk, "num_splits": x} for x in sp if x <= 256]
+            for bn, nw, ns in (
+                (32, 8, 2),
+                (16, 4, 2),
+                (16, 8, 3),
+                (32, 4, 2),
+                (32, 8, 3),
+                (16, 4, 3),
+                (64, 8, 2),
+            ):
+                variants.append({**dk, "block_n": bn, "num_warps": nw, "num_stages": ns})
+            variants.append({**dk, "merge_sp": 8})
+            variants.append({**dk, "merge_sp": 2})
+        if SMOKE:
+            variants = variants[:4] + [v for v in variants[4:] if "num_splits" in v][:2]
+        best = None
+        for ov in variants:
+
+            def fn(ov=ov, q=q, kc=kc, vc=vc, bt=bt, cl=cl, qsl=qsl, q_len=q_len, out=out):
+                pa_mod._paged_attention_triton(
+                    q, kc, vc, bt, cl, qsl, 128**-0.5, q_len, out, overrides=ov
+                )
+
+            try:
+                fn()
+                t = bench_graph(fn, rep=30)
+            except Exception as e:  # noqa: BLE001
+                rows.append(
+                    {"batch": batch, "ctx": ctx, "q_len": q_len, **ov, "error": repr(e)[:300]}
+                )
+                log(f"   b={batch} ctx={ctx} q={q_len} {ov}: {repr(e)[:200]}")
+                continue
+            pct = 100 * nbytes / (t * 1e-3) / 1e9 / hbm_gbps
+            rows.append(
+                {"batch": batch, "ctx": ctx, "q_len": q_len, **ov, "ms_graph": t, "pct_hbm": pct}
+            )
+            log(
+                f"   b={batch:2d} ctx={ctx:5d} q={q_len} {str(ov):80s} {t * 1e3:8.1f} us "
+                f"({pct:5.1f}%)"
+            )
+            if best is None or t < best[0]:
+                best = (t, ov, pct)
+        if best is not None:
+            log(
+                f"   b={batch} ctx={ctx} q={q_len}: default {cfg0}; best {best[1]} "
+                f"{best[0] * 1e3:.1f} us ({best[2]:.1f}%)"
+            )
+        del q, kc, vc, bt, out
+        if not SMOKE:
+            torch.cuda.empty_cache()
+    RESULTS.setdefault("decode_sweep", []).extend(rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,8 +630,7 @@ def rejection_inputs(B, k, V, with_q=True, greedy_frac=0.0, ragged=False, agree=
     dp = torch.softmax(torch.randn(T, V, device=DEV) * 4, -1) if with_q else None
     req = torch.repeat_interleave(torch.arange(B, device=DEV), nd.long())
     am = tp[torch.arange(T, device=DEV) + req].argmax(-1)
-    x = torch.where(torch.rand(T, device=DEV) < agree, am,
-                    torch.randint(0, V, (T,), device=DEV))
+    x = torch.where(torch.rand(T, device=DEV) < agree, am, torch.randint(0, V, (T,), device=DEV))
     greedy = torch.rand(B, device=DEV) < greedy_frac
     return (x, nd, dp, tp, greedy, torch.rand(T, device=DEV), torch.rand(B, device=DEV))
 
@@ -436,8 +639,12 @@ def rejection_inputs(B, k, V, with_q=True, greedy_frac=0.0, ragged=False, agree=
 def rejection_bench():
     rows = []
     B, k, V = (4 if SMOKE else 64), 5, VOCAB
-    for name, with_q, gf in (("random+draft_probs", True, 0.0), ("random point-mass", False, 0.0),
-                             ("greedy", False, 1.0), ("mixed 50% greedy", True, 0.5)):
+    for name, with_q, gf in (
+        ("random+draft_probs", True, 0.0),
+        ("random point-mass", False, 0.0),
+        ("greedy", False, 1.0),
+        ("mixed 50% greedy", True, 0.5),
+    ):
         args = rejection_inputs(B, k, V, with_q=with_q, greedy_frac=gf)
 
         def fn(args=args):
@@ -452,10 +659,11 @@ def rejection_bench():
     u = torch.rand(B, device=DEV)
     t_g = bench_graph(lambda: sample_from_probs(probs, u))
     t_m = bench(lambda: torch.multinomial(probs, 1))
-    rows.append({"case": "sample_from_probs 64 rows", "ms_graph": t_g,
-                 "torch_multinomial_ms": t_m})
-    log(f"   sample_from_probs(64 rows) graph {t_g * 1e3:7.1f} us (torch.multinomial "
-        f"{t_m * 1e3:.1f} us)")
+    rows.append({"case": "sample_from_probs 64 rows", "ms_graph": t_g, "torch_multinomial_ms": t_m})
+    log(
+        f"   sample_from_probs(64 rows) graph {t_g * 1e3:7.1f} us (torch.multinomial "
+        f"{t_m * 1e3:.1f} us)"
+    )
     RESULTS["rejection"] = rows
 
 
@@ -490,8 +698,10 @@ def sampling_bench():
             args = sampling_inputs(nrows, V, case)
             r = {"rows": nrows, "case": case}
             for impl in ("torch", "triton"):
+
                 def fn(impl=impl, args=args):
                     return sampling_probs(*args, impl=impl)
+
                 fn()
                 r[f"{impl}_ms"] = bench(fn)
                 try:
@@ -499,8 +709,10 @@ def sampling_bench():
                 except Exception as e:  # noqa: BLE001
                     r[f"{impl}_graph_error"] = repr(e)[:200]
             rows.append(r)
-            log(f"   rows={nrows:3d} {case:12s} torch {r['torch_ms'] * 1e3:8.1f} us  "
-                f"triton {r['triton_ms'] * 1e3:8.1f} us")
+            log(
+                f"   rows={nrows:3d} {case:12s} torch {r['torch_ms'] * 1e3:8.1f} us  "
+                f"triton {r['triton_ms'] * 1e3:8.1f} us"
+            )
     RESULTS["sampling"] = rows
 
 
@@ -527,21 +739,35 @@ def summary(hbm):
     log("\n================ summary ================")
     log(f"device: {RESULTS['device']}   HBM copy: {hbm:.0f} GB/s")
     log("paged attention (bf16, H=32, Hkv=8, D=128, block 16); us = CUDA-graph replay median")
-    log(f"{'ctx':>6} {'batch':>5} {'q':>2} {'splits':>6} {'us':>8} {'%hbm':>6} {'eager us':>9} "
-        f"{'sdpa us':>8} {'sdpa %':>6}")
+    log(
+        f"{'ctx':>6} {'batch':>5} {'q':>2} {'kern':>4} {'splits':>6} {'us':>8} {'%hbm':>6} "
+        f"{'eager us':>9} {'sdpa us':>8} {'sdpa %':>6} {'vs sdpa':>7} {'cleanL2':>8} "
+        f"{'%hbm':>6} {'sdpa cL2':>8}"
+    )
     for r in RESULTS.get("attention", []):
-        log(f"{r['ctx']:>6} {r['batch']:>5} {r['q_len']:>2} {r['num_splits']:>6} "
+        log(
+            f"{r['ctx']:>6} {r['batch']:>5} {r['q_len']:>2} "
+            f"{'dec' if r.get('decode_kernel') else 'tile':>4} {r['num_splits']:>6} "
             f"{r['ms_graph'] * 1e3:>8.1f} {r['pct_hbm_graph']:>6.1f} {r['ms_eager'] * 1e3:>9.1f} "
-            f"{r.get('sdpa_ms', float('nan')) * 1e3:>8.1f} {r.get('sdpa_pct_hbm', float('nan')):>6.1f}")
+            f"{r.get('sdpa_ms', float('nan')) * 1e3:>8.1f} {r.get('sdpa_pct_hbm', float('nan')):>6.1f}"
+            f" {r.get('vs_sdpa', float('nan')):>7.3f} {r.get('ms_graph_clean_l2', float('nan')) * 1e3:>8.1f} "
+            f"{r.get('pct_hbm_graph_clean_l2', float('nan')):>6.1f} "
+            f"{r.get('sdpa_ms_clean_l2', float('nan')) * 1e3:>8.1f}"
+        )
     for r in RESULTS.get("rejection", []):
         log(f"rejection {r['case']:26s} graph {r['ms_graph'] * 1e3:7.1f} us")
     for r in RESULTS.get("sampling", []):
-        log(f"sampling_probs rows={r['rows']:3d} {r['case']:12s} torch {r['torch_ms'] * 1e3:8.1f} us"
-            f"  triton {r['triton_ms'] * 1e3:8.1f} us")
+        log(
+            f"sampling_probs rows={r['rows']:3d} {r['case']:12s} torch {r['torch_ms'] * 1e3:8.1f} us"
+            f"  triton {r['triton_ms'] * 1e3:8.1f} us"
+        )
     for r in RESULTS.get("store_kv", []):
         log(f"store_kv tokens={r['tokens']:5d} {r['ms_graph'] * 1e3:7.1f} us")
-    bad = {k: v for k, v in RESULTS.get("checks", {}).items()
-           if (("exact" in v and not v["exact"]) or v.get("rel_err", 0) > 2e-2 or v.get("nan"))}
+    bad = {
+        k: v
+        for k, v in RESULTS.get("checks", {}).items()
+        if (("exact" in v and not v["exact"]) or v.get("rel_err", 0) > 2e-2 or v.get("nan"))
+    }
     log(f"checks: {len(RESULTS.get('checks', {}))} run, suspicious: {bad if bad else 'none'}")
     log(f"errors: {[e['section'] + ': ' + e['error'][:150] for e in RESULTS['errors']]}")
 
@@ -551,15 +777,40 @@ def main():
     ap.add_argument("--out", default="kernels_bench.json")
     ap.add_argument("--quick", action="store_true", help="fewer attention shapes")
     ap.add_argument("--sweep", action="store_true", help="decode launch-parameter sweep")
-    ap.add_argument("--sweep-cases", default="",
-                    help="sweep only these cases, 'batch:ctx:q_len,...' (implies --sweep)")
-    ap.add_argument("--sweep-splits-only", action="store_true",
-                    help="sweep the split count only (default tiles), with and without prefetch")
-    ap.add_argument("--sweep-only", action="store_true",
-                    help="measure the copy bandwidth, run the sweep, nothing else")
+    ap.add_argument(
+        "--sweep-cases",
+        default="",
+        help="sweep only these cases, 'batch:ctx:q_len,...' (implies --sweep)",
+    )
+    ap.add_argument(
+        "--sweep-splits-only",
+        action="store_true",
+        help="sweep the split count only (default tiles), with and without prefetch",
+    )
+    ap.add_argument(
+        "--sweep-only",
+        action="store_true",
+        help="measure the copy bandwidth, run the sweep, nothing else",
+    )
     ap.add_argument("--no-sdpa", action="store_true")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script)")
+    ap.add_argument(
+        "--decode-sweep",
+        action="store_true",
+        help="tiled vs all-heads decode kernel, fused merge, splits, tiles",
+    )
+    ap.add_argument(
+        "--decode-sweep-cases", default="", help="cases of --decode-sweep, 'batch:ctx:q_len,...'"
+    )
+    ap.add_argument(
+        "--attention-only",
+        action="store_true",
+        help="skip rejection sampling, sampling_probs and store_kv",
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script)",
+    )
     args = ap.parse_args()
     global SMOKE, DEV, VOCAB
     if args.smoke:
@@ -578,8 +829,10 @@ def main():
         props = torch.cuda.get_device_properties(DEV)
         RESULTS["device"] = props.name
         RESULTS["env"] = {
-            "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "sms": props.multi_processor_count,
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+            "sms": props.multi_processor_count,
             "mem_GB": props.total_memory / 1e9,
         }
     global OUT_PATH
@@ -591,6 +844,11 @@ def main():
         attention_sweep(hbm, cases or None, splits_only=args.sweep_splits_only)
         save()
         return
+    if args.decode_sweep:
+        cases = [
+            tuple(int(x) for x in c.split(":")) for c in args.decode_sweep_cases.split(",") if c
+        ]
+        decode_sweep(hbm, cases or None)
     checks()
     contexts = (8192, 16384, 32768)
     batches = (1, 8, 32, 64)
@@ -599,9 +857,10 @@ def main():
     if SMOKE:
         contexts, batches = (100, 300), (1, 2)
     attention_bench(hbm, contexts, batches, (1, 6), with_sdpa=not args.no_sdpa)
-    rejection_bench()
-    sampling_bench()
-    store_kv_bench(hbm)
+    if not args.attention_only:
+        rejection_bench()
+        sampling_bench()
+        store_kv_bench(hbm)
     if args.sweep or args.sweep_cases:
         cases = [tuple(int(x) for x in c.split(":")) for c in args.sweep_cases.split(",") if c]
         attention_sweep(hbm, cases or None, splits_only=args.sweep_splits_only)

@@ -13,8 +13,17 @@ from speculant.kernels.paged_attention import paged_attention, paged_attention_r
 REL_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 
 
-def make_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-               num_blocks=None, high_blocks=False):
+def make_batch(
+    q_lens,
+    ctx_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype,
+    num_blocks=None,
+    high_blocks=False,
+):
     """Random paged batch; blocks are a random permutation (or the top ids of the cache)."""
     ns = len(q_lens)
     per_seq = [math.ceil(c / block_size) for c in ctx_lens]
@@ -79,8 +88,14 @@ MIXED = dict(q_lens=[7, 1, 6, 0, 1, 3], ctx_lens=[7, 45, 70, 12, 1, 19])
 @pytest.mark.parametrize("gqa", [(4, 4), (8, 2), (8, 1)])
 def test_reference_matches_dense_sdpa(block_size, gqa):
     H, Hkv = gqa
-    q, kc, vc, bt, cl, qsl = make_batch(**MIXED, num_heads=H, num_kv_heads=Hkv, head_dim=32,
-                                        block_size=block_size, dtype=torch.float32)
+    q, kc, vc, bt, cl, qsl = make_batch(
+        **MIXED,
+        num_heads=H,
+        num_kv_heads=Hkv,
+        head_dim=32,
+        block_size=block_size,
+        dtype=torch.float32,
+    )
     ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, 0.17)
     dense = dense_attention(q, kc, vc, bt, cl, qsl, 0.17)
     assert rel_err(ref, dense) < 1e-6
@@ -91,13 +106,15 @@ def test_reference_matches_dense_sdpa(block_size, gqa):
 @pytest.mark.parametrize("block_size", [16, 8])
 def test_kernel_mixed_batch(device, dtype, gqa, block_size):
     H, Hkv = gqa
-    q, kc, vc, bt, cl, qsl = make_batch(**MIXED, num_heads=H, num_kv_heads=Hkv, head_dim=64,
-                                        block_size=block_size, dtype=dtype)
+    q, kc, vc, bt, cl, qsl = make_batch(
+        **MIXED, num_heads=H, num_kv_heads=Hkv, head_dim=64, block_size=block_size, dtype=dtype
+    )
     scale = 1 / 8
     ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, scale)
     out = torch.full_like(q, float("nan"))
-    res = paged_attention(*to(device, q, kc, vc, bt, cl, qsl), scale, out=out.to(device),
-                          force_triton=True)
+    res = paged_attention(
+        *to(device, q, kc, vc, bt, cl, qsl), scale, out=out.to(device), force_triton=True
+    )
     assert not torch.isnan(res).any()
     assert rel_err(res, ref) < REL_TOL[dtype]
 
@@ -106,41 +123,66 @@ def test_kernel_mixed_batch(device, dtype, gqa, block_size):
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_kernel_split_k_head_dim_128(device, num_splits, block_size):
     """Split-K paths (incl. splits that get no keys) on decode + verification rows."""
-    q, kc, vc, bt, cl, qsl = make_batch(q_lens=[1, 6, 1, 2], ctx_lens=[300, 133, 2, 64],
-                                        num_heads=8, num_kv_heads=2, head_dim=128,
-                                        block_size=block_size, dtype=torch.float16)
+    q, kc, vc, bt, cl, qsl = make_batch(
+        q_lens=[1, 6, 1, 2],
+        ctx_lens=[300, 133, 2, 64],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        block_size=block_size,
+        dtype=torch.float16,
+    )
     scale = 128**-0.5
     ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, scale)
-    out = paged_attention(*to(device, q, kc, vc, bt, cl, qsl), scale, max_query_len=6,
-                          num_splits=num_splits, force_triton=True)
+    out = paged_attention(
+        *to(device, q, kc, vc, bt, cl, qsl),
+        scale,
+        max_query_len=6,
+        num_splits=num_splits,
+        force_triton=True,
+    )
     assert rel_err(out, ref) < REL_TOL[torch.float16]
 
 
 def test_kernel_long_prefill_tiles(device):
     """Prefill longer than one query tile (several tiles per sequence), hint given."""
-    q, kc, vc, bt, cl, qsl = make_batch(q_lens=[40, 1, 19], ctx_lens=[50, 9, 19], num_heads=4,
-                                        num_kv_heads=1, head_dim=32, block_size=16,
-                                        dtype=torch.float32)
+    q, kc, vc, bt, cl, qsl = make_batch(
+        q_lens=[40, 1, 19],
+        ctx_lens=[50, 9, 19],
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float32,
+    )
     ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, 0.2)
     for mql in (None, 40):
-        out = paged_attention(*to(device, q, kc, vc, bt, cl, qsl), 0.2, max_query_len=mql,
-                              force_triton=True)
+        out = paged_attention(
+            *to(device, q, kc, vc, bt, cl, qsl), 0.2, max_query_len=mql, force_triton=True
+        )
         assert rel_err(out, ref) < REL_TOL[torch.float32]
 
 
 def test_padding_tokens_untouched_and_strided_q(device):
     """q a strided view (fused qkv); rows past query_start_loc[-1] are left alone."""
     H, Hkv, D = 4, 2, 32
-    q, kc, vc, bt, cl, qsl = make_batch(q_lens=[3, 1], ctx_lens=[10, 30], num_heads=H,
-                                        num_kv_heads=Hkv, head_dim=D, block_size=16,
-                                        dtype=torch.float16)
+    q, kc, vc, bt, cl, qsl = make_batch(
+        q_lens=[3, 1],
+        ctx_lens=[10, 30],
+        num_heads=H,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        block_size=16,
+        dtype=torch.float16,
+    )
     n = q.shape[0]
     qkv = torch.randn(n + 2, H + 2 * Hkv, D).to(torch.float16)
     qkv[:n, :H] = q
     q_view = qkv[:, :H]  # 2 padding tokens at the end
     out = torch.full((n + 2, H, D), float("nan"), dtype=torch.float16)
-    res = paged_attention(*to(device, q_view, kc, vc, bt, cl, qsl), 0.3, out=out.to(device),
-                          force_triton=True).cpu()
+    res = paged_attention(
+        *to(device, q_view, kc, vc, bt, cl, qsl), 0.3, out=out.to(device), force_triton=True
+    ).cpu()
     ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, 0.3)
     assert rel_err(res[:n], ref) < REL_TOL[torch.float16]
     assert torch.isnan(res[n:]).all()
@@ -165,26 +207,44 @@ def test_high_block_ids_and_int64_offsets(device):
     small = torch.zeros((nb - ids[0].item() + 1, bs, Hkv, D), dtype=torch.float16)
     small[1:] = cache[ids[0] :].cpu()
     ref = paged_attention_ref(q, small, small, (bt - ids[0] + 1), cl, qsl, 0.25)
-    out = paged_attention(q.to(device), cache, cache, *to(device, bt, cl, qsl), 0.25,
-                          force_triton=True)
+    out = paged_attention(
+        q.to(device), cache, cache, *to(device, bt, cl, qsl), 0.25, force_triton=True
+    )
     assert rel_err(out, ref) < REL_TOL[torch.float16]
     del cache
 
 
 def test_torch_path_matches_reference():
-    q, kc, vc, bt, cl, qsl = make_batch(**MIXED, num_heads=4, num_kv_heads=2, head_dim=16,
-                                        block_size=8, dtype=torch.float32)
+    q, kc, vc, bt, cl, qsl = make_batch(
+        **MIXED, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, dtype=torch.float32
+    )
     a = paged_attention(q, kc, vc, bt, cl, qsl, 0.5)
     b = dense_attention(q, kc, vc, bt, cl, qsl, 0.5)
     assert rel_err(a, b) < 1e-6
 
 
 def test_validation_errors(device):
-    q, kc, vc, bt, cl, qsl = to(device, *make_batch(
-        q_lens=[1, 2], ctx_lens=[5, 9], num_heads=4, num_kv_heads=2, head_dim=32,
-        block_size=16, dtype=torch.float16))
-    args = dict(q=q, k_cache=kc, v_cache=vc, block_tables=bt, context_lens=cl,
-                query_start_loc=qsl, scale=0.1)
+    q, kc, vc, bt, cl, qsl = to(
+        device,
+        *make_batch(
+            q_lens=[1, 2],
+            ctx_lens=[5, 9],
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            block_size=16,
+            dtype=torch.float16,
+        ),
+    )
+    args = dict(
+        q=q,
+        k_cache=kc,
+        v_cache=vc,
+        block_tables=bt,
+        context_lens=cl,
+        query_start_loc=qsl,
+        scale=0.1,
+    )
 
     def call(**kw):
         paged_attention(**{**args, **kw}, force_triton=True)
@@ -209,17 +269,25 @@ def test_validation_errors(device):
         call(q=q.to(torch.int32))
     with pytest.raises(ValueError, match="power of two"):
         h = 48
-        call(q=torch.randn(3, 4, h, dtype=torch.float16, device=device),
-             k_cache=torch.randn(4, 16, 2, h, dtype=torch.float16, device=device),
-             v_cache=torch.randn(4, 16, 2, h, dtype=torch.float16, device=device))
+        call(
+            q=torch.randn(3, 4, h, dtype=torch.float16, device=device),
+            k_cache=torch.randn(4, 16, 2, h, dtype=torch.float16, device=device),
+            v_cache=torch.randn(4, 16, 2, h, dtype=torch.float16, device=device),
+        )
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 12, 64])
 def test_kernel_odd_block_sizes(device, block_size):
     """Block sizes that are not 16 (any positive int, powers of two or not)."""
-    q, kc, vc, bt, cl, qsl = make_batch(q_lens=[1, 4, 0, 9], ctx_lens=[70, 33, 5, 9], num_heads=6,
-                                        num_kv_heads=2, head_dim=32, block_size=block_size,
-                                        dtype=torch.float16)
+    q, kc, vc, bt, cl, qsl = make_batch(
+        q_lens=[1, 4, 0, 9],
+        ctx_lens=[70, 33, 5, 9],
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=block_size,
+        dtype=torch.float16,
+    )
     ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, 0.2)
     out = paged_attention(*to(device, q, kc, vc, bt, cl, qsl), 0.2, force_triton=True)
     assert rel_err(out, ref) < REL_TOL[torch.float16]
@@ -229,14 +297,21 @@ def test_kernel_odd_block_sizes(device, block_size):
 def test_kernel_llama3_8b_heads_verification(device, dtype):
     """Llama-3-8B geometry (32 q heads, 8 kv heads, head_dim 128): k+1 = 6 verification rows and
     decode rows over ragged contexts, with the split-K heuristic left to choose."""
-    q, kc, vc, bt, cl, qsl = make_batch(q_lens=[6, 1, 6, 3], ctx_lens=[517, 200, 6, 64],
-                                        num_heads=32, num_kv_heads=8, head_dim=128,
-                                        block_size=16, dtype=dtype)
+    q, kc, vc, bt, cl, qsl = make_batch(
+        q_lens=[6, 1, 6, 3],
+        ctx_lens=[517, 200, 6, 64],
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=dtype,
+    )
     scale = 128**-0.5
     ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, scale)
     out = torch.full_like(q, float("nan")).to(device)
-    paged_attention(*to(device, q, kc, vc, bt, cl, qsl), scale, max_query_len=6, out=out,
-                    force_triton=True)
+    paged_attention(
+        *to(device, q, kc, vc, bt, cl, qsl), scale, max_query_len=6, out=out, force_triton=True
+    )
     assert not torch.isnan(out).any()
     assert rel_err(out, ref) < REL_TOL[dtype]
 
@@ -247,15 +322,25 @@ def test_kernel_prefetch_and_chunk_sizes(device, prefetch, block_n):
     """Both K/V loading schemes (next chunk prefetched or not), chunk sizes smaller and larger
     than the cache block, with and without split-K; includes a split with no keys."""
     pa = importlib.import_module("speculant.kernels.paged_attention")  # module, not the fn
-    q, kc, vc, bt, cl, qsl = make_batch(q_lens=[1, 6, 3, 1], ctx_lens=[150, 70, 3, 33],
-                                        num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-                                        dtype=torch.float16)
+    q, kc, vc, bt, cl, qsl = make_batch(
+        q_lens=[1, 6, 3, 1],
+        ctx_lens=[150, 70, 3, 33],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float16,
+    )
     ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, 0.125)
     for splits in (1, 5):
         out = torch.full_like(q, float("nan")).to(device)
-        pa._paged_attention_triton(*to(device, q, kc, vc, bt, cl, qsl), 0.125, 6, out,
-                                   overrides={"prefetch": prefetch, "block_n": block_n,
-                                              "num_splits": splits})
+        pa._paged_attention_triton(
+            *to(device, q, kc, vc, bt, cl, qsl),
+            0.125,
+            6,
+            out,
+            overrides={"prefetch": prefetch, "block_n": block_n, "num_splits": splits},
+        )
         assert not torch.isnan(out).any()
         assert rel_err(out, ref) < REL_TOL[torch.float16]
 
@@ -264,13 +349,200 @@ def test_kernel_prefetch_and_chunk_sizes(device, prefetch, block_n):
 def test_kernel_program_order(device, heads_first):
     """Both grid orders (tiles first / KV heads first) give the same attention."""
     pa = importlib.import_module("speculant.kernels.paged_attention")
-    q, kc, vc, bt, cl, qsl = make_batch(q_lens=[1, 6, 2], ctx_lens=[90, 40, 2], num_heads=8,
-                                        num_kv_heads=4, head_dim=32, block_size=16,
-                                        dtype=torch.float16)
+    q, kc, vc, bt, cl, qsl = make_batch(
+        q_lens=[1, 6, 2],
+        ctx_lens=[90, 40, 2],
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float16,
+    )
     ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, 0.2)
     for splits in (1, 3):
         out = torch.full_like(q, float("nan")).to(device)
-        pa._paged_attention_triton(*to(device, q, kc, vc, bt, cl, qsl), 0.2, 6, out,
-                                   overrides={"heads_first": heads_first, "num_splits": splits})
+        pa._paged_attention_triton(
+            *to(device, q, kc, vc, bt, cl, qsl),
+            0.2,
+            6,
+            out,
+            overrides={"heads_first": heads_first, "num_splits": splits},
+        )
         assert not torch.isnan(out).any()
         assert rel_err(out, ref) < REL_TOL[torch.float16]
+
+
+def _pa():
+    return importlib.import_module("speculant.kernels.paged_attention")  # module, not the fn
+
+
+@pytest.mark.parametrize(
+    ("dtype", "block_size"),
+    [(torch.float32, 16), (torch.float16, 5), (torch.bfloat16, 16), (torch.bfloat16, 32)],
+)
+@pytest.mark.parametrize("gqa", [(4, 4), (8, 2), (8, 1), (6, 2)])
+def test_decode_kernel(device, dtype, gqa, block_size, monkeypatch):
+    """All-heads decode kernel (one query token per program row) on a pure decode batch with
+    ragged contexts and an empty sequence: through the public function with both options on
+    as defaults (heuristic split count, fused merge), then split counts 1 / 3 / 8 (some splits
+    get no keys) with the fused merge on and off."""
+    pa = _pa()
+    monkeypatch.setattr(pa, "_DECODE_KERNEL_DEFAULT", True)
+    monkeypatch.setattr(pa, "_FUSED_MERGE_DEFAULT", True)
+    H, Hkv = gqa
+    q, kc, vc, bt, cl, qsl = make_batch(
+        q_lens=[1, 1, 0, 1, 1],
+        ctx_lens=[37, 1, 9, 130, 16],
+        num_heads=H,
+        num_kv_heads=Hkv,
+        head_dim=32,
+        block_size=block_size,
+        dtype=dtype,
+    )
+    scale = 32**-0.5
+    ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, scale)
+    cfg = pa.choose_launch_config(
+        num_tokens=q.shape[0],
+        num_seqs=5,
+        num_heads=H,
+        num_kv_heads=Hkv,
+        head_dim=32,
+        max_query_len=1,
+        max_context=bt.shape[1] * block_size,
+        dtype=dtype,
+        sm_count=4,
+    )
+    assert cfg["decode_kernel"] and cfg["fused_merge"] and cfg["num_splits"] > 1
+    out = torch.full_like(q, float("nan")).to(device)
+    paged_attention(*to(device, q, kc, vc, bt, cl, qsl), scale, 1, out, force_triton=True)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < REL_TOL[dtype]
+    for splits, fused in ((1, True), (3, True), (8, True), (3, False)):
+        out = torch.full_like(q, float("nan")).to(device)
+        ov = {"fused_merge": fused, "num_splits": splits}
+        pa._paged_attention_triton(*to(device, q, kc, vc, bt, cl, qsl), scale, 1, out, overrides=ov)
+        assert not torch.isnan(out).any()
+        assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+def test_decode_kernel_selection(monkeypatch):
+    """With the option on, decode batches whose all-heads tile fits take the decode kernel;
+    multi-token batches and big tiles (head_dim 256, 32 KV heads) keep the tiled kernel."""
+    pa = _pa()
+    monkeypatch.setattr(pa, "_DECODE_KERNEL_DEFAULT", True)
+    base = dict(
+        num_tokens=4,
+        num_seqs=4,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_query_len=1,
+        max_context=32768,
+        dtype=torch.bfloat16,
+        sm_count=132,
+    )
+    assert pa.choose_launch_config(**base)["decode_kernel"]
+    assert not pa.choose_launch_config(**{**base, "max_query_len": 6})["decode_kernel"]
+    assert not pa.choose_launch_config(**{**base, "head_dim": 256})["decode_kernel"]
+    assert not pa.choose_launch_config(**{**base, "num_kv_heads": 32})["decode_kernel"]
+    monkeypatch.setattr(pa, "_DECODE_KERNEL_DEFAULT", False)
+    assert not pa.choose_launch_config(**base)["decode_kernel"]
+
+
+def test_decode_kernel_any_query_lengths_and_block_n(device):
+    """The decode kernel is exact for any q_len (one program per query token, causal bound per
+    token) when the hint is wrong, incl. chunks larger and smaller than a cache block."""
+    pa = _pa()
+    q, kc, vc, bt, cl, qsl = make_batch(
+        **MIXED, num_heads=8, num_kv_heads=2, head_dim=64, block_size=8, dtype=torch.float16
+    )
+    ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, 0.125)
+    for block_n, splits in ((16, 1), (16, 4), (32, 3), (64, 2)):
+        out = torch.full_like(q, float("nan")).to(device)
+        pa._paged_attention_triton(
+            *to(device, q, kc, vc, bt, cl, qsl),
+            0.125,
+            1,
+            out,
+            overrides={"decode_kernel": True, "block_n": block_n, "num_splits": splits},
+        )
+        assert not torch.isnan(out).any()
+        assert rel_err(out, ref) < REL_TOL[torch.float16]
+
+
+@pytest.mark.parametrize("decode_kernel", [False, True])
+def test_fused_merge_counters_reset(device, decode_kernel):
+    """Fused split merge (last split program merges): repeated calls with different split
+    counts and shapes give the right result each time and leave every counter at zero; the
+    separate merge kernel (fused_merge off) agrees."""
+    pa = _pa()
+    for rep, (q_lens, ctxs, splits) in enumerate(
+        (
+            ([1, 6, 2], [90, 40, 2], 5),
+            ([1, 6, 2], [90, 40, 2], 5),
+            ([1, 1, 3, 1], [300, 17, 64, 8], 7),
+        )
+    ):
+        q, kc, vc, bt, cl, qsl = make_batch(
+            q_lens=q_lens,
+            ctx_lens=ctxs,
+            num_heads=8,
+            num_kv_heads=2,
+            head_dim=32,
+            block_size=16,
+            dtype=torch.float32,
+        )
+        ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, 0.2)
+        for fused in (True, False):
+            out = torch.full_like(q, float("nan")).to(device)
+            pa._paged_attention_triton(
+                *to(device, q, kc, vc, bt, cl, qsl),
+                0.2,
+                6,
+                out,
+                overrides={
+                    "fused_merge": fused,
+                    "num_splits": splits,
+                    "decode_kernel": decode_kernel,
+                    "merge_sp": 4 if rep else 8,
+                },
+            )
+            assert not torch.isnan(out).any()
+            assert rel_err(out, ref) < REL_TOL[torch.float32], (rep, fused)
+        buf = pa._COUNTERS[(device.type, device.index)]
+        assert int(buf.abs().sum()) == 0
+
+
+def test_decode_kernel_high_block_ids_and_int64_offsets(device):
+    """Decode kernel: block ids at the top of a cache with more than 2**31 elements."""
+    pa = _pa()
+    bs, Hkv, D = 16, 2, 16
+    nb = 2**31 // (bs * Hkv * D) + 8
+    try:
+        cache = torch.empty((nb, bs, Hkv, D), dtype=torch.float16, device=device)
+    except (RuntimeError, MemoryError):
+        pytest.skip("cannot reserve a >4 GiB cache here")
+    ids = torch.arange(nb - 6, nb)
+    bt = torch.stack([ids[:3], ids[3:]]).to(torch.int32)
+    for b in ids.tolist():
+        cache[b] = torch.randn(bs, Hkv, D).to(torch.float16)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    cl = torch.tensor([40, 33], dtype=torch.int32)
+    q = torch.randn(2, 8, D).to(torch.float16)
+    small = torch.zeros((nb - ids[0].item() + 1, bs, Hkv, D), dtype=torch.float16)
+    small[1:] = cache[ids[0] :].cpu()
+    ref = paged_attention_ref(q, small, small, (bt - ids[0] + 1), cl, qsl, 0.25)
+    for splits in (1, 3):
+        out = torch.full_like(q, float("nan")).to(device)
+        pa._paged_attention_triton(
+            q.to(device),
+            cache,
+            cache,
+            *to(device, bt, cl, qsl),
+            0.25,
+            1,
+            out,
+            overrides={"decode_kernel": True, "num_splits": splits},
+        )
+        assert rel_err(out, ref) < REL_TOL[torch.float16]
+    del cache
