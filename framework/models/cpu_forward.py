@@ -5,10 +5,11 @@ a few microseconds of dispatch per torch op, which at ~60 ops x 30 layers used t
 the reads themselves. This loop runs the same arithmetic as the module path (``LlamaDecoderLayer``)
 with no module calls, plain references to every layer's tensors, one gather of the RoPE rows and
 one set of KV-cache views per forward (``attention.cpu_kv_views``), CPU-specific fused steps
-(``rms_norm_cpu``, ``rope_cpu``) and GEMVs straight into numpy's BLAS (``CpuLinear.rows``).
-One new token of one sequence (a plain decode step) goes further: ``_forward_one`` runs the
-whole stack in numpy on views of the same weights and cache, because on a [1, hidden] row a numpy
-ufunc dispatches in ~1.5 us where a torch op takes ~3 us, and the GEMVs are numpy's anyway. Same
+(``rms_norm_cpu``, ``rope_cpu``) and products straight into our C kernel or numpy's BLAS
+(``CpuLinear.rows``).
+A few new tokens of one sequence (a plain decode step, a verification pass) go further:
+``_forward_seq`` runs the whole stack in numpy on views of the same weights and cache, because on a [1, hidden] row a numpy
+ufunc dispatches in ~1.5 us where a torch op takes ~3 us (products: ``CpuLinear.np_matvec``). Same
 arithmetic, in float32; sums and exp may round differently in the last bit (as between BLAS
 libraries), which the HF greedy-equality tests cover.
 
@@ -24,7 +25,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from speculant.engine.attention import ForwardContext, attention_cpu, cpu_kv_views
+from speculant.engine.attention import (
+    CPU_FEW_ROWS,
+    ForwardContext,
+    attention_cpu,
+    cpu_kv_views,
+)
+from speculant.models import cpu_kernels
 from speculant.models.layers import CpuLinear, RMSNorm, numpy_blas, rms_norm_cpu, rope_cpu
 
 
@@ -47,17 +54,20 @@ class CpuPlan:
             for layer in model.layers
         ]
         lins = [lin for t in self.layers for lin in t[2:4] + t[6:8]]
-        self.numpy = any(lin.np_wt is not None for lin in lins)
-        self.np_layers = None  # numpy views of every layer's tensors, for _forward_one
-        if all(lin.np_wt is not None for lin in lins):
+        self.numpy = any(lin.np_wt is not None for lin in lins)  # numpy's BLAS in use
+        self.np_layers = None  # numpy views / products of every layer, for _forward_seq
+        mvs = [lin.np_matvec() for lin in lins]
+        # our C kernels for attention and RMSNorm too when the products run on them
+        self.kernels = cpu_kernels if all(lin.wb is not None for lin in lins) else None
+        if all(mv is not None for mv in mvs):
             f32 = np.float32
 
             def arr(t):
                 return None if t is None else t.detach().numpy()
 
+            mv = iter(mvs)
             self.np_layers = [
-                (arr(w1), f32(e1), q.np_wt, arr(q.b), o.np_wt, arr(o.b), arr(w2), f32(e2),
-                 gu.np_wt, arr(gu.b), dn.np_wt, arr(dn.b), inter)
+                (arr(w1), f32(e1), next(mv), next(mv), arr(w2), f32(e2), next(mv), next(mv), inter)
                 for w1, e1, q, o, w2, e2, gu, dn, inter in self.layers
             ]
             self.np_norm = (arr(model.norm.weight), f32(model.norm.eps))
@@ -111,7 +121,8 @@ def forward(
     T = x.shape[0]
     meta = ctx.meta
     if (
-        T == 1
+        T <= CPU_FEW_ROWS
+        and len(meta.query_lens) == 1
         and plan.np_layers is not None
         and ctx.kv_cache is not None
         and not ctx.aux_layers
@@ -119,7 +130,7 @@ def forward(
         and meta.seq_starts[0] >= 0
     ):
         numpy_blas().sync_threads()
-        return _forward_one(plan, x, ctx.kv_cache, meta.seq_starts[0], meta.context_lens_list[0])
+        return _forward_seq(plan, x, ctx.kv_cache, meta.seq_starts[0], meta.context_lens_list[0])
     nh, nkv, d, scale = plan.nh, plan.nkv, plan.d, plan.scale
     nqk, qk_size, q_size = nh + nkv, (nh + nkv) * d, nh * d
     cos, sin = plan.rope.cpu_tables(positions)  # [T, 1, d] each
@@ -145,65 +156,84 @@ def forward(
     return rms_norm_cpu(x, *plan.norm)
 
 
-def _forward_one(
+def _forward_seq(
     plan: CpuPlan,
-    x: torch.Tensor,  # [1, hidden]: the embedding of the one new token
+    x: torch.Tensor,  # [T, hidden]: the embeddings of one sequence's T new tokens (T <= 16)
     kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, nkv, d]
     start: int,  # the sequence's first cache slot (its blocks are consecutive)
-    ctx_len: int,  # cached tokens after this step (the new token at position ctx_len - 1)
-) -> torch.Tensor:  # [1, hidden]: final-norm output
-    """Every vector is 1-D and every per-layer view is made before the loop: after each GEMV has
-    streamed megabytes through the caches, an op costs ~10 us, so the loop keeps ~40 of them."""
+    ctx_len: int,  # cached tokens after this step (new tokens at positions ctx_len - T ...)
+) -> torch.Tensor:  # [T, hidden]: final-norm output
+    """A decode step (T = 1) or a k+1 verification pass (or a short prefill) of one sequence in
+    numpy. Every per-layer view is made before the loop: after each product has streamed
+    megabytes through the caches, an op costs ~10 us, so the loop keeps ~40 of them per layer.
+
+    Row j computes exactly what a one-token step at its position computes: the products are
+    batch-invariant (``cpu_kernels``), RMSNorm, RoPE, SiLU and the residual adds are per-element
+    or per-row, and each row attends over its own causal prefix of the cache with the same numpy
+    calls on the same shapes. So on this path a verification pass gives bit for bit the logits
+    the plain decode steps would give (tested), and greedy speculation cannot flip a near tie."""
     nh, nkv, d = plan.nh, plan.nkv, plan.d
     q_size, qk_size, g = nh * d, (nh + nkv) * d, nh // nkv
-    pos = ctx_len - 1
-    cos, sin = plan.np_rope(pos)  # [qk_size] each, the q part pre-scaled if exact
+    T = x.shape[0]
+    pos0 = ctx_len - T
+    if T == 1:
+        cos, sin = plan.np_rope(pos0)  # [qk_size] each, the q part pre-scaled if exact
+    else:
+        cos, sin = (np.stack(t) for t in zip(*(plan.np_rope(pos0 + j) for j in range(T))))
     L, _, nb, bs = kv_cache.shape[:4]
     flat = kv_cache.numpy().reshape(L, 2, nb * bs, nkv * d)  # a view
-    k_new = list(flat[:, 0, start + pos])  # L x [nkv d]: where this token's K/V go
-    v_new = list(flat[:, 1, start + pos])
-    k_ctx = list(flat[:, 0, start : start + ctx_len].reshape(L, ctx_len, nkv, d).transpose(0, 2, 3, 1))
-    v_ctx = list(flat[:, 1, start : start + ctx_len].reshape(L, ctx_len, nkv, d).transpose(0, 2, 1, 3))
+    k_new = list(flat[:, 0, start + pos0 : start + ctx_len])  # L x [T, nkv d]: this step's K/V
+    v_new = list(flat[:, 1, start + pos0 : start + ctx_len])
     perm, scale = plan.np_perm, plan.np_scale  # scale None: folded into the q part of cos/sin
-    x = x.numpy()[0]  # [hidden]
-    for (w1, e1, wqkv, bqkv, wo, bo, w2, e2, wgu, bgu, wd, bd, inter), kn, vn, kc, vc in zip(
+    ck = plan.kernels  # our C kernels, or None: numpy
+    if ck is not None:
+        k_ctx = list(flat[:, 0, start : start + ctx_len])  # L x [ctx_len, nkv d]
+        v_ctx = list(flat[:, 1, start : start + ctx_len])
+        rms, c_scale = ck.rms_norm, 1.0 if scale is None else float(scale)
+    else:
+        k_ctx = list(flat[:, 0, start : start + ctx_len].reshape(L, ctx_len, nkv, d).transpose(0, 2, 3, 1))
+        v_ctx = list(flat[:, 1, start : start + ctx_len].reshape(L, ctx_len, nkv, d).transpose(0, 2, 1, 3))
+        rms = _rms
+    rows = [(j, pos0 + j + 1) for j in range(T)]  # (row, its context length)
+    x = x.numpy()  # [T, hidden]
+    o = np.empty((T, q_size), np.float32)  # attention output rows
+    for (w1, e1, qkv_mm, o_mm, w2, e2, gu_mm, down_mm, inter), kn, vn, kc, vc in zip(
         plan.np_layers, k_new, v_new, k_ctx, v_ctx
     ):
-        qkv = _rms(x, w1, e1) @ wqkv  # [(nh + 2 nkv) d]
-        if bqkv is not None:
-            qkv += bqkv
-        rot = qkv.take(perm)  # [qk_size]: each q/k head with its halves swapped
+        qkv = qkv_mm(rms(x, w1, e1))  # [T, (nh + 2 nkv) d]
+        rot = qkv.take(perm, axis=1)  # [T, qk_size]: each q/k head with its halves swapped
         rot *= sin
-        rot += qkv[:qk_size] * cos  # RoPE: x * cos + rotate_half(x) * sin
-        kn[:] = rot[q_size:]
-        vn[:] = qkv[qk_size:]
-        s = np.matmul(rot[:q_size].reshape(nkv, g, d), kc)  # [nkv, g, ctx_len]
-        if scale is not None:
-            s *= scale
-        s -= s.max(-1, keepdims=True)
-        np.exp(s, out=s)
-        s /= s.sum(-1, keepdims=True)
-        o = np.matmul(s, vc).reshape(q_size) @ wo  # [hidden]
-        if bo is not None:
-            o += bo
-        x = x + o
-        gu = _rms(x, w2, e2) @ wgu  # [2 inter]
-        if bgu is not None:
-            gu += bgu
-        gate = gu[:inter]
+        rot += qkv[:, :qk_size] * cos  # RoPE: x * cos + rotate_half(x) * sin
+        kn[:] = rot[:, q_size:]
+        vn[:] = qkv[:, qk_size:]
+        if ck is not None:
+            ck.attend(rot[:, :q_size], kc, vc, nh, nkv, c_scale, o)
+        else:
+            for j, cl in rows:  # kc [nkv, d, ctx_len], vc [nkv, ctx_len, d]
+                kj, vj = (kc, vc) if cl == ctx_len else (kc[:, :, :cl], vc[:, :cl])
+                s = np.matmul(rot[j, :q_size].reshape(nkv, g, d), kj)  # [nkv, g, cl]
+                if scale is not None:
+                    s *= scale
+                s -= s.max(-1, keepdims=True)
+                np.exp(s, out=s)
+                s /= s.sum(-1, keepdims=True)
+                o[j] = np.matmul(s, vj).reshape(q_size)
+        x = x + o_mm(o)  # [T, hidden]
+        gu = gu_mm(rms(x, w2, e2))  # [T, 2 inter]
+        gate = gu[:, :inter]
         act = np.exp(-gate)
         act += 1.0
         np.divide(gate, act, out=act)  # silu(gate) = gate / (1 + exp(-gate))
-        act *= gu[inter:]
-        o = act @ wd  # [hidden]
-        if bd is not None:
-            o += bd
-        x = x + o
-    return torch.from_numpy(_rms(x, *plan.np_norm)[None])
+        act *= gu[:, inter:]
+        x = x + down_mm(act)  # [T, hidden]
+    return torch.from_numpy(rms(x, *plan.np_norm))
 
 
-def _rms(x: np.ndarray, w: np.ndarray, eps: np.float32) -> np.ndarray:  # x: [hidden]
-    """weight * (x * rsqrt(mean(x^2) + eps)) of one row, float32 throughout."""
-    h = x * (np.float32(1.0) / np.sqrt(np.dot(x, x) / np.float32(x.shape[0]) + eps))
+def _rms(x: np.ndarray, w: np.ndarray, eps: np.float32) -> np.ndarray:  # x: [T, hidden]
+    """weight * (x * rsqrt(mean(x^2) + eps)) row by row, float32 throughout (each row's sum of
+    squares by its own dot, so a row's result does not depend on the others)."""
+    n = np.float32(x.shape[1])
+    ss = np.array([np.dot(r, r) for r in x], np.float32)  # [T]
+    h = x * (np.float32(1.0) / np.sqrt(ss / n + eps))[:, None]
     h *= w
     return h

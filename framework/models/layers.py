@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from speculant.engine.attention import cpu_const
-from speculant.models import fused
+from speculant.models import cpu_kernels, fused
 
 
 def onednn_packing_available() -> bool:
@@ -73,31 +74,43 @@ def numpy_blas() -> _NumpyBlas:
 
 
 class CpuLinear(nn.Linear):
-    """CPU fp32 Linear with two copies of the weight, one per regime (loader.prepare_cpu_linears
-    turns a loaded ``nn.Linear`` into this class in place, so modules shared by reference stay
-    shared):
+    """CPU fp32 Linear with an extra copy of the weight laid out for the CPU products
+    (loader.prepare_cpu_linears turns a loaded ``nn.Linear`` into this class in place, so modules
+    shared by reference stay shared). Whichever of these ``pack`` set up, in this order:
 
-    * one row (a decode step of one sequence): a GEMV on the column-major weight (``weight.t()``
-      contiguous), through numpy's OpenBLAS when ``choose_gemv`` found it faster (~21 GB/s on
-      one core here), else ``F.linear`` (MKL, ~15.5 GB/s);
-    * two or more rows (batched decode, verification passes of k + 1 tokens, prefill): oneDNN's
-      GEMM on a weight pre-packed into its blocked layout. MKL's small-M SGEMM reads the weight
-      once per few rows there (4 rows took 2.3x, 11 rows 3x the one-row time on SmolLM2), oneDNN
-      reads it about once (4 rows ~1.0x, 11 rows ~1.3x).
+    * ``wb``: the weight blocked for our C kernel (``models/cpu_kernels.py``), used for any number
+      of rows: it reads the weight once per call whether 1 or 6 rows multiply it, where BLAS
+      re-packs it for every call with few rows (the cost of a k+1 verification pass);
+    * otherwise, one row (a decode step of one sequence): a GEMV on the column-major weight
+      (``weight.t()`` contiguous) through numpy's OpenBLAS when ``choose_gemv`` found it faster
+      (~21 GB/s on one core here), else ``F.linear`` (MKL, ~15.5 GB/s); two or more rows: oneDNN's
+      GEMM on a weight pre-packed into its blocked layout (``packed``).
 
-    Same values and shapes; the packed copy is built once after loading (``packed``, opaque
-    mkldnn tensor) and must be rebuilt (``pack()``) if the weight is changed afterwards.
+    Same values and shapes (up to summation order); the extra copy is built once after loading
+    and must be rebuilt (``pack()``) if the weight is changed afterwards.
     """
 
     packed: torch.Tensor | None = None
     np_wt = None  # numpy view [in, out] of the column-major weight, when numpy GEMV is on
+    wb = None  # numpy [ceil(out / 16), in, 16]: the C kernel's blocked copy, when it is on
+    np_b = None  # numpy view of the bias [out], with ``wb``
     w = b = None  # plain references to weight [out, in] and bias [out] (``rows``)
 
-    def pack(self, packed: bool = True, numpy_gemv: bool = False) -> None:
+    def pack(
+        self,
+        packed: bool = True,
+        numpy_gemv: bool = False,
+        kernel: bool = False,
+        storage: torch.Tensor | None = None,  # uint8 [blocked_nbytes] for ``wb``, optional
+    ) -> None:
         w = self.weight
-        self.packed = self.np_wt = None
+        self.packed = self.np_wt = self.wb = self.np_b = None
         self.w, self.b = w.detach(), None if self.bias is None else self.bias.detach()
         if w.dtype != torch.float32 or w.device.type != "cpu":
+            return
+        if kernel and cpu_kernels.available():
+            self.wb = cpu_kernels.block_weight(w, storage)
+            self.np_b = None if self.b is None else self.b.numpy()
             return
         if packed and onednn_packing_available():
             with torch.no_grad():
@@ -106,13 +119,15 @@ class CpuLinear(nn.Linear):
             self.np_wt = w.detach().t().numpy()  # shares the weight's memory
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in] -> [rows, out]
-        if x.dim() == 2 and x.dtype == torch.float32:
+        if x.dim() == 2 and x.dtype == torch.float32 and not x.requires_grad:
+            if self.wb is not None:
+                return self.rows(x)
             if x.shape[0] > 1:
                 if self.packed is not None:
                     return torch.ops.mkldnn._linear_pointwise(
                         x.contiguous(), self.packed, self.bias, "none", [], ""
                     )
-            elif self.np_wt is not None and not x.requires_grad:
+            elif self.np_wt is not None:
                 numpy_blas().sync_threads()
                 y = torch.from_numpy(x.numpy() @ self.np_wt)  # [1, out]
                 return y if self.bias is None else y.add_(self.bias)
@@ -121,6 +136,12 @@ class CpuLinear(nn.Linear):
     def rows(self, x: torch.Tensor) -> torch.Tensor:  # x: [rows, in] -> [rows, out]
         """``forward`` for the CPU model loop (models/cpu_forward.py): fp32 ``x`` without grad,
         no module-call overhead; the caller syncs numpy's threads once per forward."""
+        if self.wb is not None:
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            return torch.from_numpy(
+                cpu_kernels.gemm(x.numpy(), self.wb, self.out_features, self.np_b)
+            )
         if x.shape[0] == 1:
             if self.np_wt is not None:
                 y = torch.from_numpy(x.numpy() @ self.np_wt)  # [1, out]
@@ -128,6 +149,24 @@ class CpuLinear(nn.Linear):
         elif self.packed is not None:
             return _linear_pointwise(x.contiguous(), self.packed, self.b, "none", [], "")
         return F.linear(x, self.w, self.b)
+
+    def np_matvec(self):
+        """A function of numpy rows [T, in] -> [T, out] (bias included), for the numpy loop of
+        one sequence (cpu_forward._forward_seq); None unless the C kernel or numpy's GEMV is on."""
+        if self.wb is not None:
+            wb, n, b = self.wb, self.out_features, self.np_b
+            gemm = cpu_kernels.gemm
+
+            def mm(x: np.ndarray) -> np.ndarray:
+                return gemm(x, wb, n, b)
+
+            return mm
+        if self.np_wt is not None:
+            wt, b = self.np_wt, None if self.b is None else self.b.numpy()
+            if b is None:
+                return wt.__rmatmul__
+            return lambda x: np.add(x @ wt, b)
+        return None
 
 
 def _linear_pointwise(*args):  # oneDNN linear on a pre-packed weight, op looked up once

@@ -266,30 +266,49 @@ def _hugepage_arena(nbytes: int) -> torch.Tensor | None:
 def prepare_cpu_linears(model: torch.nn.Module) -> None:
     """CPU weight layouts for fast matmuls (same values and shapes, see layers.CpuLinear):
 
-    * every Linear weight [out, in] is stored column-major (its transpose contiguous): F.linear
-      for one query row (a decode step) then reads it in the order the BLAS streams it, measured
-      1.45x faster than the checkpoint layout on SmolLM2-135M fp32;
-    * fp32 Linears also get a oneDNN pre-packed copy used for 2+ rows (batched decode,
-      verification, prefill), where MKL's small-M SGEMM re-reads the weight (2-3x slower);
-    * one-row products go through numpy's OpenBLAS GEMV if a load-time timing on these weights
-      finds it faster than torch's (``SPECULANT_CPU_GEMV=auto|numpy|torch``).
+    * with our C kernel (``models/cpu_kernels.py``, the default where it is built and the CPU has
+      AVX2/FMA; ``SPECULANT_CPU_KERNELS=0`` turns it off): every fp32 Linear gets a blocked copy
+      of its weight that the kernel multiplies with any number of rows, reading it once per call;
+    * without it: every Linear weight [out, in] is stored column-major (its transpose
+      contiguous), so F.linear / numpy's GEMV stream it for one query row (1.45x faster than the
+      checkpoint layout on SmolLM2-135M fp32); fp32 Linears also get a oneDNN pre-packed copy used
+      for 2+ rows (``SPECULANT_CPU_PACKED=0`` skips it); one-row products go through numpy's
+      OpenBLAS GEMV if a load-time timing on these weights finds it faster than torch's
+      (``SPECULANT_CPU_GEMV=auto|numpy|torch``); ``SPECULANT_CPU_WEIGHT_LAYOUT=row`` keeps the
+      checkpoint layout.
 
-    * the column-major copies live in one mapping advised for transparent huge pages
-      (``_hugepage_arena``; ``SPECULANT_CPU_HUGEPAGES=0`` opts out).
-
-    ``SPECULANT_CPU_WEIGHT_LAYOUT=row`` keeps the checkpoint layout, ``SPECULANT_CPU_PACKED=0``
-    skips the packed copy (it doubles the Linear weights' memory)."""
+    The blocked (kernel) or column-major (BLAS) copies live in one mapping advised for
+    transparent huge pages (``_hugepage_arena``; ``SPECULANT_CPU_HUGEPAGES=0`` opts out)."""
+    from speculant.models import cpu_kernels
     from speculant.models.layers import CpuLinear, choose_gemv
 
-    col = os.environ.get("SPECULANT_CPU_WEIGHT_LAYOUT", "col") == "col"
-    packed = os.environ.get("SPECULANT_CPU_PACKED", "1") not in ("", "0")
-    gemv = os.environ.get("SPECULANT_CPU_GEMV", "auto")  # auto | numpy | torch
-    linears = []
     todo = [
         m for m in model.modules()
         if isinstance(m, torch.nn.Linear) and getattr(m, "weight", None) is not None
         and m.weight.dim() == 2
     ]
+    if cpu_kernels.available():
+        for mod in todo:
+            if type(mod) is torch.nn.Linear:
+                mod.__class__ = CpuLinear
+        linears = [m for m in todo if isinstance(m, CpuLinear)]
+        fp32 = [m for m in linears if m.weight.dtype == torch.float32]
+        arena = _hugepage_arena(sum(cpu_kernels.blocked_nbytes(m.weight) for m in fp32))
+        offset = 0
+        for mod in linears:
+            storage = None
+            if arena is not None and mod.weight.dtype == torch.float32:
+                n = cpu_kernels.blocked_nbytes(mod.weight)
+                storage, offset = arena[offset : offset + n], offset + n
+            mod.pack(kernel=True, storage=storage)
+        if hasattr(model, "_cpu_plan"):
+            model._cpu_plan = None
+        logger.info("CPU Linear: %d layers on the blocked C kernel", len(fp32))
+        return
+    col = os.environ.get("SPECULANT_CPU_WEIGHT_LAYOUT", "col") == "col"
+    packed = os.environ.get("SPECULANT_CPU_PACKED", "1") not in ("", "0")
+    gemv = os.environ.get("SPECULANT_CPU_GEMV", "auto")  # auto | numpy | torch
+    linears = []
     moved = {id(m.weight) for m in todo if col and m.weight.is_contiguous()}
     arena = _hugepage_arena(sum(m.weight.nbytes for m in todo if id(m.weight) in moved))
     offset = 0

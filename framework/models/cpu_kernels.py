@@ -1,0 +1,112 @@
+"""Our fp32 CPU kernels (``framework/csrc/cpu_kernels.c``, the optional extension
+``speculant._cpu_kernels``): a GEMM for few rows, one sequence's causal attention and RMSNorm.
+
+BLAS libraries pack the weight into panels on every call; with few rows that pass costs as much
+as the product, so on SmolLM2-135M one core's MKL / OpenBLAS / oneDNN took 1.6-2x the one-row
+time for 2 rows and 2.2-2.6x for 6 (a k+1 verification pass). ``gemm`` runs on a copy of the
+weight BLOCKED as ``[ceil(out / 16), in, 16]`` (``block_weight``): it streams each block once and
+multiplies it with up to 6 rows in registers, so 2 rows cost ~1.2x and 6 rows ~1.6x of one row
+on the same CPU (compute-bound from ~4 rows on this AVX2 core), and one row is ~10% faster than
+OpenBLAS's GEMV.
+
+All three are batch-invariant: a row's result is the same arithmetic whatever the other rows of
+the call (each GEMM output is one FMA chain over ``in``; each attention row runs over its own
+causal prefix), which lets a verification pass reproduce the plain decode steps bit for bit
+(``cpu_forward._forward_seq``; tested).
+
+``available()`` is False without the built extension, on a CPU without AVX2/FMA, or with
+``SPECULANT_CPU_KERNELS=0``; callers then keep BLAS / torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import numpy as np
+import torch
+
+BLOCK = 16  # output columns per weight block (the C kernel's BW)
+
+_ext = None
+
+
+def _load():
+    global _ext
+    if _ext is None:
+        _ext = False
+        if os.environ.get("SPECULANT_CPU_KERNELS", "1") in ("", "0"):
+            return None
+        try:
+            ext = importlib.import_module("speculant._cpu_kernels")
+        except ImportError:
+            return None
+        if ext.supported():
+            _ext = ext
+    return _ext or None
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def block_weight(w: torch.Tensor, out: torch.Tensor | None = None) -> np.ndarray:
+    """The fp32 weight ``w`` [out_features, in] as the kernel's blocked array
+    [ceil(out_features / 16), in, 16] (zero-padded columns). ``out``: optional uint8 CPU tensor
+    of exactly that many bytes to hold it (e.g. a huge-page arena slice)."""
+    if w.dtype != torch.float32 or w.dim() != 2:
+        raise ValueError(f"block_weight needs a 2-D float32 weight, got {tuple(w.shape)} {w.dtype}")
+    o, i = w.shape
+    nb = -(-o // BLOCK)
+    if out is None:
+        dst = torch.empty(nb, i, BLOCK, dtype=torch.float32)
+    else:
+        dst = out.view(torch.float32).view(nb, i, BLOCK)
+    full = o // BLOCK
+    w = w.detach()
+    if full:
+        dst[:full].copy_(w[: full * BLOCK].view(full, BLOCK, i).transpose(1, 2))
+    if full < nb:
+        dst[full].zero_()
+        dst[full, :, : o - full * BLOCK].copy_(w[full * BLOCK :].t())
+    return dst.numpy()
+
+
+def blocked_nbytes(w: torch.Tensor) -> int:
+    return -(-w.shape[0] // BLOCK) * BLOCK * w.shape[1] * 4
+
+
+def gemm(
+    x: np.ndarray,  # [T, in] float32, unit stride along in
+    wb: np.ndarray,  # [nb, in, 16] float32 (block_weight)
+    out_features: int,
+    bias: np.ndarray | None = None,  # [out_features] float32
+    y: np.ndarray | None = None,  # [T, out_features] float32 to write into
+) -> np.ndarray:  # [T, out_features]
+    """y = x @ W.T (+ bias); the extension checks shapes, dtypes and strides."""
+    if y is None:
+        y = np.empty((x.shape[0], out_features), np.float32)
+    _ext.gemm(x, wb, bias, y)
+    return y
+
+
+def attend(
+    q: np.ndarray,  # [T, nh * d] float32: the last T positions' queries
+    k: np.ndarray,  # [ctx_len, nkv * d] float32: the sequence's cached keys (incl. these T)
+    v: np.ndarray,  # [ctx_len, nkv * d] float32, same row stride as k
+    nh: int,
+    nkv: int,
+    scale: float,
+    o: np.ndarray | None = None,  # [T, nh * d] float32 to write into
+) -> np.ndarray:  # [T, nh * d]
+    """Causal GQA attention: row j attends to keys 0 .. ctx_len - T + j."""
+    if o is None:
+        o = np.empty(q.shape, np.float32)
+    _ext.attend(q, k, v, nh, nkv, scale, o)
+    return o
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:  # x: [T, n], w: [n]
+    y = np.empty(x.shape, np.float32)
+    _ext.rms_norm(x, w, eps, y)
+    return y
