@@ -137,7 +137,9 @@ def bandwidth(model) -> dict:
         "gemv_GBps": gemv,
         "floor_tok_s_stream": stream * 1e9 / weight_bytes,
         "floor_tok_s_gemv": gemv * 1e9 / weight_bytes,
-        "gemv_backend": "numpy/OpenBLAS"
+        "gemv_backend": "speculant C kernel (blocked weight)"
+        if any(getattr(m, "wb", None) is not None for m in lin if isinstance(m, CpuLinear))
+        else "numpy/OpenBLAS"
         if any(getattr(m, "np_wt", None) is not None for m in lin if isinstance(m, CpuLinear))
         else "torch",
     }
