@@ -7,7 +7,9 @@ time for 2 rows and 2.2-2.6x for 6 (a k+1 verification pass). ``gemm`` runs on a
 weight BLOCKED as ``[ceil(out / 16), in, 16]`` (``block_weight``): it streams each block once and
 multiplies it with up to 6 rows in registers, so 2 rows cost ~1.2x and 6 rows ~1.6x of one row
 on the same CPU (compute-bound from ~4 rows on this AVX2 core), and one row is ~10% faster than
-OpenBLAS's GEMV.
+OpenBLAS's GEMV. Single-threaded: splitting the columns of 4+-row products over the second core
+of this machine made the products alone 15-35% faster but a whole verification forward no faster
+(measured, not kept).
 
 All three are batch-invariant: a row's result is the same arithmetic whatever the other rows of
 the call (each GEMM output is one FMA chain over ``in``; each attention row runs over its own
@@ -50,6 +52,17 @@ def available() -> bool:
     return _load() is not None
 
 
+def _require():
+    ext = _ext or _load()
+    if ext is None:
+        raise RuntimeError(
+            "speculant's CPU kernels are not available (the extension speculant._cpu_kernels was "
+            "not built, the CPU lacks AVX2/FMA, or SPECULANT_CPU_KERNELS=0); reinstall with a C "
+            "compiler present (pip install -e .) or use the BLAS path"
+        )
+    return ext
+
+
 def block_weight(w: torch.Tensor, out: torch.Tensor | None = None) -> np.ndarray:
     """The fp32 weight ``w`` [out_features, in] as the kernel's blocked array
     [ceil(out_features / 16), in, 16] (zero-padded columns). ``out``: optional uint8 CPU tensor
@@ -86,7 +99,7 @@ def gemm(
     """y = x @ W.T (+ bias); the extension checks shapes, dtypes and strides."""
     if y is None:
         y = np.empty((x.shape[0], out_features), np.float32)
-    _ext.gemm(x, wb, bias, y)
+    (_ext or _require()).gemm(x, wb, bias, y)
     return y
 
 
@@ -102,11 +115,11 @@ def attend(
     """Causal GQA attention: row j attends to keys 0 .. ctx_len - T + j."""
     if o is None:
         o = np.empty(q.shape, np.float32)
-    _ext.attend(q, k, v, nh, nkv, scale, o)
+    (_ext or _require()).attend(q, k, v, nh, nkv, scale, o)
     return o
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:  # x: [T, n], w: [n]
     y = np.empty(x.shape, np.float32)
-    _ext.rms_norm(x, w, eps, y)
+    (_ext or _require()).rms_norm(x, w, eps, y)
     return y
