@@ -3,9 +3,11 @@ loop (models/cpu_forward.py) and the module path, on the same weights and cache 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from speculant import LLM, SamplingParams
+from speculant.models import cpu_kernels
 
 
 def _run(llm, prompt, n, mode):
@@ -37,9 +39,23 @@ def _run(llm, prompt, n, mode):
         model._cpu_plan = plan
 
 
-def test_cpu_decode_paths_agree(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_cpu_decode_paths_agree(tiny_llama, monkeypatch, kernels):
+    """Both CPU product back-ends: our C kernels (default where built) and, as on a machine
+    without them, numpy's / torch's BLAS with the numpy attention loop."""
     monkeypatch.setenv("SPECULANT_CPU_GEMV", "numpy")  # the load-time timing may pick torch's
+    if kernels == "off":
+        monkeypatch.setenv("SPECULANT_CPU_KERNELS", "0")
+        monkeypatch.setattr(cpu_kernels, "_ext", None)  # forget the cached load
+    elif not cpu_kernels.available():
+        pytest.skip("CPU kernels not built")
     llm = LLM(model=str(tiny_llama), max_num_seqs=4)
+    plan0 = llm.engine.model
+    assert any(
+        (getattr(m, "wb", None) is not None) == (kernels == "on")
+        for m in plan0.modules()
+        if type(m).__name__ == "CpuLinear"
+    )
     prompt = [1] + list(range(100, 130))
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2), use_tqdm=False)
     plan = llm.engine.model._cpu_plan
@@ -50,3 +66,28 @@ def test_cpu_decode_paths_agree(tiny_llama, monkeypatch):
     assert tok_np == tok_t == tok_m
     torch.testing.assert_close(h_t, h_m, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h_np, h_m, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_cpu_speculation_equals_plain_on_both_backends(tiny_llama, monkeypatch, kernels):
+    """Verification passes (several rows of one sequence through cpu_forward._forward_seq) give
+    the plain greedy tokens with and without the C kernels."""
+    monkeypatch.setenv("SPECULANT_CPU_GEMV", "numpy")  # off: the numpy loop, not the torch one
+    if kernels == "off":
+        monkeypatch.setenv("SPECULANT_CPU_KERNELS", "0")
+        monkeypatch.setattr(cpu_kernels, "_ext", None)
+    elif not cpu_kernels.available():
+        pytest.skip("CPU kernels not built")
+    prompt = [1] + list(range(100, 120)) * 3  # repeats: n-gram drafts get proposed
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = LLM(model=str(tiny_llama), max_num_seqs=2)
+    spec = LLM(
+        model=str(tiny_llama),
+        max_num_seqs=2,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 5},
+    )
+    a = plain.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    b = spec.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    assert spec.engine.model._cpu_plan.np_layers is not None  # cpu_forward._forward_seq ran
+    assert b.metrics.spec.num_draft_tokens > 0
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
