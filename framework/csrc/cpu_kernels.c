@@ -40,8 +40,9 @@
         const long bs = in * BW;                                                                  \
         for (long i = 0; i < in; i++) {                                                           \
             __m256 w0[NB], w1[NB];                                                                \
-            if (NB == 1) /* one stream: prefetch 2 KiB ahead (several streams need none) */       \
-                _mm_prefetch((const char *)(w + i * BW + 512), _MM_HINT_T0);                      \
+            if (NB <= 2) /* one or two streams: prefetch 2 KiB ahead (four need none) */       \
+                _Pragma("GCC unroll 2") for (int b = 0; b < NB; b++)                             \
+                    _mm_prefetch((const char *)(w + b * bs + i * BW + 512), _MM_HINT_T0);         \
             _Pragma("GCC unroll 8") for (int b = 0; b < NB; b++) {                               \
                 w0[b] = _mm256_loadu_ps(w + b * bs + i * BW);                                     \
                 w1[b] = _mm256_loadu_ps(w + b * bs + i * BW + 8);                                 \
@@ -81,6 +82,7 @@ DEFINE_TILE(1, 4)
 DEFINE_TILE(1, 1)
 DEFINE_TILE(2, 2)
 DEFINE_TILE(2, 1)
+DEFINE_TILE(3, 2)
 DEFINE_TILE(3, 1)
 DEFINE_TILE(4, 1)
 DEFINE_TILE(5, 1)
@@ -95,16 +97,16 @@ static TARGET void spec_gemm(const float *x, long T, long ldx, const float *wb, 
     static const tile_fn rows[7] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1};
     const long nb = (out + BW - 1) / BW, bs = in * BW;
     long b = 0;
-    if (T <= 2) { /* few rows: several blocks at once keep enough FMA chains in flight */
+    if (T <= 3) { /* few rows: several blocks at once keep enough FMA chains in flight */
         const long g = T == 1 ? 4 : 2;
         for (; b + g <= nb; b += g) {
-            const float *bb = bias ? bias : NULL;
+            const float *bb = bias ? bias + b * BW : NULL;
             if (T == 1)
-                tile_1_4(x, ldx, wb + b * bs, in, bb ? bb + b * BW : NULL, y + b * BW, ldy,
-                         out - b * BW);
+                tile_1_4(x, ldx, wb + b * bs, in, bb, y + b * BW, ldy, out - b * BW);
+            else if (T == 2)
+                tile_2_2(x, ldx, wb + b * bs, in, bb, y + b * BW, ldy, out - b * BW);
             else
-                tile_2_2(x, ldx, wb + b * bs, in, bb ? bb + b * BW : NULL, y + b * BW, ldy,
-                         out - b * BW);
+                tile_3_2(x, ldx, wb + b * bs, in, bb, y + b * BW, ldy, out - b * BW);
         }
     }
     for (; b < nb; b++) { /* block-major: a block is read from memory once for all row tiles */
