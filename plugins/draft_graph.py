@@ -115,16 +115,7 @@ def _fctx(
     bs: int,
     kv_caches: list,
 ) -> ForwardContext:
-    Bp, W = tables.shape
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        block_tables=tables,
-        context_lens=ctx,
-        query_start_loc=qsl,
-        query_lens=[Q] * Bp,
-        context_lens_list=[W * bs] * Bp,
-        block_size=bs,
-    )
+    meta = AttentionMetadata.padded(slots, tables, ctx, qsl, Q, bs)
     return ForwardContext(meta=meta, kv_caches=kv_caches)
 
 

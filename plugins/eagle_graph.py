@@ -143,15 +143,7 @@ def propose_graph(
     last = ints[o + 2 * Bp + 1 : o + 3 * Bp + 1]
     chain = ints[o + 3 * Bp + 1 :]
     tables = chain[chain.numel() - Bp * W :].view(Bp, W).to(torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        block_tables=tables,
-        context_lens=ctx,
-        query_start_loc=qsl,
-        query_lens=[Q] * Bp,
-        context_lens_list=[W * bs] * Bp,
-        block_size=bs,
-    )
+    meta = AttentionMetadata.padded(slots, tables, ctx, qsl, Q, bs)
     fctx = ForwardContext(meta=meta, kv_caches=strat.cache.kv_caches)
     out = strat.draft(strat._embed(ids), feats, pos, fctx, True)  # [M, H]
     x = out.index_select(0, last)  # [Bp, H] the draft state of each row's last position

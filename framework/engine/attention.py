@@ -71,6 +71,30 @@ class AttentionMetadata:
             seq_starts=starts,
         )
 
+    @classmethod
+    def padded(
+        cls,
+        slot_mapping: torch.Tensor,  # [B * Q] int64 (slot -1: no K/V write)
+        block_tables: torch.Tensor,  # [B, W] int32
+        context_lens: torch.Tensor,  # [B] int32
+        query_start_loc: torch.Tensor,  # [B + 1] int32
+        q_len: int,
+        block_size: int,
+    ) -> AttentionMetadata:
+        """Metadata of a padded batch of B rows of ``q_len`` query tokens over ``W``-block
+        tables, all on the device (the shapes CUDA-graph replays are captured with: the host
+        lists give bucket sizes only, the device tensors hold the real lengths)."""
+        B, W = block_tables.shape
+        return cls(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            context_lens=context_lens,
+            query_start_loc=query_start_loc,
+            query_lens=[q_len] * B,
+            context_lens_list=[W * block_size] * B,
+            block_size=block_size,
+        )
+
     def causal_mask(self, q_len: int, ctx_len: int) -> torch.Tensor | None:
         """[q_len, ctx_len] bool: query j (absolute position ctx_len - q_len + j) sees keys at
         positions <= its own. None for one query (it sees the whole context); shared by all

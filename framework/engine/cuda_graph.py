@@ -161,15 +161,7 @@ class CudaGraphRunner:
     # ----------------------------------------------------------------- capture
     def _forward(self, B: int, Q: int, aux_layers: tuple[int, ...]):
         ids, pos, slots, ctx_lens, qsl, tables = self._views(B, Q)
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            block_tables=tables,
-            context_lens=ctx_lens,
-            query_start_loc=qsl,
-            query_lens=[Q] * B,
-            context_lens_list=[self.W * self.block_size] * B,
-            block_size=self.block_size,
-        )
+        meta = AttentionMetadata.padded(slots, tables, ctx_lens, qsl, Q, self.block_size)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, aux_layers=aux_layers)
         hidden = self.model(ids, pos, ctx)  # [B*Q, hidden]
         aux = torch.cat(ctx.aux_hidden, dim=-1) if ctx.aux_hidden else None
