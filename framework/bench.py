@@ -172,10 +172,14 @@ def run_bench(engine, prompts: list[list[int]], strategies: list[dict], max_toke
             dec = _set_strategy(engine, cfg)
             warm = warmup_tokens
             if cfg is not None and cfg.get("auto_disable"):
-                # auto-disable probes after 1, 2, 4, ... up to `interval` plain steps: warm up
-                # over a whole back-off cycle so that every catch-up shape a probe makes is
-                # compiled / captured before timing (one-time costs of a long-running server)
-                warm = max(warmup_tokens, 2 * cfg.get("auto_disable_interval", 64) + 16)
+                # auto-disable probes at intervals that depend on their cost: warm up over a
+                # whole back-off cycle and as many tokens as the timed run, so that every
+                # catch-up shape and context length a probe meets (Triton kernel variants, CUDA
+                # graphs) is compiled / captured before timing: one-time costs of a
+                # long-running server (an H100 run paid a 0.6 s kernel compile in a probe
+                # whose context first crossed 256 tokens)
+                warm = max(warmup_tokens, 2 * cfg.get("auto_disable_interval", 64) + 16,
+                           max_tokens)
             _decode_run(engine, prompts[:bs], warm)  # warm-up: compile, capture graphs
             if dec is not None:
                 dec.total = SpecMetrics()  # count the timed run only

@@ -65,19 +65,55 @@ def test_warmup_measures_plain_then_speculative_steps():
     assert kinds == [False] * WARMUP + [True] * WARMUP
 
 
-def test_losing_speculation_is_switched_off_with_exponential_probes():
+@pytest.mark.parametrize(
+    "t_spec, runs",
+    [
+        # cheap probes (2 x 0.06 excess: 5 plain steps within the 2.5% budget): 1, 2, 4, ...
+        # capped at the interval, never below what the probe's cost allows
+        (1.06, [5, 5, 5, 8, 16, 32, 64, 64, 64]),
+        # costly probes (2 x 0.5 excess): 40 plain steps per probe at least
+        (1.5, [40, 40, 40, 40, 40, 40, 64, 64, 64]),
+    ],
+)
+def test_losing_speculation_is_switched_off_with_exponential_probes(t_spec, runs):
     ctl, clock = make(interval=64)
-    kinds = drive(ctl, clock, 600, 1, t_plain=1.0, t_spec=1.5, tokens=1.0)  # 0.67x plain
+    kinds = drive(ctl, clock, 800, 1, t_plain=1.0, t_spec=t_spec, tokens=1.0)  # < 0.95x plain
     assert kinds[: 2 * WARMUP] == [False] * WARMUP + [True] * WARMUP
     assert (ctl.num_disabled, ctl.num_enabled) == (1, 0)
-    # plain runs between probes: 1, 2, 4, ... capped at the interval
-    assert plain_runs(kinds[2 * WARMUP :])[:9] == [1, 2, 4, 8, 16, 32, 64, 64, 64]
+    assert plain_runs(kinds[2 * WARMUP :])[:9] == runs
     # each probe is two speculative steps (the first one untimed: proposer catch-up)
     spec_after = kinds[2 * WARMUP :]
     assert plain_runs([not k for k in spec_after])[: ctl.num_probes - 1] == [2] * (ctl.num_probes - 1)
     assert sum(spec_after) in (2 * ctl.num_probes, 2 * ctl.num_probes - 1)
     assert sum(kinds) < 0.1 * len(kinds), sum(kinds)
     assert not ctl.buckets[1].on
+
+
+def test_probe_waits_grow_with_the_catch_up_cost():
+    """A stateful proposer (draft model) pays a catch-up on every token it missed in a probe's
+    first step: probes are spaced so that their excess stays within tolerance / 2 of the time."""
+    ctl, clock = make(interval=64)  # tolerance 0.05: budget 2.5%
+    t_plain, t_spec, catch_up = 1.0, 1.5, 30.0
+    total_plain = total = 0.0
+    last = None
+    for _ in range(20000):
+        spec = ctl.begin(1)
+        dt = t_spec if spec else t_plain
+        if spec and last is False:  # the first speculative step after plain ones
+            dt += catch_up
+        clock.t += dt
+        ctl.end(1)
+        total += dt
+        total_plain += t_plain  # each step emits one token, as a plain step would
+        last = spec
+    b = ctl.buckets[1]
+    assert not b.on and ctl.num_enabled == 0
+    assert b.probe_cost == pytest.approx(catch_up + 2 * (t_spec - t_plain), rel=0.01)
+    assert b.wait <= ctl._cost_wait(b, b.probe_cost)
+    assert ctl._cost_wait(b, b.probe_cost) == 1240  # 31 / (0.025 x 1.0)
+    # the first probes before the cost was measured, then at most ~2.5% over plain
+    assert ctl.num_probes <= 20
+    assert total / total_plain < 1.0 + 0.025 + 0.01, total / total_plain
 
 
 def test_paying_speculation_stays_on_with_rare_plain_refreshes():
@@ -233,7 +269,9 @@ def test_engine_wrong_drafts_fall_back_to_plain_steps(tiny, recorded, caplog):
     assert m.num_spec_steps + m.num_plain_steps == len(PROMPTS) * (MAX_TOKENS - 1)
     assert (m.num_times_disabled, m.num_times_enabled) == (1, 0)
     ctl = auto.engine.spec.control
-    assert ctl.num_disabled == 1 and ctl.num_probes >= 4
+    # probes spaced by their cost: 2 steps x 1.0 excess over a 1.25 plain step -> 64 steps
+    assert ctl.num_disabled == 1 and ctl.num_probes >= 1
+    assert all(b.on or b.backoff >= 1 and b.wait <= 64 for b in ctl.buckets.values())
     assert any("auto_disable: speculation off" in r.getMessage() for r in caplog.records)
     # the proposer did no work during plain steps
     assert auto.engine.spec.strategy.num_proposed == K * m.num_spec_steps

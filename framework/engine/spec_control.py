@@ -15,19 +15,25 @@ estimated speedup ``e_spec * t_plain / t_spec`` is above 1.
 * speculating: off when the estimated speedup falls below ``1 - tolerance``. While on, one plain
   step every ``interval`` speculative steps refreshes ``t_plain`` (plain cost grows with context).
 * off: plain steps, the proposer does no work (stateful proposers catch up later); a probe of
-  speculative steps after 1, 2, 4, ... plain steps (capped at ``interval``). A probe's first
-  speculative step is not timed (it pays the proposer's catch-up on the tokens it missed), its
-  second is; speculation comes back when the estimate reaches 1, which resets the back-off.
+  speculative steps after 1, 2, 4, ... plain steps (capped at ``interval``), and never sooner
+  than the probe's own measured cost allows: a probe's excess time over the plain steps it
+  replaces (``probe_cost``: the catch-up of a draft model on every token it missed, slow
+  speculative steps) is spread over at least ``probe_cost / (budget * t_plain)`` plain steps,
+  ``budget = tolerance / 2``, so probing costs at most about half the tolerance however
+  expensive the proposer's catch-up is. A probe's first speculative step is not timed for the
+  estimate (it pays the catch-up), its second is; speculation comes back when the estimate
+  reaches 1, which resets the back-off.
 
 Cost: while speculation pays, one plain step in ``interval`` (plus 2 per bucket at the start);
-while it does not, about 2 speculative steps per ``interval`` plain steps once the back-off is
-at its cap. Steps the engine runs plain for other reasons (``disable_by_batch_size``) are timed
+while it does not, at most ~``budget`` of the time in probes once the first probe has measured
+its cost. Steps the engine runs plain for other reasons (``disable_by_batch_size``) are timed
 as plain steps too.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +44,7 @@ ALPHA = 0.25  # EMA weight of a new sample
 PROBE_ALPHA = 0.5  # weight of a probe's sample: the estimate it updates is stale
 WARMUP = 2  # samples of each kind a bucket needs before it decides
 CLIP = 2.0  # time samples above CLIP x the estimate are clipped (graph capture, GC pauses)
+MAX_WAIT = 4096  # most plain steps between two probes, however costly a probe is
 
 
 @dataclass
@@ -51,6 +58,8 @@ class _Bucket:
     since_plain: int = 0  # speculative steps since the last plain one (while on)
     wait: int = 0  # plain steps left before the next probe (while off)
     backoff: int = 1  # plain steps before the next probe after a failed one
+    probe_cost: float = 0.0  # seconds a probe takes beyond the plain steps it replaces (EMA)
+    probe_excess: float = 0.0  # that excess so far in the probe under way
 
     def speedup(self) -> float:
         return self.e_spec * self.t_plain / self.t_spec if self.t_spec > 0 else 0.0
@@ -124,8 +133,11 @@ class SpecController:
                 b.wait -= 1
         else:
             b.since_plain += 1
-            if not b.on and first_after_plain and b.n_spec >= WARMUP:
-                return None  # a probe's first step pays the proposer's catch-up: not timed
+            if not b.on and b.n_spec >= WARMUP:  # a probe: what it costs beyond plain steps
+                excess = max(0.0, dt - emitted / n * b.t_plain)
+                b.probe_excess = excess if first_after_plain else b.probe_excess + excess
+                if first_after_plain:
+                    return None  # a probe's first step pays the proposer's catch-up: not timed
             a = ALPHA if b.on else PROBE_ALPHA
             b.t_spec = self._update(b.t_spec, dt, b.n_spec, a)
             b.e_spec = emitted / n if b.n_spec == 0 else (1 - a) * b.e_spec + a * emitted / n
@@ -142,10 +154,18 @@ class SpecController:
             return min(ema, x)  # the first sample at a new shape may include a one-time cost
         return (1 - a) * ema + a * min(x, CLIP * ema)
 
+    def _cost_wait(self, b: _Bucket, cost: float) -> int:
+        """Plain steps over which a probe costing ``cost`` seconds stays within the budget."""
+        budget = max(self.tolerance / 2, 0.005) * b.t_plain
+        return min(MAX_WAIT, math.ceil(cost / budget)) if budget > 0 else 1
+
     def _decide(self, b: _Bucket, key: int, probed: bool) -> str | None:
         s = b.speedup()
         if b.on and s < 1.0 - self.tolerance:
-            b.on, b.backoff, b.wait = False, 1, 1
+            # until a probe measures its catch-up: two speculative steps' excess over plain
+            est = b.probe_cost or 2 * max(0.0, b.t_spec - b.e_spec * b.t_plain)
+            b.on, b.backoff = False, 1
+            b.wait = max(1, self._cost_wait(b, est))
             self.num_disabled += 1
             self._log(logging.INFO, "speculation off", key, b)
             return "off"
@@ -155,8 +175,13 @@ class SpecController:
                 self.num_enabled += 1
                 self._log(logging.INFO, "speculation back on", key, b)
                 return "on"
+            b.probe_cost = (
+                b.probe_excess
+                if b.probe_cost == 0.0
+                else (1 - PROBE_ALPHA) * b.probe_cost + PROBE_ALPHA * b.probe_excess
+            )
             b.backoff = min(2 * b.backoff, self.interval)
-            b.wait = b.backoff
+            b.wait = max(b.backoff, self._cost_wait(b, b.probe_cost))
             self._log(logging.DEBUG, "probe failed, speculation stays off", key, b)
         return None
 
@@ -173,6 +198,7 @@ class SpecController:
             "num_probes": self.num_probes, "num_refresh_plain_steps": self.num_refresh,
             "buckets": {f"{1 << (k - 1)}-{(2 << (k - 1)) - 1}": {
                 "speculating": b.on, "speedup": round(b.speedup(), 3), "t_plain_ms": b.t_plain * 1e3,
-                "t_spec_ms": b.t_spec * 1e3, "tokens_per_spec_step": b.e_spec}
+                "t_spec_ms": b.t_spec * 1e3, "tokens_per_spec_step": b.e_spec,
+                "probe_cost_ms": b.probe_cost * 1e3}
                 for k, b in sorted(self.buckets.items())},
         }
