@@ -15,12 +15,16 @@ What it does:
    bandwidth; and ``scaled_dot_product_attention`` on the same K/V gathered contiguous. Each
    is also timed after evicting L2 by a 256 MB *read* (``*_clean_l2``): do_bench's flush is a
    256 MB zero fill whose dirty lines are written back while the timed kernel reads, which
-   weighs on the small (batch 1, ~30-70 us) cases.
-4. Launch-parameter sweeps for decode / verification attention (``--sweep``; ``--sweep-cases
-   b:ctx:q,...`` picks the shapes, ``--sweep-splits-only`` varies only the split count and the
-   program order, ``--sweep-only`` skips everything else). ``--decode-sweep``: the tiled
-   kernel with and without the fused split merge against the all-heads decode kernel, its
-   split counts, chunk sizes, warps, stages and merge step (``--decode-sweep-cases``);
+   weighs on the small (batch 1, ~30-70 us) cases. And in the steady state of the engine's
+   decode CUDA graph (``*_graphN``): ``--graph-copies`` N (default 8) distinct KV caches (one
+   per layer in the engine; one block table for all, as there), together larger than L2,
+   attended one after another inside ONE captured graph; back-to-back replays timed with CUDA
+   events, median / N. N shrinks where N copies would exceed 20 GB (at least 1: such a copy is
+   far larger than L2). SDPA likewise, on N distinct gathered copies.
+4. Launch-parameter sweep for decode / verification attention (``--sweep``: split counts,
+   block_n / num_warps / num_stages / prefetch overrides and program order of the kernel;
+   ``--sweep-cases b:ctx:q,...`` picks the shapes, ``--sweep-splits-only`` varies only the
+   split count and the program order, ``--sweep-only`` skips everything else).
    ``--attention-only`` skips section 5.
 5. Rejection sampling at batch 64, k 5, vocab 128256 (all-random, all-greedy, mixed, with and
    without draft probs), ``sample_from_probs``, and ``sampling_probs`` (torch vs Triton) on the
@@ -126,11 +130,12 @@ def bench_graph_clean_l2(fn, rep=50) -> float:
     with torch.cuda.graph(g):
         fn()
     flush = torch.empty(64 << 20, dtype=torch.float32, device=DEV).normal_()
-    acc = torch.empty((), dtype=torch.float32, device=DEV)
+    # 1-element out with an explicit dim: torch.sum(x, out=<0-dim>) is rejected by torch 2.11
+    acc = torch.empty(1, dtype=torch.float32, device=DEV)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     for i in range(-5, rep):
-        torch.sum(flush, out=acc)
+        torch.sum(flush, dim=0, keepdim=True, out=acc)
         if i >= 0:
             starts[i].record()
         g.replay()
@@ -139,6 +144,60 @@ def bench_graph_clean_l2(fn, rep=50) -> float:
     torch.cuda.synchronize()
     ts = sorted(a.elapsed_time(b) for a, b in zip(starts, ends))
     return float(ts[len(ts) // 2])
+
+
+# steady-state timing (``*_graphN``): copies of the K/V per timed graph, and their byte budget
+GRAPH_COPIES = 8
+GRAPH_COPIES_MAX_BYTES = 20e9
+
+
+def graph_copies(nbytes: int) -> int:
+    """Copies of ``nbytes`` of K/V for the steady-state timing: GRAPH_COPIES, fewer where they
+    would exceed GRAPH_COPIES_MAX_BYTES or 80% of the free device memory (the first copy exists
+    already; at least 1), 0 when switched off."""
+    if GRAPH_COPIES <= 0:
+        return 0
+    n = min(GRAPH_COPIES, int(GRAPH_COPIES_MAX_BYTES // max(1, nbytes)))
+    if not SMOKE:
+        n = min(n, 1 + int(0.8 * torch.cuda.mem_get_info()[0] // max(1, nbytes)))
+    return max(1, n)
+
+
+def bench_graph_steady(fns, rep=30) -> float:
+    """Steady-state ms per call: ONE CUDA graph runs every fn of ``fns`` one after another (each
+    on its own memory, together larger than L2, like the layers of the engine's decode graph);
+    back-to-back replays (no L2 flush) timed with CUDA events, median replay / len(fns)."""
+    if SMOKE:  # the plain timing, as the other timers (every fn runs once)
+        t = time.perf_counter()
+        for f in fns:
+            f()
+        return (time.perf_counter() - t) * 1e3 / len(fns)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(1 << 21)  # ~1 ms of GPU work: the replays queue up behind it
+    for i in range(-3, rep):
+        if i >= 0:
+            starts[i].record()
+        g.replay()
+        if i >= 0:
+            ends[i].record()
+    torch.cuda.synchronize()
+    ts = sorted(a.elapsed_time(b) for a, b in zip(starts, ends))
+    del g
+    return float(ts[len(ts) // 2]) / len(fns)
 
 
 OUT_PATH: Path | None = None
@@ -340,6 +399,15 @@ def attention_bench(hbm_gbps, contexts, batches, q_lens, with_sdpa=True):
                     log(f"   clean-L2 timing failed: {e!r}"[:300])
                     t_clean = float("nan")
                 nbytes = kv_bytes(batch, ctx)
+                n_copies = graph_copies(nbytes)
+                t_steady = float("nan")
+                if n_copies:
+                    try:
+                        t_steady = paged_graphn(q, kc, vc, bt, cl, qsl, q_len, scale, out, n_copies)
+                    except Exception as e:  # noqa: BLE001
+                        log(f"   graphN timing failed: {e!r}"[:300])
+                    if not SMOKE:
+                        torch.cuda.empty_cache()
                 row = {
                     "ctx": ctx,
                     "batch": batch,
@@ -351,12 +419,13 @@ def attention_bench(hbm_gbps, contexts, batches, q_lens, with_sdpa=True):
                     "num_warps": cfg["num_warps"],
                     "num_stages": cfg["num_stages"],
                     "prefetch": cfg["prefetch"],
-                    "decode_kernel": cfg.get("decode_kernel", False),
-                    "fused_merge": cfg.get("fused_merge", False),
                     "ms_eager": t_eager,
                     "ms_graph": t_graph,
                     "ms_graph_clean_l2": t_clean,
                     "pct_hbm_graph_clean_l2": 100 * nbytes / (t_clean * 1e-3) / 1e9 / hbm_gbps,
+                    "graphN_copies": n_copies,
+                    "ms_graphN": t_steady,
+                    "pct_hbm_graphN": 100 * nbytes / (t_steady * 1e-3) / 1e9 / hbm_gbps,
                     "GBps_graph": nbytes / (t_graph * 1e-3) / 1e9,
                     "pct_hbm_graph": 100 * nbytes / (t_graph * 1e-3) / 1e9 / hbm_gbps,
                     "pct_hbm_eager": 100 * nbytes / (t_eager * 1e-3) / 1e9 / hbm_gbps,
@@ -367,6 +436,8 @@ def attention_bench(hbm_gbps, contexts, batches, q_lens, with_sdpa=True):
                             sdpa_bench(q, kc, vc, bt, batch, ctx, q_len, scale, out, hbm_gbps)
                         )
                         row["vs_sdpa"] = row["sdpa_ms"] / t_graph
+                        if "sdpa_ms_graphN" in row:
+                            row["vs_sdpa_graphN"] = row["sdpa_ms_graphN"] / t_steady
                     except Exception as e:  # noqa: BLE001
                         row["sdpa_error"] = repr(e)[:300]
                 rows.append(row)
@@ -375,12 +446,35 @@ def attention_bench(hbm_gbps, contexts, batches, q_lens, with_sdpa=True):
                     f"graph {t_graph * 1e3:8.1f} us ({row['pct_hbm_graph']:5.1f}% hbm) "
                     f"cleanL2 {t_clean * 1e3:8.1f} us "
                     f"sdpa-cleanL2 {row.get('sdpa_ms_clean_l2', float('nan')) * 1e3:8.1f} us "
+                    f"graph{n_copies} {t_steady * 1e3:8.1f} us "
+                    f"sdpa-graph{n_copies} {row.get('sdpa_ms_graphN', float('nan')) * 1e3:8.1f} us "
                     f"eager {t_eager * 1e3:8.1f} us  sdpa {row.get('sdpa_ms', float('nan')) * 1e3:8.1f}"
                     f" us  err {row.get('rel_err_vs_sdpa', float('nan')):.1e}"
                 )
                 del q, kc, vc, bt, out
                 torch.cuda.empty_cache()
     RESULTS.setdefault("attention", []).extend(rows)
+
+
+def paged_graphn(q, kc, vc, bt, cl, qsl, q_len, scale, out, n):
+    """Steady-state ms of one paged_attention call: ``n`` distinct K/V caches (plus q / out)
+    sharing one block table, as the layers of the engine's decode graph, in one CUDA graph."""
+    sets = [(q, kc, vc, out)]
+    for _ in range(n - 1):
+        sets.append(
+            (torch.randn_like(q), torch.randn_like(kc), torch.randn_like(vc), torch.empty_like(out))
+        )
+    fns = []
+    for q_, kc_, vc_, out_ in sets:
+
+        def fn(q=q_, kc=kc_, vc=vc_, out=out_):
+            paged_attention(q, kc, vc, bt, cl, qsl, scale, max_query_len=q_len, out=out)
+
+        fns.append(fn)
+    try:
+        return bench_graph_steady(fns)
+    finally:
+        del sets, fns
 
 
 def sdpa_bench(q, kc, vc, bt, batch, ctx, q_len, scale, out, hbm_gbps):
@@ -424,6 +518,33 @@ def sdpa_bench(q, kc, vc, bt, batch, ctx, q_len, scale, out, hbm_gbps):
         res["sdpa_ms_clean_l2"] = bench_graph_clean_l2(sfn)
     except Exception as e:  # noqa: BLE001
         res["sdpa_clean_l2_error"] = repr(e)[:200]
+    n = graph_copies(nbytes)
+    if n and mode == "enable_gqa":
+        # steady state, as paged_graphn: n distinct gathered copies in one graph
+        sets, fns = [(qd, kd, vd)], []
+        try:
+            for _ in range(n - 1):
+                sets.append((torch.randn_like(qd), torch.randn_like(kd), torch.randn_like(vd)))
+            for q_, k_, v_ in sets:
+
+                def sfn_n(q=q_, k=k_, v=v_):
+                    return F.scaled_dot_product_attention(
+                        q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+                    )
+
+                fns.append(sfn_n)
+            t_n = bench_graph_steady(fns)
+            res["sdpa_graphN_copies"] = n
+            res["sdpa_ms_graphN"] = t_n
+            res["sdpa_pct_hbm_graphN"] = 100 * nbytes / (t_n * 1e-3) / 1e9 / hbm_gbps
+        except Exception as e:  # noqa: BLE001
+            res["sdpa_graphN_error"] = repr(e)[:200]
+        finally:
+            del sets, fns
+            if not SMOKE:
+                torch.cuda.empty_cache()
+    elif n:
+        res["sdpa_graphN_error"] = "needs enable_gqa (torch >= 2.5)"
     return res
 
 
@@ -512,111 +633,6 @@ def attention_sweep(hbm_gbps, cases=None, splits_only=False):
         del q, kc, vc, bt, out
         torch.cuda.empty_cache()
     RESULTS["attention_sweep"] = rows
-
-
-@section("decode kernel / fused merge sweep")
-def decode_sweep(hbm_gbps, cases=None):
-    """Tiled vs all-heads decode kernel, split merge fused or launched, split counts, chunk
-    sizes, warps and stages (overrides of the default launch config)."""
-    rows = []
-    cases = cases or [
-        (1, 8192, 1),
-        (1, 32768, 1),
-        (8, 8192, 1),
-        (8, 32768, 1),
-        (32, 8192, 1),
-        (64, 32768, 1),
-        (1, 8192, 6),
-        (8, 8192, 6),
-        (1, 32768, 6),
-    ]
-    if SMOKE:
-        cases = [(1, 300, 1), (2, 100, 6)]
-    for batch, ctx, q_len in cases:
-        q, kc, vc, bt, cl, qsl = make_paged(batch, ctx, q_len)
-        out = torch.empty_like(q)
-        nbytes = kv_bytes(batch, ctx)
-        cfg0 = pa_mod.choose_launch_config(
-            num_tokens=q.shape[0],
-            num_seqs=batch,
-            num_heads=32,
-            num_kv_heads=8,
-            head_dim=128,
-            max_query_len=q_len,
-            max_context=bt.shape[1] * 16,
-            dtype=q.dtype,
-            sm_count=1 if SMOKE else pa_mod.num_sms(DEV),
-        )
-        variants = [{}, {"fused_merge": not cfg0["fused_merge"]}]
-        if q_len == 1:
-            variants += [
-                {"decode_kernel": False, "fused_merge": False},
-                {"decode_kernel": False, "fused_merge": True},
-            ]
-            dflt = pa_mod.choose_decode_config(
-                num_tokens=q.shape[0],
-                num_heads=32,
-                num_kv_heads=8,
-                max_context=bt.shape[1] * 16,
-                sm_count=1 if SMOKE else pa_mod.num_sms(DEV),
-            )["num_splits"]
-            sp = sorted(
-                {max(1, round(dflt * f)) for f in (0.25, 0.5, 0.75, 1.5, 2.0)}
-                | ({1, 2, 3, 4} if batch >= 32 else set())
-            )
-            dk = {"decode_kernel": True, "fused_merge": True}
-            variants += [{"decode_kernel": True, "fused_merge": False}, dk]
-            variants += [{**dk, "num_splits": x} for x in sp if x <= 256]
-            for bn, nw, ns in (
-                (32, 8, 2),
-                (16, 4, 2),
-                (16, 8, 3),
-                (32, 4, 2),
-                (32, 8, 3),
-                (16, 4, 3),
-                (64, 8, 2),
-            ):
-                variants.append({**dk, "block_n": bn, "num_warps": nw, "num_stages": ns})
-            variants.append({**dk, "merge_sp": 8})
-            variants.append({**dk, "merge_sp": 2})
-        if SMOKE:
-            variants = variants[:4] + [v for v in variants[4:] if "num_splits" in v][:2]
-        best = None
-        for ov in variants:
-
-            def fn(ov=ov, q=q, kc=kc, vc=vc, bt=bt, cl=cl, qsl=qsl, q_len=q_len, out=out):
-                pa_mod._paged_attention_triton(
-                    q, kc, vc, bt, cl, qsl, 128**-0.5, q_len, out, overrides=ov
-                )
-
-            try:
-                fn()
-                t = bench_graph(fn, rep=30)
-            except Exception as e:  # noqa: BLE001
-                rows.append(
-                    {"batch": batch, "ctx": ctx, "q_len": q_len, **ov, "error": repr(e)[:300]}
-                )
-                log(f"   b={batch} ctx={ctx} q={q_len} {ov}: {repr(e)[:200]}")
-                continue
-            pct = 100 * nbytes / (t * 1e-3) / 1e9 / hbm_gbps
-            rows.append(
-                {"batch": batch, "ctx": ctx, "q_len": q_len, **ov, "ms_graph": t, "pct_hbm": pct}
-            )
-            log(
-                f"   b={batch:2d} ctx={ctx:5d} q={q_len} {str(ov):80s} {t * 1e3:8.1f} us "
-                f"({pct:5.1f}%)"
-            )
-            if best is None or t < best[0]:
-                best = (t, ov, pct)
-        if best is not None:
-            log(
-                f"   b={batch} ctx={ctx} q={q_len}: default {cfg0}; best {best[1]} "
-                f"{best[0] * 1e3:.1f} us ({best[2]:.1f}%)"
-            )
-        del q, kc, vc, bt, out
-        if not SMOKE:
-            torch.cuda.empty_cache()
-    RESULTS.setdefault("decode_sweep", []).extend(rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -740,19 +756,26 @@ def summary(hbm):
     log(f"device: {RESULTS['device']}   HBM copy: {hbm:.0f} GB/s")
     log("paged attention (bf16, H=32, Hkv=8, D=128, block 16); us = CUDA-graph replay median")
     log(
-        f"{'ctx':>6} {'batch':>5} {'q':>2} {'kern':>4} {'splits':>6} {'us':>8} {'%hbm':>6} "
+        "cleanL2: replay after a 256 MB read flush; graphN: steady state, N distinct KV copies "
+        "in one graph (N = column N), per copy"
+    )
+    nan = float("nan")
+    log(
+        f"{'ctx':>6} {'batch':>5} {'q':>2} {'splits':>6} {'us':>8} {'%hbm':>6} "
         f"{'eager us':>9} {'sdpa us':>8} {'sdpa %':>6} {'vs sdpa':>7} {'cleanL2':>8} "
-        f"{'%hbm':>6} {'sdpa cL2':>8}"
+        f"{'%hbm':>6} {'sdpa cL2':>8} {'N':>2} {'graphN us':>9} {'%hbm graphN':>11} "
+        f"{'sdpa graphN us':>14}"
     )
     for r in RESULTS.get("attention", []):
         log(
-            f"{r['ctx']:>6} {r['batch']:>5} {r['q_len']:>2} "
-            f"{'dec' if r.get('decode_kernel') else 'tile':>4} {r['num_splits']:>6} "
+            f"{r['ctx']:>6} {r['batch']:>5} {r['q_len']:>2} {r['num_splits']:>6} "
             f"{r['ms_graph'] * 1e3:>8.1f} {r['pct_hbm_graph']:>6.1f} {r['ms_eager'] * 1e3:>9.1f} "
-            f"{r.get('sdpa_ms', float('nan')) * 1e3:>8.1f} {r.get('sdpa_pct_hbm', float('nan')):>6.1f}"
-            f" {r.get('vs_sdpa', float('nan')):>7.3f} {r.get('ms_graph_clean_l2', float('nan')) * 1e3:>8.1f} "
-            f"{r.get('pct_hbm_graph_clean_l2', float('nan')):>6.1f} "
-            f"{r.get('sdpa_ms_clean_l2', float('nan')) * 1e3:>8.1f}"
+            f"{r.get('sdpa_ms', nan) * 1e3:>8.1f} {r.get('sdpa_pct_hbm', nan):>6.1f} "
+            f"{r.get('vs_sdpa', nan):>7.3f} {r.get('ms_graph_clean_l2', nan) * 1e3:>8.1f} "
+            f"{r.get('pct_hbm_graph_clean_l2', nan):>6.1f} "
+            f"{r.get('sdpa_ms_clean_l2', nan) * 1e3:>8.1f} {r.get('graphN_copies', 0):>2} "
+            f"{r.get('ms_graphN', nan) * 1e3:>9.1f} {r.get('pct_hbm_graphN', nan):>11.1f} "
+            f"{r.get('sdpa_ms_graphN', nan) * 1e3:>14.1f}"
         )
     for r in RESULTS.get("rejection", []):
         log(f"rejection {r['case']:26s} graph {r['ms_graph'] * 1e3:7.1f} us")
@@ -773,6 +796,7 @@ def summary(hbm):
 
 
 def main():
+    global SMOKE, DEV, VOCAB, GRAPH_COPIES
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="kernels_bench.json")
     ap.add_argument("--quick", action="store_true", help="fewer attention shapes")
@@ -794,12 +818,11 @@ def main():
     )
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument(
-        "--decode-sweep",
-        action="store_true",
-        help="tiled vs all-heads decode kernel, fused merge, splits, tiles",
-    )
-    ap.add_argument(
-        "--decode-sweep-cases", default="", help="cases of --decode-sweep, 'batch:ctx:q_len,...'"
+        "--graph-copies",
+        type=int,
+        default=GRAPH_COPIES,
+        help="steady-state attention timing (graphN columns): distinct KV copies per captured "
+        "graph, reduced where they would exceed 20 GB; 0 skips it",
     )
     ap.add_argument(
         "--attention-only",
@@ -812,7 +835,7 @@ def main():
         help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script)",
     )
     args = ap.parse_args()
-    global SMOKE, DEV, VOCAB
+    GRAPH_COPIES = args.graph_copies
     if args.smoke:
         import os
 
@@ -844,11 +867,6 @@ def main():
         attention_sweep(hbm, cases or None, splits_only=args.sweep_splits_only)
         save()
         return
-    if args.decode_sweep:
-        cases = [
-            tuple(int(x) for x in c.split(":")) for c in args.decode_sweep_cases.split(",") if c
-        ]
-        decode_sweep(hbm, cases or None)
     checks()
     contexts = (8192, 16384, 32768)
     batches = (1, 8, 32, 64)

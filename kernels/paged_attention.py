@@ -21,17 +21,7 @@ Triton kernel design
   whole ``BLOCK_N`` chunks. With more than one split, each piece writes a normalised partial
   output plus its log-sum-exp and a second kernel merges them. The number of splits is picked
   on the host from shapes only (never from tensor contents), so that small batches at long
-  context still fill the GPU. Option (``fused_merge``, off by default): no second kernel; each
-  split program bumps a per-(tile, KV head) atomic counter after writing its partial, and the
-  program that arrives last merges all partials and resets the counter to zero (graph-safe:
-  the grid and the counter buffer come from shapes only; the buffer is never allocated during
-  a capture, the separate merge kernel is used instead then).
-* Option (``decode_kernel``, off by default): decode batches go to ``_paged_decode_kernel``,
-  one query token and ALL its heads per program (grid ``(num_tokens, num_splits)``). Each step
-  reads BLOCK_N cache positions of every KV head, i.e. whole contiguous cache blocks
-  (``[BLOCK_N, num_kv_heads, head_dim]``), instead of 256-byte rows per KV head, and runs
-  batched ``[KV head, GROUP (padded to 16), BLOCK_N]`` dots. Exact for any ``q_len`` (one
-  program row per query token, causal bound per token), so a wrong hint only costs speed.
+  context still fill the GPU.
 * fp32 accumulation and softmax (exp2 with the scale folded in); output in q's dtype.
 """
 
@@ -68,22 +58,15 @@ _PREFETCH_DEFAULT = False
 # blocks at about the same time) instead of the tiles of one KV head. Measured on the H100:
 # within 0.5% either way (bench/results/kernels_h100_order_sweep.json), so off.
 _HEADS_FIRST_DEFAULT = False
-# Split merge inside the attention kernel (the last split program of a tile merges, found with
-# a per-tile atomic counter) instead of a second launch. Needs the per-device counter buffer
-# (_counters): calls must not run concurrently on two streams of one device.
-# Decode tiles (one query token) through _paged_decode_kernel: all KV heads of a token per
-# program, whole cache blocks per load; programs per SM for its split count, chunk, warps,
-# stages below.
-# Both are OFF: written and tested under the Triton interpreter only, not yet compiled or timed
-# on a GPU (no device was lent in the session that wrote them). `bench/bench_kernels.py
-# --decode-sweep` measures them against the defaults; switch them on only where that wins.
-_FUSED_MERGE_DEFAULT = False
-_DECODE_KERNEL_DEFAULT = False
-_DECODE_PROGRAMS_PER_SM = 2
-_DECODE_BLOCK_N = 16
-_DECODE_NUM_WARPS = 8
-_DECODE_NUM_STAGES = 2
-_DECODE_MAX_SPLITS = 128
+# Tried and removed: a split merge fused into the attention kernel (the last split program of a
+# tile merges, found with a per-tile atomic counter; no merge launch) and an all-heads decode
+# kernel (one token, all KV heads per program, whole cache blocks per load), both added in commit
+# 85b5ed1. Measured on an H100 on 2026-11-23 (bench_kernels.py, CUDA-graph replay, Llama-3-8B
+# heads, bf16) as default / fused merge / decode kernel [decode kernel + fused merge, range over
+# split counts and tiles]: batch 1 decode, 8k context 27.6 / 28.0 / 29.9 [44.9-72.7] us, 32k
+# 66.2 / 67.7 / 69.1 [86-147] us; batch 8 decode, 8k 109.7 / 109.4 / 117.5 [115.6-220] us, 32k
+# 373.6 / 373.2 / 383.7 [382-764] us; batch 1 k+1 = 6 verification, 8k: fused merge 30.9 -> 37.7
+# us. Nothing gained more than ~1%, so both were removed.
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,15 +128,12 @@ if tl is not None:
         block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
         context_lens_ptr,  # [num_seqs] int32
         qsl_ptr,  # [num_seqs + 1] int32
-        out_ptr,  # [num_tokens, num_heads, head_dim]; written when not SPLIT or FUSED_MERGE
+        out_ptr,  # [num_tokens, num_heads, head_dim]; written when not SPLIT
         part_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] fp32; when SPLIT
         part_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32 (log2 domain); when SPLIT
-        counter_ptr,  # [num_tiles * num_kv_heads] int32, all zero on entry; when FUSED_MERGE
         qk_scale,  # fp32: softmax scale * log2(e)
         num_seqs,
         num_splits,
-        num_heads,
-        num_kv_heads,
         stride_qt,
         stride_qh,
         stride_kb,
@@ -172,10 +152,6 @@ if tl is not None:
         HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,  # tokens per cache block
         SPLIT: tl.constexpr,  # num_splits > 1
-        FUSED_MERGE: tl.constexpr,  # SPLIT: the last split program of a tile merges (counter)
-        MERGE_M: tl.constexpr,  # FUSED_MERGE: next_pow2(BLOCK_Q * GROUP) rows to merge
-        SPLITS_P2: tl.constexpr,  # FUSED_MERGE: next_pow2(num_splits)
-        MERGE_SP: tl.constexpr,  # FUSED_MERGE: splits merged per step
         IEEE_DOT: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
         UPCAST_DOT: tl.constexpr,  # interpreter + bf16: numpy has no bf16 dot, upcast operands
         PREFETCH: tl.constexpr,  # load chunk i+1 while computing chunk i
@@ -329,7 +305,7 @@ if tl is not None:
             has_keys = l_i > 0.0
             o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
             if SPLIT:
-                prow = (tok * num_heads + head) * num_splits + split  # [BLOCK_M]
+                prow = (tok * stride_ot + head * stride_oh) * num_splits + split  # [BLOCK_M]
                 tl.store(
                     part_out_ptr + prow[:, None] * HEAD_DIM + d[None, :],
                     o,
@@ -337,61 +313,6 @@ if tl is not None:
                 )
                 lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), -float("inf"))
                 tl.store(part_lse_ptr + prow, lse, mask=row_valid)
-                if FUSED_MERGE:
-                    # Every split program of this (tile, kv head) bumps one counter after its
-                    # partial is written (barrier: all threads' stores first; acq_rel at GPU
-                    # scope publishes them / makes the others' visible). The program that
-                    # sees num_splits - 1 merges all partials and resets the counter to 0.
-                    tl.debug_barrier()
-                    cidx = tile * num_kv_heads + kvh
-                    done = tl.atomic_add(counter_ptr + cidx, 1, sem="acq_rel", scope="gpu")
-                    if done == num_splits - 1:
-                        mr = tl.arange(0, MERGE_M)
-                        mj = mr // GROUP
-                        m_valid = (mj < BLOCK_Q) & (q_tile + mj < q_len)
-                        mhead = kvh * GROUP + mr % GROUP
-                        mtok = (q_start + q_tile + mj).to(tl.int64)
-                        pbase = (mtok * num_heads + mhead) * num_splits  # [MERGE_M]
-                        sp = tl.arange(0, SPLITS_P2)
-                        lse_all = tl.load(
-                            part_lse_ptr + pbase[:, None] + sp[None, :],
-                            mask=m_valid[:, None] & (sp < num_splits)[None, :],
-                            other=-float("inf"),
-                            cache_modifier=".cg",
-                        )  # [MERGE_M, SPLITS_P2]
-                        mx = tl.max(lse_all, axis=1)
-                        mx = tl.where(mx == -float("inf"), 0.0, mx)
-                        den = tl.sum(tl.exp2(lse_all - mx[:, None]), axis=1)
-                        macc = tl.zeros([MERGE_M, HEAD_DIM], tl.float32)
-                        for s0 in range(0, num_splits, MERGE_SP):
-                            spc = s0 + tl.arange(0, MERGE_SP)
-                            pmask = m_valid[:, None] & (spc < num_splits)[None, :]
-                            lse_c = tl.load(
-                                part_lse_ptr + pbase[:, None] + spc[None, :],
-                                mask=pmask,
-                                other=-float("inf"),
-                                cache_modifier=".cg",
-                            )  # [MERGE_M, MERGE_SP]
-                            w = tl.exp2(lse_c - mx[:, None])
-                            po = tl.load(
-                                part_out_ptr
-                                + ((pbase[:, None] + spc[None, :]) * HEAD_DIM)[:, :, None]
-                                + d[None, None, :],
-                                mask=pmask[:, :, None],
-                                other=0.0,
-                                cache_modifier=".cg",
-                            )  # [MERGE_M, MERGE_SP, HEAD_DIM]
-                            macc += tl.sum(po * w[:, :, None], axis=1)
-                        mo = macc / tl.where(den > 0.0, den, 1.0)[:, None]
-                        tl.store(
-                            out_ptr
-                            + mtok[:, None] * stride_ot
-                            + mhead[:, None] * stride_oh
-                            + d[None, :],
-                            mo.to(out_ptr.dtype.element_ty),
-                            mask=m_valid[:, None],
-                        )
-                        tl.atomic_xchg(counter_ptr + cidx, 0)  # ready for the next launch
             else:
                 tl.store(
                     out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -436,226 +357,11 @@ if tl is not None:
                 o.to(out_ptr.dtype.element_ty),
             )
 
-    @lazy_jit
-    def _paged_decode_kernel(
-        q_ptr,  # [num_tokens, num_heads, head_dim]
-        k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
-        context_lens_ptr,  # [num_seqs] int32
-        qsl_ptr,  # [num_seqs + 1] int32
-        out_ptr,  # [num_tokens, num_heads, head_dim]; written when not SPLIT or FUSED_MERGE
-        part_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] fp32; when SPLIT
-        part_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32 (log2 domain); when SPLIT
-        counter_ptr,  # [num_tokens] int32, all zero on entry; when FUSED_MERGE
-        qk_scale,  # fp32: softmax scale * log2(e)
-        num_seqs,
-        num_splits,
-        num_heads,
-        num_kv_heads,
-        stride_qt,
-        stride_qh,
-        stride_kb,
-        stride_ks,
-        stride_kh,
-        stride_vb,
-        stride_vs,
-        stride_vh,
-        stride_bt,
-        stride_ot,
-        stride_oh,
-        GROUP: tl.constexpr,  # num_heads // num_kv_heads
-        KVH_P2: tl.constexpr,  # next_pow2(num_kv_heads)
-        GROUP_M: tl.constexpr,  # rows per KV head in the dots: next_pow2(GROUP), >= 16
-        HEADS_P2: tl.constexpr,  # next_pow2(num_heads)
-        BLOCK_N: tl.constexpr,  # kv positions per inner iteration
-        HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,  # tokens per cache block
-        SPLIT: tl.constexpr,  # num_splits > 1
-        FUSED_MERGE: tl.constexpr,  # SPLIT: the last split program of a token merges (counter)
-        SPLITS_P2: tl.constexpr,  # FUSED_MERGE: next_pow2(num_splits)
-        MERGE_SP: tl.constexpr,  # FUSED_MERGE: splits merged per step
-        IEEE_DOT: tl.constexpr,
-        UPCAST_DOT: tl.constexpr,
-    ):
-        """One query token, ALL heads per program (decode): each inner step reads the K/V rows
-        of every KV head of BLOCK_N positions, i.e. whole contiguous cache blocks, and runs one
-        batched (KV head x GROUP_M x BLOCK_N) dot per operand. Grid (num_tokens, num_splits)."""
-        tok = tl.program_id(0)
-        split = tl.program_id(1)
-        lo = 0
-        hi = num_seqs - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if tl.load(qsl_ptr + mid) <= tok:
-                lo = mid
-            else:
-                hi = mid - 1
-        seq = lo
-        q_start = tl.load(qsl_ptr + seq)
-        q_len = tl.load(qsl_ptr + seq + 1) - q_start
-        q_idx = tok - q_start
-        if q_idx < q_len:
-            ctx = tl.load(context_lens_ptr + seq)
-            kv_end = ctx - q_len + q_idx + 1  # causal: positions <= the token's own
-            n_chunks = tl.cdiv(tl.maximum(kv_end, 0), BLOCK_N)
-            chunks_per_split = tl.cdiv(n_chunks, num_splits)
-            kv_lo = split * chunks_per_split * BLOCK_N
-            kv_hi = tl.minimum(kv_lo + chunks_per_split * BLOCK_N, kv_end)
-
-            hk = tl.arange(0, KVH_P2)[:, None, None]  # [KVH_P2, 1, 1]
-            g = tl.arange(0, GROUP_M)[None, :, None]  # [1, GROUP_M, 1]
-            dd = tl.arange(0, HEAD_DIM)[None, None, :]  # [1, 1, HEAD_DIM]
-            head = hk * GROUP + g  # [KVH_P2, GROUP_M, 1]
-            r_valid = (hk < num_kv_heads) & (g < GROUP)
-            tok64 = tok.to(tl.int64)
-            q = tl.load(
-                q_ptr + tok64 * stride_qt + head * stride_qh + dd, mask=r_valid, other=0.0
-            )  # [KVH_P2, GROUP_M, HEAD_DIM]
-            if UPCAST_DOT:
-                q = q.to(tl.float32)
-            m_i = tl.full([KVH_P2, GROUP_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([KVH_P2, GROUP_M], tl.float32)
-            acc = tl.zeros([KVH_P2, GROUP_M, HEAD_DIM], tl.float32)
-            bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-            kv_valid = hk < num_kv_heads  # [KVH_P2, 1, 1]
-            k_hoff = hk.to(tl.int64) * stride_kh + dd
-            v_hoff = hk.to(tl.int64) * stride_vh + dd
-            for start in range(kv_lo, kv_hi, BLOCK_N):
-                offs_n = start + tl.arange(0, BLOCK_N)
-                n_valid = offs_n < kv_hi
-                phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-                within = offs_n % BLOCK_SIZE
-                ld_mask = n_valid[None, :, None] & kv_valid
-                k = tl.load(
-                    k_cache_ptr + (phys * stride_kb + within * stride_ks)[None, :, None] + k_hoff,
-                    mask=ld_mask,
-                    other=0.0,
-                )  # [KVH_P2, BLOCK_N, HEAD_DIM]
-                v = tl.load(
-                    v_cache_ptr + (phys * stride_vb + within * stride_vs)[None, :, None] + v_hoff,
-                    mask=ld_mask,
-                    other=0.0,
-                )  # [KVH_P2, BLOCK_N, HEAD_DIM]
-                if UPCAST_DOT:
-                    k = k.to(tl.float32)
-                    v = v.to(tl.float32)
-                kt = tl.permute(k, (0, 2, 1))  # [KVH_P2, HEAD_DIM, BLOCK_N]
-                if IEEE_DOT:
-                    s = tl.dot(q, kt, input_precision="ieee")
-                else:
-                    s = tl.dot(q, kt)
-                s = s * qk_scale  # [KVH_P2, GROUP_M, BLOCK_N], log2 domain
-                s = tl.where(n_valid[None, None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=2))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                p = tl.exp2(s - m_safe[:, :, None])
-                l_i = l_i * alpha + tl.sum(p, axis=2)
-                if IEEE_DOT:
-                    pv = tl.dot(p, v, input_precision="ieee")
-                elif UPCAST_DOT:
-                    pv = tl.dot(p.to(tl.bfloat16).to(tl.float32), v)
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, :, None] + pv
-                m_i = m_new
-
-            has_keys = l_i > 0.0
-            o = acc / tl.where(has_keys, l_i, 1.0)[:, :, None]
-            if SPLIT:
-                prow = (tok64 * num_heads + head) * num_splits + split  # [KVH_P2, GROUP_M, 1]
-                tl.store(part_out_ptr + prow * HEAD_DIM + dd, o, mask=r_valid)
-                lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), -float("inf"))
-                tl.store(
-                    part_lse_ptr + tl.reshape(prow, [KVH_P2, GROUP_M]),
-                    lse,
-                    mask=tl.reshape(r_valid, [KVH_P2, GROUP_M]),
-                )
-                if FUSED_MERGE:  # as in _paged_attn_kernel, one counter per query token
-                    tl.debug_barrier()
-                    done = tl.atomic_add(counter_ptr + tok64, 1, sem="acq_rel", scope="gpu")
-                    if done == num_splits - 1:
-                        hh = tl.arange(0, HEADS_P2)
-                        h_valid = hh < num_heads
-                        pbase = (tok64 * num_heads + hh) * num_splits  # [HEADS_P2]
-                        d = tl.arange(0, HEAD_DIM)
-                        sp = tl.arange(0, SPLITS_P2)
-                        lse_all = tl.load(
-                            part_lse_ptr + pbase[:, None] + sp[None, :],
-                            mask=h_valid[:, None] & (sp < num_splits)[None, :],
-                            other=-float("inf"),
-                            cache_modifier=".cg",
-                        )  # [HEADS_P2, SPLITS_P2]
-                        mx = tl.max(lse_all, axis=1)
-                        mx = tl.where(mx == -float("inf"), 0.0, mx)
-                        den = tl.sum(tl.exp2(lse_all - mx[:, None]), axis=1)
-                        macc = tl.zeros([HEADS_P2, HEAD_DIM], tl.float32)
-                        for s0 in range(0, num_splits, MERGE_SP):
-                            spc = s0 + tl.arange(0, MERGE_SP)
-                            pmask = h_valid[:, None] & (spc < num_splits)[None, :]
-                            lse_c = tl.load(
-                                part_lse_ptr + pbase[:, None] + spc[None, :],
-                                mask=pmask,
-                                other=-float("inf"),
-                                cache_modifier=".cg",
-                            )  # [HEADS_P2, MERGE_SP]
-                            w = tl.exp2(lse_c - mx[:, None])
-                            po = tl.load(
-                                part_out_ptr
-                                + ((pbase[:, None] + spc[None, :]) * HEAD_DIM)[:, :, None]
-                                + d[None, None, :],
-                                mask=pmask[:, :, None],
-                                other=0.0,
-                                cache_modifier=".cg",
-                            )  # [HEADS_P2, MERGE_SP, HEAD_DIM]
-                            macc += tl.sum(po * w[:, :, None], axis=1)
-                        mo = macc / tl.where(den > 0.0, den, 1.0)[:, None]
-                        tl.store(
-                            out_ptr + tok64 * stride_ot + hh[:, None] * stride_oh + d[None, :],
-                            mo.to(out_ptr.dtype.element_ty),
-                            mask=h_valid[:, None],
-                        )
-                        tl.atomic_xchg(counter_ptr + tok64, 0)  # ready for the next launch
-            else:
-                tl.store(
-                    out_ptr + tok64 * stride_ot + head * stride_oh + dd,
-                    o.to(out_ptr.dtype.element_ty),
-                    mask=r_valid,
-                )
-
 
 # --------------------------------------------------------------------------------------------
 # Launch configuration and launcher
 # --------------------------------------------------------------------------------------------
-def choose_launch_config(**kw) -> dict:
-    """Pick the kernel, tile sizes and the number of KV splits from shapes only (no device
-    reads): decode batches (``max_query_len == 1``) go to :func:`_paged_decode_kernel`
-    (``_DECODE_KERNEL_DEFAULT``), everything else to the tiled kernel."""
-    if (
-        kw["max_query_len"] <= 1
-        and _DECODE_KERNEL_DEFAULT
-        and decode_kernel_fits(kw["num_heads"], kw["num_kv_heads"], kw["head_dim"])
-    ):
-        return choose_decode_config(
-            num_tokens=kw["num_tokens"],
-            num_heads=kw["num_heads"],
-            num_kv_heads=kw["num_kv_heads"],
-            max_context=kw["max_context"],
-            sm_count=kw["sm_count"],
-            num_splits=kw.get("num_splits"),
-        )
-    return _choose_tiled_config(**kw)
-
-
-def decode_kernel_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether :func:`_paged_decode_kernel`'s per-program tiles (all heads of a token, padded
-    to >= 16 rows per KV head) stay within 8 x 16 x 128 elements."""
-    rows = next_pow2(num_kv_heads) * max(16, next_pow2(num_heads // num_kv_heads))
-    return rows * head_dim <= 16384
-
-
-def _choose_tiled_config(
+def choose_launch_config(
     *,
     num_tokens: int,
     num_seqs: int,
@@ -669,7 +375,7 @@ def _choose_tiled_config(
     num_splits: int | None = None,
     prefetch: bool | None = None,
 ) -> dict:
-    """Tiles and KV splits of the tiled kernel :func:`_paged_attn_kernel`."""
+    """Pick tile sizes and the number of KV splits from shapes only (no device reads)."""
     group = num_heads // num_kv_heads
     max_rows = 128 if head_dim <= 128 and dtype != torch.float32 else 64
     block_q = 1
@@ -712,61 +418,7 @@ def _choose_tiled_config(
         num_splits=int(num_splits),
         prefetch=bool(prefetch),
         heads_first=_HEADS_FIRST_DEFAULT,
-        fused_merge=_FUSED_MERGE_DEFAULT,
-        merge_sp=4 if block_q * group > 8 else 8,
-        decode_kernel=False,
     )
-
-
-def choose_decode_config(
-    *,
-    num_tokens: int,
-    num_heads: int,
-    num_kv_heads: int,
-    max_context: int,
-    sm_count: int,
-    num_splits: int | None = None,
-) -> dict:
-    """Launch parameters of :func:`_paged_decode_kernel` (one query token per program row,
-    all heads), from shapes only."""
-    if num_splits is None:
-        target = _DECODE_PROGRAMS_PER_SM * sm_count
-        want = max(1, round(target / max(1, num_tokens)))
-        cap = max(1, min(_DECODE_MAX_SPLITS, cdiv(max_context, 4 * _DECODE_BLOCK_N)))
-        num_splits = min(want, cap)
-    return dict(
-        block_q=1,
-        block_m=max(16, next_pow2(num_heads // num_kv_heads)),
-        block_n=_DECODE_BLOCK_N,
-        num_warps=_DECODE_NUM_WARPS,
-        num_stages=_DECODE_NUM_STAGES,
-        num_tiles=num_tokens,
-        num_splits=int(num_splits),
-        prefetch=False,
-        heads_first=False,
-        fused_merge=_FUSED_MERGE_DEFAULT,
-        merge_sp=4 if num_heads > 16 else 8,
-        decode_kernel=True,
-    )
-
-
-# per-device int32 counters for the fused split merge; zero between launches (the merging
-# program resets its counter), so one buffer serves every call made on one stream at a time
-_COUNTERS: dict = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """A zeroed int32 buffer of at least ``n`` entries, or None when one would have to be
-    allocated during CUDA-graph capture (its zero fill would not run before the graph does)."""
-    key = (device.type, device.index)
-    buf = _COUNTERS.get(key)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    buf = torch.zeros(max(n, 16384), dtype=torch.int32, device=device)
-    _COUNTERS[key] = buf
-    return buf
 
 
 def _check_attention_args(
@@ -856,35 +508,9 @@ def _paged_attention_triton(
         num_splits=num_splits,
     )
     if overrides:
-        if "decode_kernel" in overrides and overrides["decode_kernel"] != cfg["decode_kernel"]:
-            base = dict(
-                num_tokens=num_tokens,
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                max_context=block_tables.shape[1] * block_size,
-                sm_count=num_sms(q.device),
-                num_splits=num_splits,
-            )
-            if overrides["decode_kernel"]:
-                cfg = choose_decode_config(**base)
-            else:
-                base.pop("max_context")
-                cfg = _choose_tiled_config(
-                    **base,
-                    num_seqs=num_seqs,
-                    head_dim=head_dim,
-                    max_query_len=int(max_query_len),
-                    max_context=block_tables.shape[1] * block_size,
-                    dtype=q.dtype,
-                )
         cfg.update(overrides)
-    decode = bool(cfg["decode_kernel"])
-    if decode and cfg["block_q"] != 1:
-        raise ValueError("decode_kernel needs block_q == 1")
     splits = cfg["num_splits"]
     split = splits > 1
-    counters = out  # placeholder pointer when not fused
-    fused = False
     if split:
         part_out = torch.empty(
             (num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
@@ -892,18 +518,19 @@ def _paged_attention_triton(
         part_lse = torch.empty(
             (num_tokens, num_heads, splits), dtype=torch.float32, device=q.device
         )
-        if cfg["fused_merge"]:
-            n_cnt = num_tokens if decode else cfg["num_tiles"] * num_kv_heads
-            buf = _counters(q.device, n_cnt)
-            if buf is not None:
-                counters, fused = buf, True
+        # partial buffers are indexed as dense [num_tokens, num_heads, splits, ...] below
+        stride_ot, stride_oh = num_heads, 1
     else:
         part_out = out
         part_lse = out
-    # merge tile constexprs only matter when fused: fixed otherwise (no extra compiled variants)
-    merge_sp = int(cfg.get("merge_sp", 4)) if fused else 1
-    splits_p2 = next_pow2(splits) if fused else 1
-    common = (
+        stride_ot, stride_oh = out.stride(0), out.stride(1)
+    # grid dims 1 and 2 are limited to 65535: tiles go first when there are more of them
+    heads_first = bool(cfg["heads_first"]) and cfg["num_tiles"] <= 65535
+    if heads_first:
+        grid = (num_kv_heads, cfg["num_tiles"], splits)
+    else:
+        grid = (cfg["num_tiles"], num_kv_heads, splits)
+    _paged_attn_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -913,12 +540,9 @@ def _paged_attention_triton(
         out,
         part_out,
         part_lse,
-        counters,
         float(scale) * _LOG2E,
         num_seqs,
         splits,
-        num_heads,
-        num_kv_heads,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -928,39 +552,8 @@ def _paged_attention_triton(
         v_cache.stride(1),
         v_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-    )
-    if decode:
-        _paged_decode_kernel[(num_tokens, splits)](
-            *common,
-            GROUP=num_heads // num_kv_heads,
-            KVH_P2=next_pow2(num_kv_heads),
-            GROUP_M=max(16, next_pow2(num_heads // num_kv_heads)),
-            HEADS_P2=next_pow2(num_heads),
-            BLOCK_N=cfg["block_n"],
-            HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size,
-            SPLIT=split,
-            FUSED_MERGE=fused,
-            SPLITS_P2=splits_p2,
-            MERGE_SP=merge_sp,
-            IEEE_DOT=q.dtype == torch.float32,
-            UPCAST_DOT=interpret_mode() and q.dtype == torch.bfloat16,
-            num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
-        )
-        if split and not fused:
-            _launch_reduce(part_out, part_lse, out, query_start_loc, num_seqs, splits)
-        return out
-    # grid dims 1 and 2 are limited to 65535: tiles go first when there are more of them
-    heads_first = bool(cfg["heads_first"]) and cfg["num_tiles"] <= 65535
-    if heads_first:
-        grid = (num_kv_heads, cfg["num_tiles"], splits)
-    else:
-        grid = (cfg["num_tiles"], num_kv_heads, splits)
-    _paged_attn_kernel[grid](
-        *common,
+        stride_ot,
+        stride_oh,
         GROUP=num_heads // num_kv_heads,
         BLOCK_Q=cfg["block_q"],
         BLOCK_M=cfg["block_m"],
@@ -968,10 +561,6 @@ def _paged_attention_triton(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         SPLIT=split,
-        FUSED_MERGE=fused,
-        MERGE_M=next_pow2(cfg["block_q"] * (num_heads // num_kv_heads)) if fused else 1,
-        SPLITS_P2=splits_p2,
-        MERGE_SP=merge_sp,
         IEEE_DOT=q.dtype == torch.float32,
         UPCAST_DOT=interpret_mode() and q.dtype == torch.bfloat16,
         PREFETCH=bool(cfg["prefetch"]),
@@ -979,27 +568,22 @@ def _paged_attention_triton(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    if split and not fused:
-        _launch_reduce(part_out, part_lse, out, query_start_loc, num_seqs, splits)
+    if split:
+        _paged_attn_reduce_kernel[(num_tokens, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            query_start_loc,
+            num_seqs,
+            num_heads,
+            splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            SPLITS_P2=next_pow2(splits),
+            num_warps=4 if head_dim * next_pow2(splits) >= 4096 else 2,
+        )
     return out
-
-
-def _launch_reduce(part_out, part_lse, out, query_start_loc, num_seqs, splits) -> None:
-    num_tokens, num_heads, head_dim = out.shape
-    _paged_attn_reduce_kernel[(num_tokens, num_heads)](
-        part_out,
-        part_lse,
-        out,
-        query_start_loc,
-        num_seqs,
-        num_heads,
-        splits,
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=head_dim,
-        SPLITS_P2=next_pow2(splits),
-        num_warps=4 if head_dim * next_pow2(splits) >= 4096 else 2,
-    )
 
 
 def paged_attention(

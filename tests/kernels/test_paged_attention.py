@@ -211,6 +211,20 @@ def test_high_block_ids_and_int64_offsets(device):
         q.to(device), cache, cache, *to(device, bt, cl, qsl), 0.25, force_triton=True
     )
     assert rel_err(out, ref) < REL_TOL[torch.float16]
+    # split-K with 16-token chunks: every split gets keys (partial outputs + merge kernel)
+    pa = importlib.import_module("speculant.kernels.paged_attention")  # module, not the fn
+    out = torch.full_like(q, float("nan")).to(device)
+    pa._paged_attention_triton(
+        q.to(device),
+        cache,
+        cache,
+        *to(device, bt, cl, qsl),
+        0.25,
+        None,
+        out,
+        overrides={"num_splits": 3, "block_n": 16},
+    )
+    assert rel_err(out, ref) < REL_TOL[torch.float16]
     del cache
 
 
@@ -370,179 +384,3 @@ def test_kernel_program_order(device, heads_first):
         )
         assert not torch.isnan(out).any()
         assert rel_err(out, ref) < REL_TOL[torch.float16]
-
-
-def _pa():
-    return importlib.import_module("speculant.kernels.paged_attention")  # module, not the fn
-
-
-@pytest.mark.parametrize(
-    ("dtype", "block_size"),
-    [(torch.float32, 16), (torch.float16, 5), (torch.bfloat16, 16), (torch.bfloat16, 32)],
-)
-@pytest.mark.parametrize("gqa", [(4, 4), (8, 2), (8, 1), (6, 2)])
-def test_decode_kernel(device, dtype, gqa, block_size, monkeypatch):
-    """All-heads decode kernel (one query token per program row) on a pure decode batch with
-    ragged contexts and an empty sequence: through the public function with both options on
-    as defaults (heuristic split count, fused merge), then split counts 1 / 3 / 8 (some splits
-    get no keys) with the fused merge on and off."""
-    pa = _pa()
-    monkeypatch.setattr(pa, "_DECODE_KERNEL_DEFAULT", True)
-    monkeypatch.setattr(pa, "_FUSED_MERGE_DEFAULT", True)
-    H, Hkv = gqa
-    q, kc, vc, bt, cl, qsl = make_batch(
-        q_lens=[1, 1, 0, 1, 1],
-        ctx_lens=[37, 1, 9, 130, 16],
-        num_heads=H,
-        num_kv_heads=Hkv,
-        head_dim=32,
-        block_size=block_size,
-        dtype=dtype,
-    )
-    scale = 32**-0.5
-    ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, scale)
-    cfg = pa.choose_launch_config(
-        num_tokens=q.shape[0],
-        num_seqs=5,
-        num_heads=H,
-        num_kv_heads=Hkv,
-        head_dim=32,
-        max_query_len=1,
-        max_context=bt.shape[1] * block_size,
-        dtype=dtype,
-        sm_count=4,
-    )
-    assert cfg["decode_kernel"] and cfg["fused_merge"] and cfg["num_splits"] > 1
-    out = torch.full_like(q, float("nan")).to(device)
-    paged_attention(*to(device, q, kc, vc, bt, cl, qsl), scale, 1, out, force_triton=True)
-    assert not torch.isnan(out).any()
-    assert rel_err(out, ref) < REL_TOL[dtype]
-    for splits, fused in ((1, True), (3, True), (8, True), (3, False)):
-        out = torch.full_like(q, float("nan")).to(device)
-        ov = {"fused_merge": fused, "num_splits": splits}
-        pa._paged_attention_triton(*to(device, q, kc, vc, bt, cl, qsl), scale, 1, out, overrides=ov)
-        assert not torch.isnan(out).any()
-        assert rel_err(out, ref) < REL_TOL[dtype]
-
-
-def test_decode_kernel_selection(monkeypatch):
-    """With the option on, decode batches whose all-heads tile fits take the decode kernel;
-    multi-token batches and big tiles (head_dim 256, 32 KV heads) keep the tiled kernel."""
-    pa = _pa()
-    monkeypatch.setattr(pa, "_DECODE_KERNEL_DEFAULT", True)
-    base = dict(
-        num_tokens=4,
-        num_seqs=4,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        max_query_len=1,
-        max_context=32768,
-        dtype=torch.bfloat16,
-        sm_count=132,
-    )
-    assert pa.choose_launch_config(**base)["decode_kernel"]
-    assert not pa.choose_launch_config(**{**base, "max_query_len": 6})["decode_kernel"]
-    assert not pa.choose_launch_config(**{**base, "head_dim": 256})["decode_kernel"]
-    assert not pa.choose_launch_config(**{**base, "num_kv_heads": 32})["decode_kernel"]
-    monkeypatch.setattr(pa, "_DECODE_KERNEL_DEFAULT", False)
-    assert not pa.choose_launch_config(**base)["decode_kernel"]
-
-
-def test_decode_kernel_any_query_lengths_and_block_n(device):
-    """The decode kernel is exact for any q_len (one program per query token, causal bound per
-    token) when the hint is wrong, incl. chunks larger and smaller than a cache block."""
-    pa = _pa()
-    q, kc, vc, bt, cl, qsl = make_batch(
-        **MIXED, num_heads=8, num_kv_heads=2, head_dim=64, block_size=8, dtype=torch.float16
-    )
-    ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, 0.125)
-    for block_n, splits in ((16, 1), (16, 4), (32, 3), (64, 2)):
-        out = torch.full_like(q, float("nan")).to(device)
-        pa._paged_attention_triton(
-            *to(device, q, kc, vc, bt, cl, qsl),
-            0.125,
-            1,
-            out,
-            overrides={"decode_kernel": True, "block_n": block_n, "num_splits": splits},
-        )
-        assert not torch.isnan(out).any()
-        assert rel_err(out, ref) < REL_TOL[torch.float16]
-
-
-@pytest.mark.parametrize("decode_kernel", [False, True])
-def test_fused_merge_counters_reset(device, decode_kernel):
-    """Fused split merge (last split program merges): repeated calls with different split
-    counts and shapes give the right result each time and leave every counter at zero; the
-    separate merge kernel (fused_merge off) agrees."""
-    pa = _pa()
-    for rep, (q_lens, ctxs, splits) in enumerate(
-        (
-            ([1, 6, 2], [90, 40, 2], 5),
-            ([1, 6, 2], [90, 40, 2], 5),
-            ([1, 1, 3, 1], [300, 17, 64, 8], 7),
-        )
-    ):
-        q, kc, vc, bt, cl, qsl = make_batch(
-            q_lens=q_lens,
-            ctx_lens=ctxs,
-            num_heads=8,
-            num_kv_heads=2,
-            head_dim=32,
-            block_size=16,
-            dtype=torch.float32,
-        )
-        ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, 0.2)
-        for fused in (True, False):
-            out = torch.full_like(q, float("nan")).to(device)
-            pa._paged_attention_triton(
-                *to(device, q, kc, vc, bt, cl, qsl),
-                0.2,
-                6,
-                out,
-                overrides={
-                    "fused_merge": fused,
-                    "num_splits": splits,
-                    "decode_kernel": decode_kernel,
-                    "merge_sp": 4 if rep else 8,
-                },
-            )
-            assert not torch.isnan(out).any()
-            assert rel_err(out, ref) < REL_TOL[torch.float32], (rep, fused)
-        buf = pa._COUNTERS[(device.type, device.index)]
-        assert int(buf.abs().sum()) == 0
-
-
-def test_decode_kernel_high_block_ids_and_int64_offsets(device):
-    """Decode kernel: block ids at the top of a cache with more than 2**31 elements."""
-    pa = _pa()
-    bs, Hkv, D = 16, 2, 16
-    nb = 2**31 // (bs * Hkv * D) + 8
-    try:
-        cache = torch.empty((nb, bs, Hkv, D), dtype=torch.float16, device=device)
-    except (RuntimeError, MemoryError):
-        pytest.skip("cannot reserve a >4 GiB cache here")
-    ids = torch.arange(nb - 6, nb)
-    bt = torch.stack([ids[:3], ids[3:]]).to(torch.int32)
-    for b in ids.tolist():
-        cache[b] = torch.randn(bs, Hkv, D).to(torch.float16)
-    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
-    cl = torch.tensor([40, 33], dtype=torch.int32)
-    q = torch.randn(2, 8, D).to(torch.float16)
-    small = torch.zeros((nb - ids[0].item() + 1, bs, Hkv, D), dtype=torch.float16)
-    small[1:] = cache[ids[0] :].cpu()
-    ref = paged_attention_ref(q, small, small, (bt - ids[0] + 1), cl, qsl, 0.25)
-    for splits in (1, 3):
-        out = torch.full_like(q, float("nan")).to(device)
-        pa._paged_attention_triton(
-            q.to(device),
-            cache,
-            cache,
-            *to(device, bt, cl, qsl),
-            0.25,
-            1,
-            out,
-            overrides={"decode_kernel": True, "num_splits": splits},
-        )
-        assert rel_err(out, ref) < REL_TOL[torch.float16]
-    del cache
