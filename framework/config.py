@@ -33,6 +33,9 @@ class EngineConfig(BaseModel):
     speculative_config: dict[str, Any] | None = None
     trust_remote_code: bool = False
     enforce_eager: bool = False
+    async_scheduling: bool | None = Field(
+        None, description="overlap plain decode steps (queue step N+1 on the device-side tokens "
+        "of step N before reading them back); None: on for CUDA with CUDA graphs")
 
     @field_validator("dtype")
     @classmethod

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speculant.config import EngineConfig
+from speculant.engine.async_decode import AsyncDecoder
 from speculant.engine.block_manager import BlockManager
 from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
 from speculant.engine.sampler import Row, sample_with_logprobs, topn_dict
@@ -58,11 +59,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
+        self.finished_ids: list[int] = []  # sequences finished since the last step's release
         self.spec = None
         if config.speculative_config is not None:
             from speculant.engine.spec_decode import SpecDecoder
 
             self.spec = SpecDecoder(self, config.speculative_config)
+        self.async_decoder = AsyncDecoder(self) if self._async_scheduling() else None
         logger.info("speculant engine: %s on %s (%s), %d KV blocks of %d", folder, self.device,
                     self.dtype, num_blocks, self.block_size)
 
@@ -84,6 +87,14 @@ class LLMEngine:
                 f"max_model_len={want} exceeds what the model supports ({limit}, from its config: "
                 "max_position_embeddings / sliding_window); lower max_model_len"
             )
+        return want
+
+    def _async_scheduling(self) -> bool:
+        """Overlap plain decode steps (engine/async_decode.py): by default where the host work
+        between steps is worth hiding, on CUDA with CUDA graphs."""
+        want = self.config.async_scheduling
+        if want is None:
+            return self.device.type == "cuda" and self.runner.graphs is not None
         return want
 
     def _eos_id(self) -> int | None:
@@ -174,6 +185,11 @@ class LLMEngine:
         """One scheduling step: a prefill of newly admitted sequences or one decode step of all
         running ones (speculative when a strategy is configured). Returns finished requests."""
         lookahead = self.spec.max_lookahead() if self.spec else 0
+        if self.async_decoder is not None:
+            # a step in flight feeds its token at the next position: one more slot
+            lookahead = max(lookahead, 1)
+            if self.async_decoder.pending is not None and not self.scheduler.decode_only(lookahead):
+                self.async_decoder.drain()  # new sequences join or some get preempted
         seqs, is_prefill = self.scheduler.schedule(lookahead)
         if is_prefill:
             self._prefill(seqs)
@@ -181,7 +197,8 @@ class LLMEngine:
             self.spec.step(seqs)
         elif seqs:
             self._decode(seqs)
-        released = self.scheduler.take_preempted() + [s.seq_id for s in seqs if s.is_finished]
+        released = self.scheduler.take_preempted() + self.finished_ids
+        self.finished_ids = []
         if self.spec is not None and released:
             self.spec.release(released)
         return self._collect_finished()
@@ -204,8 +221,23 @@ class LLMEngine:
         del tokens
 
     def _decode(self, seqs: list[Sequence]) -> None:
+        if self.async_decoder is not None:
+            if self.async_decoder.eligible(seqs):
+                self.async_decoder.step(seqs)
+                return
+            seqs = self.take_back(seqs)
+            if not seqs:
+                return
         hidden, _ = self.runner.forward(seqs, [[s.last_token] for s in seqs])
         self._sample_and_append(seqs, self.runner.logits(hidden))
+
+    def take_back(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Append the tokens of an overlapped step still in flight (if any); returns ``seqs``
+        less those that this finished."""
+        if self.async_decoder is None or self.async_decoder.pending is None:
+            return seqs
+        self.async_decoder.drain()
+        return [s for s in seqs if not s.is_finished]
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         rows = [Row(s, []) for s in seqs]
@@ -259,6 +291,7 @@ class LLMEngine:
             return False
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
+        self.finished_ids.append(seq.seq_id)
         if all(s.is_finished for s in self.requests[seq.request_id].seqs):
             m.finished_time = now
         return True

@@ -49,14 +49,17 @@ class ModelRunner:
         seqs: list[Sequence],
         new_tokens: list[list[int]],
         aux_layers: tuple[int, ...] = (),
+        token_ids: torch.Tensor | None = None,  # [num_tokens] int64 on the device, or None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed ``new_tokens[i]`` at positions ``seqs[i].num_cached_tokens ...`` (their K/V are
         written to the cache) and return the final hidden states ``[num_tokens, hidden]`` and, if
         ``aux_layers`` is set, the residual stream entering those layers ``[num_tokens, n*hidden]``.
+        ``token_ids``: the tokens to feed when they are still on the device (flat, in sequence
+        order); ``new_tokens`` then only gives the query lengths.
         """
         query_lens = [len(t) for t in new_tokens]
         if self.graphs is not None and self.graphs.supports(seqs, query_lens):
-            return self.graphs.run(seqs, new_tokens, tuple(aux_layers))
+            return self.graphs.run(seqs, new_tokens, tuple(aux_layers), token_ids)
         ctx_lens = [s.num_cached_tokens + q for s, q in zip(seqs, query_lens)]
         flat = [t for toks in new_tokens for t in toks]
         positions = [p for s, q in zip(seqs, query_lens) for p in range(s.num_cached_tokens, s.num_cached_tokens + q)]
@@ -64,7 +67,8 @@ class ModelRunner:
                                        self.block_size, self.device)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, aux_layers=tuple(aux_layers),
                              kv_cache=self.kv_cache if self.device.type == "cpu" else None)
-        ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        ids = (token_ids if token_ids is not None
+               else torch.tensor(flat, dtype=torch.long, device=self.device))
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, ctx)
         for s, q in zip(seqs, query_lens):

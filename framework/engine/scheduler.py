@@ -25,6 +25,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def decode_only(self, lookahead: int) -> bool:
+        """True if ``schedule(lookahead)`` will run a decode step of every running sequence,
+        admitting none and preempting none (each one's next ``1 + lookahead`` slots fit)."""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return False
+        need = sum(self.bm.blocks_needed(s, len(s) + lookahead) for s in self.running)
+        return need <= self.bm.num_free_blocks
+
     def schedule(self, lookahead: int) -> tuple[list[Sequence], bool]:
         """Return (sequences, is_prefill). Decode sequences get cache slots for their next
         ``1 + lookahead`` tokens (lookahead = draft tokens a speculative step may add)."""

@@ -157,6 +157,13 @@ class SpecDecoder:
             self.total.num_times_enabled += 1
 
     def _step(self, seqs: list[Sequence], speculate: bool) -> None:
+        asy = self.engine.async_decoder
+        if not speculate and asy is not None and asy.eligible(seqs):
+            self._async_plain_step(seqs)
+            return
+        seqs = self.engine.take_back(seqs)  # the proposer needs every token on the host
+        if not seqs:
+            return
         if not speculate:
             # build no batch: it would hand the pending target hidden states to no proposer
             # (and drop them); kept, they let the proposer catch up when speculation returns
@@ -242,6 +249,22 @@ class SpecDecoder:
         self.record_hidden(seqs, ones, hidden, aux, ones, [len(s) - 1 for s in seqs])
         eng._sample_and_append(seqs, eng.runner.logits(hidden))
         self._rollback(seqs)
+
+    def _async_plain_step(self, seqs: list[Sequence]) -> None:
+        """A plain step overlapped with the host work of the one before (engine/async_decode.py);
+        its tokens are appended, and counted, at the next step."""
+        launched, hidden, aux, starts = self.engine.async_decoder.step(
+            seqs, self.aux_layers, on_append=self._count_plain)
+        ones = [1] * len(launched)
+        self.record_hidden(launched, ones, hidden, aux, ones, starts)
+        for s in launched:  # drop the draft slots; keep those of the tokens in the cache
+            self.engine.block_manager.rollback(s, s.num_cached_tokens)
+
+    def _count_plain(self, s: Sequence) -> None:
+        s.metrics.spec.num_plain_steps += 1
+        s.metrics.spec.num_emitted_tokens += 1
+        self.total.num_plain_steps += 1
+        self.total.num_emitted_tokens += 1
 
     def _apply(self, seqs, proposal: Proposal, scores: ScoreResult, result) -> None:
         eng = self.engine
