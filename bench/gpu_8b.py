@@ -365,6 +365,13 @@ def main() -> int:
         "time per function; the .tolist() rows show where the host waits for the GPU) and "
         "write host_profile.txt",
     )
+    ap.add_argument(
+        "--async-scheduling",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="overlapped plain decode steps (EngineConfig.async_scheduling; auto: on with CUDA "
+        "graphs)",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     skip = set(filter(None, args.skip.split(",")))
@@ -403,6 +410,7 @@ def main() -> int:
         max_num_seqs=max(batch_sizes + [8]),
         max_model_len=max_len,
         kv_cache_memory=8 << 30,
+        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
     )
     engine = llm.engine
     wbytes = weight_bytes_per_step(engine.model)

@@ -245,6 +245,26 @@ def test_triton_greedy_equals_torch_path(
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("kind", ["plain", "eagle", "draft_model"])
+def test_overlapped_steps_equal_torch_path(target, heads, torch_path_greedy, kind, monkeypatch):
+    """Overlapped plain steps (engine/async_decode.py, on by default with CUDA graphs) and
+    synchronous ones give the torch path's tokens; for a strategy, its plain steps (speculation
+    disabled by batch size: 6 prompts) overlap, then it speculates alone on the last prompts."""
+    monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
+    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
+    spec = _spec(kind, heads)
+    if spec is not None:
+        spec["disable_by_batch_size"] = 3
+    for async_scheduling in (None, False):
+        llm = _llm(target, speculative_config=spec, async_scheduling=async_scheduling)
+        assert (llm.engine.async_decoder is not None) == (async_scheduling is None)
+        params = [GREEDY.clone(max_tokens=MAX_TOKENS - 6 * i) for i in range(len(PROMPT_LENS))]
+        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+        for i, (o, b) in enumerate(zip(outs, torch_path_greedy)):
+            assert list(o.outputs[0].token_ids) == b[: MAX_TOKENS - 6 * i], f"prompt {i}"
+    torch.cuda.empty_cache()
+
+
 def test_eagle3_greedy_equals_plain(tiny_factory, heads, monkeypatch):
     """EAGLE-3 (fused features of 3 layers, 600-token draft vocabulary mapped by d2t) in CUDA
     graphs: the same greedy tokens as plain decoding of its 3-layer target."""
