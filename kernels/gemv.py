@@ -1,0 +1,544 @@
+"""GEMV with a fused prologue for few rows: ``y[M, N] = f(x) @ weight.T (+ bias)``, M <= 8.
+
+Batch-1 (and small-batch / short-verification) decoding reads every weight matrix once per step
+with only a handful of activation rows, so each projection is bound by the weight read. cuBLAS's
+GEMV reaches only part of the HBM bandwidth for the square 4096 x 4096 ``o_proj`` shape, and the
+small elementwise kernels around the projections (RMSNorm, residual add, SiLU * up) cost ~2 us
+each even inside a CUDA graph. This kernel reads ``weight`` ([N, K], the ``nn.Linear`` layout,
+row-major) once and computes the activation transform ``f`` on the fly, per program:
+
+* ``prologue="none"``: ``f(x) = x`` with ``x`` [M, K].
+* ``prologue="rmsnorm"``: ``f(x) = rmsnorm(x (+ residual)) * norm_weight`` with exactly the
+  rounding of ``speculant.models.fused.rms_norm``: ``s = x + residual`` in x's dtype,
+  ``inv = rsqrt(sum(s.float() ** 2) / K + eps)``, ``((s.float() * inv).to(dtype) * norm_weight)``
+  rounded to x's dtype. With a residual, ``s`` is also written to a residual-out buffer [M, K]
+  (by the programs of the first output block only; every program only *reads* x and residual,
+  so there is no race) and returned.
+* ``prologue="silu_mul"``: ``x`` is ``gate_up`` [M, 2K]; ``f(x) = silu(gate.float()).to(dtype)
+  * up``, as ``speculant.models.fused.silu_mul``.
+
+Triton kernel design
+--------------------
+* Program ``(n, s)`` owns ``BLOCK_N`` output columns (weight rows) and the ``s``-th of
+  ``split_k`` equal pieces of K (whole ``BLOCK_K`` chunks). It loops over its K range in
+  ``BLOCK_K`` chunks: loads the x chunk of all M rows, applies the prologue in registers, loads
+  the ``[BLOCK_N, BLOCK_K]`` weight tile and accumulates in fp32. The prologue is recomputed by
+  every program: x is at most 8 x 2 x ~16k elements, read from L2, while the weight is streamed
+  from HBM once.
+* rmsnorm needs the row's sum of squares over all of K before the first product: a first loop
+  over x (and the residual) computes it; the main loop then re-reads x.
+* Products: ``USE_DOT`` pads the rows to 16 and uses ``tl.dot`` (tensor cores, no per-chunk
+  cross-thread reduction); otherwise CUDA-core FMAs: for one row a ``[BLOCK_N, BLOCK_K]`` fp32
+  accumulator reduced once at the end, for more rows a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` product
+  reduced over K per chunk.
+* ``split_k > 1``: each program writes an fp32 partial ``[split_k, M, N]`` and a small second
+  kernel sums the pieces, adds the bias and casts. Gives more programs when N has few blocks
+  (N = 4096) at the price of one more launch.
+* The launch configuration depends on the shapes only (never on tensor contents): the call is
+  CUDA-graph capturable (no host sync, no ``.item()``). Weight row offsets are int64 (N * K may
+  exceed 2**31 elements, e.g. a large vocabulary).
+
+More than ``MAX_ROWS`` (8) rows take the torch path (``gemv_reference``: the separate ops);
+``force_triton=True`` then raises. The torch path is also used for CPU tensors and when
+``SPECULANT_DISABLE_TRITON=1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from ._triton_utils import (
+    cdiv,
+    check_tensor,
+    interpret_mode,
+    lazy_jit,
+    next_pow2,
+    num_sms,
+    tl,
+    use_triton,
+)
+
+__all__ = ["gemv", "gemv_reference", "GemvConfig", "choose_config", "MAX_ROWS", "PROLOGUES"]
+
+MAX_ROWS = 8
+PROLOGUES = ("none", "rmsnorm", "silu_mul")
+_PROLOGUE_ID = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+def _prologue_ref(
+    x: torch.Tensor,  # [M, K] or [M, 2K] (silu_mul)
+    prologue: str,
+    norm_weight: torch.Tensor | None,  # [K]
+    residual: torch.Tensor | None,  # [M, K]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(f(x) [M, K] in x's dtype, x + residual [M, K] or None)."""
+    dtype = x.dtype
+    if prologue == "silu_mul":
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate.float()).to(dtype) * up, None
+    if prologue == "rmsnorm":
+        s = x if residual is None else x + residual  # rounded to dtype, as torch adds
+        sf = s.float()
+        normed = (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+        return (normed * norm_weight).to(dtype), (None if residual is None else s)
+    return x, None
+
+
+def gemv_reference(
+    x: torch.Tensor,  # [M, K]; [M, 2K] gate_up for prologue="silu_mul"
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    prologue: str = "none",
+    norm_weight: torch.Tensor | None = None,  # [K], prologue="rmsnorm"
+    residual: torch.Tensor | None = None,  # [M, K], prologue="rmsnorm"
+    eps: float = 1e-6,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch: the prologue as separate ops, then ``F.linear`` in x's dtype. Also the
+    fallback path. Returns y [M, N], or (y, x + residual) when ``residual`` is given."""
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
+    a, res_out = _prologue_ref(x, prologue, norm_weight, residual, eps)
+    y = F.linear(a, weight, bias)
+    return y if residual is None else (y, res_out)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+if tl is not None:
+
+    @lazy_jit
+    def _gemv_kernel(
+        x_ptr,  # [M, K] (none / rmsnorm) or [M, 2K] gate_up (silu_mul); last dim contiguous
+        w_ptr,  # [N, K] weight, last dim contiguous
+        b_ptr,  # [N] bias; read when HAS_BIAS and not PARTIAL
+        nw_ptr,  # [K] RMSNorm weight; read when PROLOGUE == 1
+        r_ptr,  # [M, K] residual; read when HAS_RES
+        ro_ptr,  # [M, K] residual out = x + residual; written when HAS_RES (pid (0, 0) only)
+        y_ptr,  # [M, N] output, or [split_k, M, N] fp32 partials when PARTIAL
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_rm,
+        stride_rom,
+        stride_ys,  # split stride of the partials (PARTIAL)
+        stride_ym,
+        k_per_split,  # K elements per split: a multiple of BLOCK_K
+        eps,
+        PROLOGUE: tl.constexpr,  # 0 none, 1 rmsnorm, 2 silu_mul
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        PARTIAL: tl.constexpr,  # split-K: write fp32 partials, bias and cast in the reduce
+        USE_DOT: tl.constexpr,  # tensor-core dots on the rows padded to 16; else FMAs (1 row)
+        SWAP_AB: tl.constexpr,  # dot(weight, f(x).T) instead of dot(f(x), weight.T)
+        PREFETCH: tl.constexpr,  # load the next weight tile before using the current one
+        IEEE_DOT: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
+        UPCAST_DOT: tl.constexpr,  # interpreter + bf16: numpy has no bf16 dot
+        BLOCK_M: tl.constexpr,  # rows of x tiles: next_pow2(M)
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_KS: tl.constexpr,  # chunk of the rmsnorm sum-of-squares pass (>= BLOCK_K)
+        PAD_STEPS: tl.constexpr,  # log2(16 // BLOCK_M): row doublings up to a 16-row dot
+    ):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        rk = tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]: 2D offsets, no 1D layout moves
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+        if HAS_RES:
+            r_rows = r_ptr + offs_m.to(tl.int64)[:, None] * stride_rm  # [BLOCK_M, 1]
+            ro_rows = ro_ptr + offs_m.to(tl.int64)[:, None] * stride_rom  # [BLOCK_M, 1]
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)  # this program's K range: [k_start, k_end)
+        if PREFETCH:  # the first weight tile is in flight during the sum-of-squares pass
+            offs_k0 = k_start + rk
+            mask_k0 = mask_n[:, None] & (offs_k0 < k_end)
+            w_next = tl.load(w_rows + offs_k0, mask=mask_k0, other=0.0)
+
+        # ---- rmsnorm: sum of squares of the whole row (x + residual) first ----
+        if PROLOGUE == 1:
+            # rows written to the residual out: all M by program (0, 0), none by the others
+            ro_rows_lim = tl.where((pid_n + pid_k) == 0, M, 0)
+            rks = tl.arange(0, BLOCK_KS)[None, :]  # [1, BLOCK_KS]
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_KS):
+                offs_ks = k0 + rks
+                mks = mask_m[:, None] & (offs_ks < K)
+                s = tl.load(x_rows + offs_ks, mask=mks, other=0.0)
+                if HAS_RES:
+                    s = s + tl.load(r_rows + offs_ks, mask=mks, other=0.0)
+                    mro = (offs_m[:, None] < ro_rows_lim) & (offs_ks < K)
+                    tl.store(ro_rows + offs_ks, s, mask=mro)
+                sf = s.to(tl.float32)
+                ss += tl.sum(sf * sf, axis=1)
+            inv = tl.rsqrt(ss / K + eps)  # [BLOCK_M]
+
+        # ---- main loop over this program's K range ----
+        if USE_DOT:
+            if SWAP_AB:
+                acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+            else:
+                acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        else:
+            acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # BLOCK_M == 1
+        for kk in range(0, k_per_split, BLOCK_K):
+            offs_k = k_start + kk + rk  # [1, BLOCK_K]
+            mask_k = offs_k < k_end
+            mk = mask_m[:, None] & mask_k
+            if PREFETCH:
+                w = w_next
+                offs_k_next = offs_k + BLOCK_K
+                mask_next = mask_n[:, None] & (offs_k_next < k_end)
+                w_next = tl.load(w_rows + offs_k_next, mask=mask_next, other=0.0)
+            else:
+                w = tl.load(w_rows + offs_k, mask=mask_n[:, None] & mask_k, other=0.0)
+            # the prologue, on the BLOCK_M rows of x only
+            if PROLOGUE == 2:
+                g = tl.load(x_rows + offs_k, mask=mk, other=0.0)
+                u = tl.load(x_rows + K + offs_k, mask=mk, other=0.0)
+                gf = g.to(tl.float32)
+                a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype) * u
+            elif PROLOGUE == 1:
+                s = tl.load(x_rows + offs_k, mask=mk, other=0.0)
+                if HAS_RES:
+                    s = s + tl.load(r_rows + offs_k, mask=mk, other=0.0)
+                nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0)  # [1, BLOCK_K]
+                a = ((s.to(tl.float32) * inv[:, None]).to(s.dtype) * nw).to(s.dtype)
+            else:
+                a = tl.load(x_rows + offs_k, mask=mk, other=0.0)
+            if USE_DOT:
+                # rows padded to 16 with zero rows: x row m becomes row m * 2**PAD_STEPS
+                for _ in tl.static_range(PAD_STEPS):
+                    a = tl.join(a, tl.zeros_like(a))  # [R, BLOCK_K, 2]
+                    a = tl.reshape(tl.permute(a, (0, 2, 1)), (2 * a.shape[0], BLOCK_K))
+                if UPCAST_DOT:
+                    a = a.to(tl.float32)
+                    w = w.to(tl.float32)
+                if SWAP_AB:
+                    if IEEE_DOT:
+                        acc += tl.dot(w, tl.trans(a), input_precision="ieee")
+                    else:
+                        acc += tl.dot(w, tl.trans(a))
+                else:
+                    if IEEE_DOT:
+                        acc += tl.dot(a, tl.trans(w), input_precision="ieee")
+                    else:
+                        acc += tl.dot(a, tl.trans(w))
+            else:
+                acc2 += w.to(tl.float32) * a.to(tl.float32)  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
+
+        # ---- epilogue ----
+        if USE_DOT:
+            if SWAP_AB:
+                acc = tl.trans(acc)  # [16, BLOCK_N]
+            p = tl.arange(0, 16)
+            rows_y = p >> PAD_STEPS  # acc row p holds x row p / 2**PAD_STEPS ...
+            mask_rows = ((p & ((1 << PAD_STEPS) - 1)) == 0) & (rows_y < M)  # ... when exact
+        else:
+            acc = tl.sum(acc2, axis=1)[None, :]  # [1, BLOCK_N]
+            rows_y = offs_m
+            mask_rows = mask_m
+        mask_y = mask_rows[:, None] & mask_n[None, :]
+        if not PARTIAL:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            y_offs = rows_y[:, None] * stride_ym + offs_n[None, :]
+            tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+        else:
+            y_offs = pid_k * stride_ys + rows_y[:, None] * stride_ym + offs_n[None, :]
+            tl.store(y_ptr + y_offs, acc, mask=mask_y)
+
+    @lazy_jit
+    def _split_reduce_kernel(
+        p_ptr,  # [SPLIT_K, M, N] fp32 partials
+        b_ptr,  # [N] bias; read when HAS_BIAS
+        y_ptr,  # [M, N] output
+        N,
+        stride_ps,
+        stride_pm,
+        stride_ym,
+        HAS_BIAS: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        m = tl.program_id(1)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(p_ptr + s * stride_ps + m * stride_pm + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters of the Triton path.
+
+    ``use_dot``: tensor-core dots on the rows padded to 16 (needs ``block_n, block_k >= 16``);
+    ``False``: CUDA-core FMAs, one row only; ``None``: dots for M >= 2. ``swap_ab``: the weight
+    tile is the dot's first operand. ``pad_rows`` (dots): the prologue runs on next_pow2(M) rows,
+    zero rows are interleaved up to 16 in registers; ``False``: x tiles of 16 rows, those past M
+    masked (the prologue then runs on all 16). ``prefetch``: the next weight tile is loaded before
+    the current one is used (two tiles in flight per program). ``num_stages=None``: Triton's
+    default.
+    """
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    split_k: int = 1
+    use_dot: bool | None = None
+    swap_ab: bool = False
+    pad_rows: bool = True
+    prefetch: bool = False
+    num_stages: int | None = None
+
+    def validate(self, M: int | None = None) -> None:
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"config.{name} must be a power of two, got {v!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"config.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not isinstance(self.split_k, int) or not 1 <= self.split_k <= 64:
+            raise ValueError(f"config.split_k must be an int in [1, 64], got {self.split_k!r}")
+        if self.use_dot and (self.block_n < 16 or self.block_k < 16):
+            raise ValueError(
+                f"config with use_dot needs block_n and block_k >= 16, got {self.block_n}, "
+                f"{self.block_k}"
+            )
+        if self.use_dot is False and M is not None and M > 1:
+            raise ValueError(f"config with use_dot=False (CUDA-core FMAs) takes one row, got {M}")
+        if self.num_stages is not None and not 1 <= self.num_stages <= 8:
+            raise ValueError(f"config.num_stages must be in [1, 8], got {self.num_stages!r}")
+
+
+def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -> GemvConfig:
+    """Default launch parameters from the shapes only (CUDA-graph safe).
+
+    Provisional, from a first H100 sweep (bench/bench_gemv.py, Llama-3-8B shapes, bf16): one row
+    takes CUDA-core FMAs over 8 x 512 weight tiles; more rows take tensor-core dots over
+    64-column tiles (16 columns without a prologue), split-K where the column blocks alone would
+    not put two programs on every multiprocessor.
+    """
+    if M <= 1:
+        return GemvConfig(block_n=8, block_k=512, num_warps=4, split_k=1, use_dot=False)
+    block_n = 16 if prologue == "none" else 64
+    block_k = 128 if prologue == "silu_mul" else 256
+    n_blocks = cdiv(N, block_n)
+    split = 1
+    while split < 4 and n_blocks * split < 2 * num_sms(device) and cdiv(K, block_k) >= 8 * split:
+        split *= 2
+    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, split_k=split, use_dot=True)
+
+
+def _as_config(config: GemvConfig | Mapping | None, M, N, K, prologue, device) -> GemvConfig:
+    if config is None:
+        cfg = choose_config(M, N, K, prologue, device)
+    elif isinstance(config, GemvConfig):
+        cfg = config
+    elif isinstance(config, Mapping):
+        try:
+            cfg = GemvConfig(**{k.lower(): v for k, v in config.items()})
+        except TypeError as e:
+            raise ValueError(f"bad gemv config {dict(config)!r}: {e}") from None
+    else:
+        raise ValueError(f"config must be a GemvConfig or a mapping, got {type(config).__name__}")
+    if cfg.use_dot is None:
+        cfg = replace(cfg, use_dot=M >= 2)
+    cfg.validate(M)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+def _check_args(x, weight, bias, prologue, norm_weight, residual, eps) -> tuple[int, int, int]:
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
+    check_tensor("x", x, ndim=2, dtypes=_FLOAT_DTYPES, last_contiguous=True)
+    dev = x.device
+    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=dev, last_contiguous=True)
+    M = x.shape[0]
+    N, K = weight.shape
+    if K == 0:
+        raise ValueError(f"weight must have at least one column, got shape {tuple(weight.shape)}")
+    want_xk = 2 * K if prologue == "silu_mul" else K
+    if x.shape[1] != want_xk:
+        what = "2 * weight.shape[1] (gate_up)" if prologue == "silu_mul" else "weight.shape[1]"
+        raise ValueError(
+            f"x must have shape (*, {want_xk}) = {what} for prologue={prologue!r}, got "
+            f"{tuple(x.shape)} with weight {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        check_tensor("bias", bias, shape=(N,), dtypes=(x.dtype,), device=dev)
+    if prologue == "rmsnorm":
+        if norm_weight is None:
+            raise ValueError("prologue='rmsnorm' needs norm_weight")
+        check_tensor("norm_weight", norm_weight, shape=(K,), dtypes=_FLOAT_DTYPES, device=dev)
+        if residual is not None:
+            check_tensor(
+                "residual",
+                residual,
+                shape=(M, K),
+                dtypes=(x.dtype,),
+                device=dev,
+                last_contiguous=True,
+            )
+        if not isinstance(eps, (int, float)) or not eps >= 0.0:
+            raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    else:
+        if norm_weight is not None:
+            raise ValueError(f"norm_weight is only used with prologue='rmsnorm', not {prologue!r}")
+        if residual is not None:
+            raise ValueError(f"residual is only used with prologue='rmsnorm', not {prologue!r}")
+    return M, N, K
+
+
+def _gemv_triton(x, weight, bias, prologue, norm_weight, residual, eps, cfg: GemvConfig):
+    M = x.shape[0]
+    N, K = weight.shape
+    dev = x.device
+    y = torch.empty(M, N, dtype=x.dtype, device=dev)
+    res_out = torch.empty(M, K, dtype=x.dtype, device=dev) if residual is not None else None
+    if M == 0 or N == 0:
+        return y, res_out
+    block_k = min(cfg.block_k, max(16, next_pow2(K)))  # no chunk far larger than K
+    k_chunks = cdiv(K, block_k)
+    chunks_per_split = cdiv(k_chunks, cfg.split_k)
+    split = cdiv(k_chunks, chunks_per_split)  # no empty split
+    k_per_split = chunks_per_split * block_k
+    block_m = 16 if cfg.use_dot and not cfg.pad_rows else next_pow2(M)
+    # sum-of-squares pass: ~32 elements of x a thread per chunk (few chunks: its loads wait)
+    block_ks = min(next_pow2(K), max(block_k, 1024 * cfg.num_warps // block_m))
+    if split > 1:
+        out = torch.empty(split, M, N, dtype=torch.float32, device=dev)
+        stride_ys, stride_ym = out.stride(0), out.stride(1)
+    else:
+        out = y
+        stride_ys, stride_ym = 0, y.stride(0)
+    dummy = y  # pointer for unused arguments (never dereferenced)
+    r = residual if residual is not None else dummy
+    ro = res_out if res_out is not None else dummy
+    extra = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
+    grid = (cdiv(N, cfg.block_n), split)
+    _gemv_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else dummy,
+        norm_weight if norm_weight is not None else dummy,
+        r,
+        ro,
+        out,
+        M,
+        N,
+        K,
+        x.stride(0),
+        weight.stride(0),
+        r.stride(0),
+        ro.stride(0),
+        stride_ys,
+        stride_ym,
+        k_per_split,
+        float(eps),
+        PROLOGUE=_PROLOGUE_ID[prologue],
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        PARTIAL=split > 1,
+        USE_DOT=bool(cfg.use_dot),
+        SWAP_AB=bool(cfg.swap_ab),
+        PREFETCH=bool(cfg.prefetch),
+        IEEE_DOT=x.dtype == torch.float32,
+        UPCAST_DOT=interpret_mode() and x.dtype == torch.bfloat16,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k,
+        BLOCK_KS=block_ks,
+        PAD_STEPS=(16 // block_m).bit_length() - 1,
+        num_warps=cfg.num_warps,
+        **extra,
+    )
+    if split > 1:
+        block = min(1024, next_pow2(N))
+        _split_reduce_kernel[(cdiv(N, block), M)](
+            out,
+            bias if bias is not None else dummy,
+            y,
+            N,
+            out.stride(0),
+            out.stride(1),
+            y.stride(0),
+            HAS_BIAS=bias is not None,
+            SPLIT_K=split,
+            BLOCK=block,
+            num_warps=4,
+        )
+    return y, res_out
+
+
+def gemv(
+    x: torch.Tensor,  # [M, K]; [M, 2K] gate_up for prologue="silu_mul"
+    weight: torch.Tensor,  # [N, K] (nn.Linear layout)
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    prologue: str = "none",
+    norm_weight: torch.Tensor | None = None,  # [K], prologue="rmsnorm"
+    residual: torch.Tensor | None = None,  # [M, K], prologue="rmsnorm"
+    eps: float = 1e-6,
+    force_triton: bool = False,
+    config: GemvConfig | Mapping | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``y = f(x) @ weight.T + bias`` for M <= ``MAX_ROWS`` rows, the prologue ``f`` fused.
+
+    Returns y [M, N] in x's dtype, or ``(y, x + residual)`` when ``residual`` is given (a new
+    [M, K] tensor; rmsnorm only). x, weight, bias and residual share one dtype (fp16, bf16 or
+    fp32); ``norm_weight`` may be any float dtype (the product is rounded to x's dtype). Rows
+    and the weight may be strided, their last dim must be contiguous.
+
+    ``config`` (a :class:`GemvConfig` or a mapping of its fields) overrides the shape-based
+    launch parameters (benchmarks). ``force_triton`` runs the Triton kernel under
+    ``TRITON_INTERPRET=1`` on CPU tensors (tests). More than ``MAX_ROWS`` rows take the torch
+    path (``force_triton=True`` then raises).
+    """
+    M, N, K = _check_args(x, weight, bias, prologue, norm_weight, residual, eps)
+    tensors = [x, weight, bias, norm_weight, residual]
+    if M > MAX_ROWS:
+        if force_triton:
+            raise ValueError(f"the Triton gemv takes at most {MAX_ROWS} rows, got {M}")
+        triton_path = False
+    else:
+        triton_path = use_triton(tensors, force_triton)
+    if not triton_path:
+        return gemv_reference(
+            x,
+            weight,
+            bias,
+            prologue=prologue,
+            norm_weight=norm_weight,
+            residual=residual,
+            eps=eps,
+        )
+    cfg = _as_config(config, M, N, K, prologue, x.device)
+    y, res_out = _gemv_triton(x, weight, bias, prologue, norm_weight, residual, eps, cfg)
+    return y if residual is None else (y, res_out)

@@ -1,0 +1,306 @@
+"""Few-row GEMV with a fused prologue (speculant.kernels.gemv): the Triton kernel (CUDA, or the
+CPU interpreter with ``force_triton=True``) against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculant.kernels.gemv import (
+    MAX_ROWS,
+    GemvConfig,
+    choose_config,
+    gemv,
+    gemv_reference,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+# the Triton CPU interpreter misreads bf16 memory and has no half-precision dot: half dtypes
+# are tested on CUDA only
+DTYPES = [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")),
+    pytest.param(torch.float16, marks=pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")),
+]
+# launch configs: the default choice; CUDA-core FMAs (one row only), also with the next tile
+# prefetched and split-K (3 pieces of K, the last one short); tensor-core dots: plain, with the
+# weight as first operand + prefetch + split-K, split-K alone, and on 16-row x tiles (masked
+# rows instead of interleaved zero rows)
+CONFIGS = {
+    "default": None,
+    "fma": GemvConfig(block_n=16, block_k=64, num_warps=4, use_dot=False),
+    "fma_prefetch_split": GemvConfig(
+        block_n=8, block_k=32, split_k=3, use_dot=False, prefetch=True
+    ),
+    "dot": GemvConfig(block_n=16, block_k=64, num_warps=4, use_dot=True),
+    "dot_swap_prefetch_split": GemvConfig(
+        block_n=32, block_k=32, split_k=3, use_dot=True, swap_ab=True, prefetch=True
+    ),
+    "split": GemvConfig(block_n=32, block_k=32, num_warps=4, split_k=3),
+    "dot_masked_rows": GemvConfig(block_n=16, block_k=32, use_dot=True, pad_rows=False),
+}
+WITH_BIAS = (
+    "default",
+    "fma_prefetch_split",
+    "dot_swap_prefetch_split",
+    "dot_masked_rows",
+)  # bias: a constexpr
+# prologue cases: (prologue, with residual)
+PROLOGUES = {
+    "none": ("none", False),
+    "rmsnorm": ("rmsnorm", False),
+    "rmsnorm_res": ("rmsnorm", True),
+    "silu_mul": ("silu_mul", False),
+}
+
+
+def _nz(*shape, dtype=torch.float32, scale=1.0):
+    """Random values of magnitude in [0.25, 1.25) * scale with random signs: never zero."""
+    mag = torch.rand(*shape) + 0.25
+    sign = torch.where(torch.rand(*shape) < 0.5, -1.0, 1.0)
+    return (mag * sign * scale).to(dtype)
+
+
+def _inputs(case, M, N, K, dtype, device, bias=False):
+    prologue, with_res = PROLOGUES[case]
+    xk = 2 * K if prologue == "silu_mul" else K
+    kw = {"prologue": prologue}
+    if prologue == "rmsnorm":
+        kw["norm_weight"] = _nz(K, dtype=dtype).to(device)
+        kw["eps"] = 1e-5
+        if with_res:
+            kw["residual"] = _nz(M, K, dtype=dtype).to(device)
+    x = _nz(M, xk, dtype=dtype, scale=2.0).to(device)
+    w = _nz(N, K, dtype=dtype, scale=0.1).to(device)
+    b = _nz(N, dtype=dtype).to(device) if bias else None
+    return x, w, b, kw
+
+
+def _tol(dtype, ref):
+    """Absolute tolerance on y: fp32 accumulation order differences, plus up to ~2 ulps of the
+    output rounding for half types (the reference is cuBLAS in that dtype)."""
+    scale = max(1.0, float(ref.float().abs().max()))
+    ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    return scale * max(4 * ulp, 2e-5)
+
+
+def _split(out, with_res):
+    if with_res:
+        assert isinstance(out, tuple) and len(out) == 2
+        return out
+    assert isinstance(out, torch.Tensor)
+    return out, None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("case", list(PROLOGUES))
+def test_gemv_matches_reference(device, case, M, config, dtype):
+    N, K = 72, 200  # neither a multiple of the block sizes
+    x, w, b, kw = _inputs(case, M, N, K, dtype, device, bias=config in WITH_BIAS)
+    cfg = CONFIGS[config]
+    if cfg is not None and cfg.use_dot is False and M > 1:
+        with pytest.raises(ValueError, match="use_dot=False .* takes one row"):
+            gemv(x, w, b, force_triton=True, config=cfg, **kw)
+        return
+    with_res = "residual" in kw
+    got, got_res = _split(gemv(x, w, b, force_triton=True, config=cfg, **kw), with_res)
+    ref, ref_res = _split(gemv_reference(x, w, b, **kw), with_res)
+    assert got.shape == (M, N) and got.dtype == dtype
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, atol=_tol(dtype, ref), rtol=0)
+    if with_res:  # x + residual, rounded like torch: exact
+        assert got_res.shape == (M, K) and got_res.dtype == dtype
+        assert torch.equal(got_res, x + kw["residual"])
+        assert torch.equal(got_res, ref_res)
+
+
+@pytest.mark.parametrize("case", list(PROLOGUES))
+def test_gemv_against_float64(device, case):
+    """fp32 kernel against the product computed in float64 from the reference prologue: checks
+    the GEMV part with an independent accumulation (not F.linear)."""
+    M, N, K = 5, 40, 300
+    x, w, b, kw = _inputs(case, M, N, K, torch.float32, device, bias=True)
+    got, _ = _split(gemv(x, w, b, force_triton=True, **kw), "residual" in kw)
+    xs = x.cpu()
+    if case == "silu_mul":
+        a = torch.nn.functional.silu(xs[:, :K]) * xs[:, K:]
+    elif case.startswith("rmsnorm"):
+        s = xs + kw["residual"].cpu() if "residual" in kw else xs
+        a = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + kw["eps"]) * kw["norm_weight"].cpu()
+    else:
+        a = xs
+    want = a.double() @ w.cpu().double().T + b.cpu().double()
+    torch.testing.assert_close(got.cpu().double(), want, atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["none", "rmsnorm_res", "silu_mul"])
+def test_gemv_strided_inputs(device, case):
+    """Rows of x, residual and weight with row strides larger than their width (views)."""
+    M, N, K = 4, 24, 96
+    x, w, b, kw = _inputs(case, M, N, K, torch.float32, device)
+    xb = torch.zeros(M, x.shape[1] + 40, device=device)
+    xb[:, 8 : 8 + x.shape[1]] = x
+    xv = xb[:, 8 : 8 + x.shape[1]]
+    wb = torch.zeros(N, K + 24, device=device)
+    wb[:, 16 : 16 + K] = w
+    wv = wb[:, 16 : 16 + K]
+    if "residual" in kw:
+        rb = torch.zeros(M, 3 * K, device=device)
+        rb[:, K : 2 * K] = kw["residual"]
+        kw["residual"] = rb[:, K : 2 * K]
+    assert xv.stride(0) != xv.shape[1] and wv.stride(0) != K
+    for cfg in (CONFIGS["dot"], CONFIGS["dot_swap_prefetch_split"], CONFIGS["dot_masked_rows"]):
+        got = gemv(xv, wv, force_triton=True, config=cfg, **kw)
+        ref = gemv_reference(x, w, **kw)
+        if "residual" in kw:
+            assert torch.equal(got[1], ref[1])
+            got, ref = got[0], ref[0]
+        torch.testing.assert_close(got, ref, atol=_tol(torch.float32, ref), rtol=0)
+
+
+def test_gemv_many_output_rows(device):
+    """N = 70000 weight rows (many programs, large row offsets), small K."""
+    M, N, K = 2, 70000, 64
+    x, w, b, kw = _inputs("rmsnorm_res", M, N, K, torch.float32, device, bias=True)
+    cfg = GemvConfig(block_n=256, block_k=32, num_warps=4)  # few programs for the interpreter
+    for c in (cfg, None) if HAS_CUDA else (cfg,):
+        got, res = gemv(x, w, b, force_triton=True, config=c, **kw)
+        ref, ref_res = gemv_reference(x, w, b, **kw)
+        torch.testing.assert_close(got, ref, atol=_tol(torch.float32, ref), rtol=0)
+        assert torch.equal(res, ref_res)
+
+
+def test_gemv_int64_offsets(device):
+    """Weight and x rows more than 2**31 elements apart (strided views of one sparse buffer):
+    the row offsets must be computed in int64. Only the touched pages are ever written."""
+    K, S = 64, 2**30 + 64  # rows at element offsets 0, S, 2S > 2**31
+    try:
+        base = torch.empty(2 * S + 2 * K, dtype=torch.float32, device=device)
+    except (RuntimeError, MemoryError):
+        pytest.skip("cannot reserve an 8.6 GB buffer here")
+    try:
+        w = base.as_strided((3, K), (S, 1), 0)
+        x = base.as_strided((3, K), (S, 1), K)
+        w.copy_(_nz(3, K, scale=0.1))
+        x.copy_(_nz(3, K))
+        nw = _nz(K).to(device)
+        x1 = base.as_strided((1, K), (S, 1), 2 * S + K)  # one row (FMA path), far from w's start
+        for xs, cfg in ((x, CONFIGS["dot"]), (x, CONFIGS["split"]), (x1, CONFIGS["fma"])):
+            want = gemv_reference(xs.clone(), w.clone())
+            got = gemv(xs, w, force_triton=True, config=cfg)
+            torch.testing.assert_close(got, want, atol=_tol(torch.float32, want), rtol=0)
+            want = gemv_reference(xs.clone(), w.clone(), prologue="rmsnorm", norm_weight=nw)
+            got = gemv(xs, w, force_triton=True, config=cfg, prologue="rmsnorm", norm_weight=nw)
+            torch.testing.assert_close(got, want, atol=_tol(torch.float32, want), rtol=0)
+    finally:
+        del base
+
+
+def test_gemv_more_rows_than_max(device):
+    x, w, b, kw = _inputs("rmsnorm_res", MAX_ROWS + 1, 24, 32, torch.float32, device)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        gemv(x, w, force_triton=True, **kw)
+    got, res = gemv(x, w, **kw)  # torch path
+    ref, ref_res = gemv_reference(x, w, **kw)
+    assert torch.equal(got, ref) and torch.equal(res, ref_res)
+
+
+def test_gemv_zero_rows(device):
+    x, w, b, kw = _inputs("rmsnorm_res", 0, 24, 32, torch.float32, device)
+    got, res = gemv(x, w, b, force_triton=True, **kw)
+    assert got.shape == (0, 24) and res.shape == (0, 32)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gemv_cuda_graph_and_mixed_norm_weight(device):
+    """Captured in a CUDA graph (no host sync in the launcher); bf16 activations with an fp32
+    norm weight; the default config of the Llama-3-8B qkv shape."""
+    M, N, K = 2, 6144, 4096
+    dt = torch.bfloat16
+    x = _nz(M, K, dtype=dt).to(device)
+    r = _nz(M, K, dtype=dt).to(device)
+    w = _nz(N, K, dtype=dt, scale=0.02).to(device)
+    nw = _nz(K).to(device)  # fp32
+    kw = {"prologue": "rmsnorm", "norm_weight": nw, "residual": r}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        gemv(x, w, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y, res = gemv(x, w, **kw)
+    x.copy_(_nz(M, K, dtype=dt).to(device))  # new inputs, same buffers
+    g.replay()
+    torch.cuda.synchronize()
+    ref, ref_res = gemv_reference(x, w, **kw)
+    assert torch.equal(res, ref_res)
+    torch.testing.assert_close(y, ref, atol=_tol(dt, ref), rtol=0)
+
+
+def test_choose_config_valid():
+    dev = torch.device("cpu")
+    for M in range(1, MAX_ROWS + 1):
+        for N, K, p in (
+            (6144, 4096, "rmsnorm"),
+            (4096, 4096, "none"),
+            (28672, 4096, "rmsnorm"),
+            (4096, 14336, "silu_mul"),
+            (128256, 4096, "rmsnorm"),
+            (72, 200, "none"),
+        ):
+            cfg = choose_config(M, N, K, p, dev)
+            cfg.validate(M)
+            assert cfg.split_k >= 1 and cfg.block_n >= 1
+
+
+def test_gemv_validation(device):
+    M, N, K = 2, 24, 32
+    x = torch.randn(M, K, device=device)
+    w = torch.randn(N, K, device=device)
+    nw = torch.randn(K, device=device)
+    r = torch.randn(M, K, device=device)
+    with pytest.raises(ValueError, match="prologue must be one of"):
+        gemv(x, w, prologue="gelu")
+    with pytest.raises(ValueError, match="weight must have dtype"):
+        gemv(x, w.half())
+    with pytest.raises(ValueError, match="x must have 2 dims"):
+        gemv(x[0], w)
+    with pytest.raises(ValueError, match=r"x must have shape \(\*, 32\)"):
+        gemv(torch.randn(M, K + 1, device=device), w)
+    with pytest.raises(ValueError, match=r"x must have shape \(\*, 64\).*gate_up"):
+        gemv(x, w, prologue="silu_mul")
+    with pytest.raises(ValueError, match="x must have dtype"):
+        gemv(x.to(torch.int32), w)
+    with pytest.raises(ValueError, match="x must be contiguous in its last dim"):
+        gemv(torch.randn(K, M, device=device).t(), w)
+    with pytest.raises(ValueError, match="weight must be contiguous in its last dim"):
+        gemv(x, torch.randn(K, N, device=device).t())
+    with pytest.raises(ValueError, match="bias must have shape"):
+        gemv(x, w, torch.randn(N + 1, device=device))
+    with pytest.raises(ValueError, match="needs norm_weight"):
+        gemv(x, w, prologue="rmsnorm")
+    with pytest.raises(ValueError, match="norm_weight must have shape"):
+        gemv(x, w, prologue="rmsnorm", norm_weight=nw[:-1])
+    with pytest.raises(ValueError, match="residual must have shape"):
+        gemv(x, w, prologue="rmsnorm", norm_weight=nw, residual=r[:1])
+    with pytest.raises(ValueError, match="residual must have dtype"):
+        gemv(x, w, prologue="rmsnorm", norm_weight=nw, residual=r.double())
+    with pytest.raises(ValueError, match="residual is only used"):
+        gemv(x, w, residual=r)
+    with pytest.raises(ValueError, match="norm_weight is only used"):
+        gemv(x, w, norm_weight=nw)
+    with pytest.raises(ValueError, match="eps must be"):
+        gemv(x, w, prologue="rmsnorm", norm_weight=nw, eps=-1.0)
+    with pytest.raises(ValueError, match="at least one column"):
+        gemv(x[:, :0], w[:, :0])
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        gemv(x, w, force_triton=True, config=GemvConfig(block_n=24, block_k=32))
+    with pytest.raises(ValueError, match="use_dot needs block_n and block_k >= 16"):
+        gemv(x, w, force_triton=True, config=GemvConfig(block_n=8, block_k=32, use_dot=True))
+    with pytest.raises(ValueError, match="split_k"):
+        gemv(x, w, force_triton=True, config={"block_n": 16, "block_k": 32, "split_k": 0})
+    with pytest.raises(ValueError, match="bad gemv config"):
+        gemv(x, w, force_triton=True, config={"block_n": 16, "bk": 32})
