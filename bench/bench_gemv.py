@@ -27,7 +27,8 @@ written, CUDA events) measured in the same run.
 Every config of the sweep is first checked once against ``gemv_reference`` (max abs error of y;
 the residual out must be exact) and flagged when off. The sweep compiles a few hundred Triton
 kernels: they are compiled ahead in ``--jobs`` worker processes (Triton's on-disk cache is
-shared), so the whole run takes about 2-3 minutes on an H100.
+shared), so the whole run takes about 1.5 minutes on an H100 (89 s measured with 15 workers,
+38 s of it compiling). ``--rows`` / ``--shapes`` narrow it.
 
 Writes ``gemv_<gpu-name>.json`` to ``--out`` and prints a table and the best config per
 (shape, M). Exits 0 with a message when no CUDA device is present.

@@ -26,11 +26,19 @@ Triton kernel design
   every program: x is at most 8 x 2 x ~16k elements, read from L2, while the weight is streamed
   from HBM once.
 * rmsnorm needs the row's sum of squares over all of K before the first product: a first loop
-  over x (and the residual) computes it; the main loop then re-reads x.
-* Products: ``USE_DOT`` pads the rows to 16 and uses ``tl.dot`` (tensor cores, no per-chunk
-  cross-thread reduction); otherwise CUDA-core FMAs: for one row a ``[BLOCK_N, BLOCK_K]`` fp32
-  accumulator reduced once at the end, for more rows a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` product
-  reduced over K per chunk.
+  over x (and the residual) computes it in wide chunks (~32 elements a thread: its loads are
+  not overlapped, so few chunks), then the main loop re-reads x. With ``prefetch`` the first
+  weight tile is already in flight during that pass.
+* Products: one row (``use_dot=False``): CUDA-core FMAs into a ``[BLOCK_N, BLOCK_K]`` fp32
+  accumulator, reduced once at the end. Several rows (``use_dot``): ``tl.dot`` on tensor cores
+  with the rows padded to 16, the minimum dot size: by default the prologue runs on
+  next_pow2(M) rows and zero rows are interleaved in registers (x row m -> dot row
+  m * 16 / next_pow2(M)); ``pad_rows=False`` instead loads 16-row x tiles with the rows past M
+  masked (the prologue then runs on 16 rows). ``swap_ab`` makes the weight tile the first
+  operand (``dot(W, f(x).T)``: on Hopper a 64-row weight tile gives a wgmma). The M = 1 FMA
+  path has no wasted work; the dot path wastes only tensor-core cycles, which are idle anyway.
+* The loop's offsets and masks are 2D ``[1, BLOCK_K]`` tensors: 1D ones were moved between
+  layouts (through shared memory, with barriers) every iteration.
 * ``split_k > 1``: each program writes an fp32 partial ``[split_k, M, N]`` and a small second
   kernel sums the pieces, adds the bias and casts. Gives more programs when N has few blocks
   (N = 4096) at the price of one more launch.
@@ -337,20 +345,47 @@ class GemvConfig:
 def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -> GemvConfig:
     """Default launch parameters from the shapes only (CUDA-graph safe).
 
-    Provisional, from a first H100 sweep (bench/bench_gemv.py, Llama-3-8B shapes, bf16): one row
-    takes CUDA-core FMAs over 8 x 512 weight tiles; more rows take tensor-core dots over
-    64-column tiles (16 columns without a prologue), split-K where the column blocks alone would
-    not put two programs on every multiprocessor.
+    From two H100 sweeps of bench/bench_gemv.py (Llama-3-8B shapes, bf16, steady state in a
+    CUDA graph; ratios are the torch baseline's time over ours, the baseline being the model's
+    separate kernels: fused RMSNorm / SiLU*up then cuBLAS):
+
+    * one row: CUDA-core FMAs over 8 x 512 weight tiles (16 x 256 for a vocabulary-sized N), no
+      split: qkv 1.11x, o_proj 1.16x, gate_up 1.05x, down 1.06x, lm_head 1.09x (81-105% of
+      the copy bandwidth).
+    * 2-8 rows, no prologue or silu_mul: dots with the weight as first operand, 64 x 128 tiles,
+      split-K up to 4 until there are two programs per multiprocessor: o_proj 1.00-1.07x, down
+      1.01-1.07x.
+    * 2 rows, rmsnorm: the same with 8 warps: qkv 1.03x, gate_up 1.00x, lm_head 1.06x.
+    * 4-8 rows, rmsnorm: the prologue on interleaved rows measured 1.5-2x slower there (not
+      understood yet); 16-row masked x tiles, 64 x 256 (lm_head 64 x 128, 8 warps) measured
+      qkv 0.84x, gate_up 0.87x, lm_head 1.05x: for qkv / gate_up the separate kernels are faster.
+
+    The sweeps ran on earlier revisions of the kernel (the last one before the main loop's
+    offsets became 2D); rerun the bench to confirm.
     """
+    big_n = N >= 65536
     if M <= 1:
-        return GemvConfig(block_n=8, block_k=512, num_warps=4, split_k=1, use_dot=False)
-    block_n = 16 if prologue == "none" else 64
-    block_k = 128 if prologue == "silu_mul" else 256
+        if big_n:
+            return GemvConfig(block_n=16, block_k=256, num_warps=4, use_dot=False)
+        return GemvConfig(block_n=8, block_k=512, num_warps=4, use_dot=False)
+    if prologue == "rmsnorm" and M > 2:
+        if big_n:
+            return GemvConfig(block_n=64, block_k=128, num_warps=8, use_dot=True, pad_rows=False)
+        return GemvConfig(block_n=64, block_k=256, num_warps=4, use_dot=True, pad_rows=False)
+    block_n, block_k = 64, 128
     n_blocks = cdiv(N, block_n)
     split = 1
     while split < 4 and n_blocks * split < 2 * num_sms(device) and cdiv(K, block_k) >= 8 * split:
         split *= 2
-    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, split_k=split, use_dot=True)
+    num_warps = 8 if prologue == "rmsnorm" else 4
+    return GemvConfig(
+        block_n=block_n,
+        block_k=block_k,
+        num_warps=num_warps,
+        split_k=split,
+        use_dot=True,
+        swap_ab=True,
+    )
 
 
 def _as_config(config: GemvConfig | Mapping | None, M, N, K, prologue, device) -> GemvConfig:
