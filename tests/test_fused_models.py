@@ -69,3 +69,81 @@ def test_silu_mul():
     gu = torch.randn(4, 2 * 1100, generator=g).to(DEV)  # inter not a multiple of the block
     want = torch.nn.functional.silu(gu[:, :1100]) * gu[:, 1100:]
     torch.testing.assert_close(fused.silu_mul(gu), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test of the CUDA code path; "
+                    "on CUDA tests/test_gpu_engine.py covers it end to end")
+def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch):
+    """The few-row path of the Llama layers (4 GEMVs with fused RMSNorm / residual / SiLU*up
+    prologues, kernels/gemv.py; RoPE fused with the K/V store) against the torch layer path, over a prefill of 5 tokens split in
+    row groups of <= 8 and 2 decode steps, with aux hidden states (EAGLE-3) collected."""
+    from functools import partial
+
+    from speculant.engine.model_runner import ModelRunner
+    from speculant.engine.sequence import Sequence
+    from speculant.kernels import gemv as gemv_mod
+    from speculant.models import llama
+    from speculant.models.loader import load_config, load_model
+    from speculant.outputs import RequestMetrics
+    from speculant.sampling_params import SamplingParams
+
+    cfg = load_config(tiny_llama)
+    model = load_model(tiny_llama, cfg, torch.float32, torch.device("cpu"), 256)
+    model._cpu_plan = False  # the layer loop, not the CPU fast path
+
+    def run(gemv_path: bool):
+        monkeypatch.setattr(fused, "gemv_enabled", lambda x: gemv_path)
+        monkeypatch.setattr(fused, "enabled", lambda x: gemv_path)  # + rope_store_, fused norms
+        runner = ModelRunner(model, 8, 16, torch.device("cpu"), torch.float32)
+        seqs = [Sequence("r", 0, [1, 5, 9, 200, 7], SamplingParams(), RequestMetrics(0.0), None)]
+        seqs[0].block_table = [0, 1]
+        outs = [runner.forward(seqs, [seqs[0].token_ids], (1,))]
+        for t in (11, 300):
+            outs.append(runner.forward(seqs, [[t]], (1,)))
+        return outs
+
+    ref = run(False)
+    calls = [0]
+
+    def spy(*a, **kw):
+        calls[0] += 1
+        return gemv_mod.gemv(*a, **kw, force_triton=True)
+
+    monkeypatch.setattr(llama, "gemv", spy)
+    got = run(True)
+    assert calls[0] == 3 * 4 * cfg.num_hidden_layers
+    for (h, aux), (h_ref, aux_ref) in zip(got, ref):
+        torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(aux, aux_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_rope_store_equals_rope_then_store():
+    """models/fused.rope_store_ (RoPE on q and k with k and v written to their cache slots in one
+    kernel) against rope_ followed by kernels/kv_cache.store_kv_ref; padding slots (-1) stay
+    untouched; k itself is not modified."""
+    from speculant.kernels.kv_cache import store_kv_ref
+
+    g = torch.Generator().manual_seed(4)
+    T, Hq, Hk, D, nb, bs = 6, 8, 2, 32, 5, 4
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=g).to(DEV)
+    q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+    q, k, v = q.view(T, Hq, D), k.view(T, Hk, D), v.view(T, Hk, D)
+    pos = torch.tensor([0, 9, 3, 31, 17, 5], device=DEV)
+    slots = torch.tensor([3, 17, -1, 0, 19, 8], device=DEV)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    freqs = torch.arange(32).float()[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(DEV), emb.sin().to(DEV)
+    caches = [torch.randn(nb, bs, Hk, D, generator=g).to(DEV) for _ in range(2)]
+    want_q, want_k = q.clone(), k.clone()
+    fused.rope_(pos, want_q, want_k, cos, sin)
+    want_kc, want_vc = caches[0].clone(), caches[1].clone()
+    store_kv_ref(want_k, v, want_kc, want_vc, slots)
+    k_before = k.clone()
+    fused.rope_store_(pos, q, k, v, cos, sin, caches[0], caches[1], slots)
+    torch.testing.assert_close(q, want_q, atol=0, rtol=0)
+    torch.testing.assert_close(caches[0], want_kc, atol=0, rtol=0)
+    torch.testing.assert_close(caches[1], want_vc, atol=0, rtol=0)
+    assert torch.equal(k, k_before)
+    with pytest.raises(ValueError, match="do not hold k"):
+        fused.rope_store_(pos, q, k, v, cos, sin, caches[0][:, :, :1], caches[1], slots)

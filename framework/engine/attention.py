@@ -211,19 +211,21 @@ def _attention_slices(
 
 def attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: already stored
+    v: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: already stored
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Write this step's K/V into the cache, then attend causally over the whole context."""
+    """Write this step's K/V into the cache (unless k and v are None: the caller did), then
+    attend causally over the whole context."""
     if q.is_cuda and triton_enabled():
         from speculant.kernels.kv_cache import store_kv
         from speculant.kernels.paged_attention import paged_attention
 
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k is not None:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
         return paged_attention(
             q,
@@ -235,6 +237,12 @@ def attention(
             scale,
             max_query_len=meta.max_query_len,
         )
+    if k is not None:
+        _store_torch(k, v, k_cache, v_cache, meta)
+    return paged_attention_torch(q, k_cache, v_cache, meta, scale)
+
+
+def _store_torch(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
     nkv, d = k_cache.shape[2], k_cache.shape[3]
     starts = meta.seq_starts
     if starts is not None and len(starts) == 1 and starts[0] >= 0:  # one sequence: a slice
@@ -244,7 +252,6 @@ def attention(
     else:
         k_cache.view(-1, nkv, d)[meta.slot_mapping] = k.to(k_cache.dtype)
         v_cache.view(-1, nkv, d)[meta.slot_mapping] = v.to(v_cache.dtype)
-    return paged_attention_torch(q, k_cache, v_cache, meta, scale)
 
 
 # CPU: query lengths up to this attend with two batched matmuls per sequence (``_attend_few``);
@@ -369,3 +376,8 @@ class ForwardContext:
     def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]
         return attention(q, k, v, k_cache, v_cache, self.meta, scale)
+
+    def attend_stored(self, layer: int, q, scale: float) -> torch.Tensor:
+        """``attend`` when this step's K/V are already in the cache (models/fused.rope_store_)."""
+        k_cache, v_cache = self.kv_caches[layer]
+        return attention(q, None, None, k_cache, v_cache, self.meta, scale)

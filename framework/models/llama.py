@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from speculant.engine.attention import ForwardContext
+from speculant.kernels.gemv import gemv
 from speculant.models import cpu_forward, fused
 from speculant.models.layers import RMSNorm, RotaryEmbedding, activation
 from speculant.models.weights import WeightLoader
@@ -47,13 +48,29 @@ class LlamaAttention(nn.Module):
             v = qkv[:, self.q_size + self.kv_size :].view(T, nkv, d)  # [T, nkv, d]
             o = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [T, nh, d]
             return self.o_proj(o.reshape(T, self.q_size))
+        return self.o_proj(self.attend_qkv(positions, qkv, ctx))
+
+    def attend_qkv(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [num_tokens, q_size]: attention output, before o_proj
+        T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
-        o = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(o.reshape(T, self.q_size))
+        rope = self.rope
+        if fused.enabled(q) and rope.cos_cache.shape[-1] == self.head_dim:
+            k_cache, v_cache = ctx.kv_caches[self.layer_idx]  # rotate q, k and store k, v at once
+            fused.rope_store_(positions, q, k, v, rope.cos_cache, rope.sin_cache, k_cache, v_cache,
+                              ctx.meta.slot_mapping)
+            o = ctx.attend_stored(self.layer_idx, q, self.scale)
+        else:
+            q, k = rope(positions, q, k)
+            o = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [num_tokens, num_heads, head_dim]
+        return o.reshape(T, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -91,6 +108,30 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_gemv(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        h: torch.Tensor,  # [num_tokens, hidden]: the previous layer's MLP output (or the input)
+        ctx: ForwardContext,
+        residual: torch.Tensor | None,  # [num_tokens, hidden]: residual stream before ``h``
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream before it)
+        """The few-row CUDA path: 4 GEMVs with fused prologues (kernels/gemv.py) and attention;
+        the layer input is ``h + residual``, summed inside the QKV product's RMSNorm. Same
+        arithmetic as ``forward`` up to the products' summation order."""
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv_w, qkv_b = attn.qkv_proj.weight, attn.qkv_proj.bias
+        if residual is None:
+            qkv, residual = gemv(h, qkv_w, qkv_b, prologue="rmsnorm", norm_weight=ln1.weight,
+                                 eps=ln1.eps), h
+        else:
+            qkv, residual = gemv(h, qkv_w, qkv_b, prologue="rmsnorm", norm_weight=ln1.weight,
+                                 residual=residual, eps=ln1.eps)
+        o = gemv(attn.attend_qkv(positions, qkv, ctx), attn.o_proj.weight, attn.o_proj.bias)
+        gu, residual = gemv(o, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, prologue="rmsnorm",
+                            norm_weight=ln2.weight, residual=residual, eps=ln2.eps)
+        return gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul"), residual
+
 
 class LlamaForCausalLM(nn.Module):
     """Also serves Mistral and Qwen2 (``qkv_bias``)."""
@@ -120,6 +161,8 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = rope
+        # the GEMV path fuses SiLU * up: SiLU-gated MLPs only
+        self.gemv_ok = getattr(config, "hidden_act", "silu") in ("silu", "swish")
         self._cpu_plan: cpu_forward.CpuPlan | bool | None = None  # built at the first CPU forward
 
     @property
@@ -153,14 +196,28 @@ class LlamaForCausalLM(nn.Module):
                 self._cpu_plan = cpu_forward.cpu_plan(self) or False
             if self._cpu_plan:
                 return cpu_forward.forward(self._cpu_plan, x, positions, ctx)
+        if self.gemv_ok and fused.gemv_enabled(x):
+            return self._forward_gemv(positions, x, ctx)
         for i, layer in enumerate(self.layers):
             if i in ctx.aux_layers:
                 ctx.aux_hidden.append(x)  # input of layer i == output of layer i-1
             x = layer(positions, x, ctx)
         return self.norm(x)
 
+    def _forward_gemv(self, positions, x, ctx: ForwardContext) -> torch.Tensor:
+        h, residual = x, None
+        for i, layer in enumerate(self.layers):
+            if i in ctx.aux_layers:
+                if residual is not None:
+                    h, residual = h + residual, None
+                ctx.aux_hidden.append(h)  # input of layer i
+            h, residual = layer.forward_gemv(positions, h, ctx, residual)
+        return fused.rms_norm(h, self.norm.weight, self.norm.eps, residual=residual)[0]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden] -> [num_rows, vocab] float32
+        if fused.gemv_enabled(hidden):
+            return gemv(hidden, self.lm_head.weight).float()
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
