@@ -75,10 +75,8 @@ def test_silu_mul():
                     "on CUDA tests/test_gpu_engine.py covers it end to end")
 def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch):
     """The few-row path of the Llama layers (4 GEMVs with fused RMSNorm / residual / SiLU*up
-    prologues, kernels/gemv.py; RoPE fused with the K/V store) against the torch layer path, over a prefill of 5 tokens split in
-    row groups of <= 8 and 2 decode steps, with aux hidden states (EAGLE-3) collected."""
-    from functools import partial
-
+    prologues, kernels/gemv.py; RoPE fused with the K/V store) against the torch layer path,
+    over a prefill of 5 tokens and 2 decode steps, with aux hidden states (EAGLE-3) collected."""
     from speculant.engine.model_runner import ModelRunner
     from speculant.engine.sequence import Sequence
     from speculant.kernels import gemv as gemv_mod
