@@ -265,6 +265,31 @@ def test_overlapped_steps_equal_torch_path(target, heads, torch_path_greedy, kin
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("kind", ["plain", "draft_model"])
+def test_one_row_gemv_path_equals_torch_path(target, heads, torch_path_greedy, kind, monkeypatch):
+    """Batch-1 steps run the Llama layers as GEMVs with fused prologues (kernels/gemv.py) and RoPE
+    fused with the K/V store, the draft model's one-row steps too: one prompt at a time, the
+    torch path's tokens."""
+    from speculant.models import llama
+
+    monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
+    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
+    calls = [0]
+    real = llama.gemv
+
+    def counting(*a, **kw):
+        calls[0] += 1  # at capture time (replays do not come back to Python)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(llama, "gemv", counting)
+    llm = _llm(target, speculative_config=_spec(kind, heads))
+    for i, p in enumerate(_prompts()[:3]):
+        out = llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0].outputs[0]
+        assert list(out.token_ids) == torch_path_greedy[i], f"prompt {i}"
+    assert calls[0] > 0
+    torch.cuda.empty_cache()
+
+
 def test_eagle3_greedy_equals_plain(tiny_factory, heads, monkeypatch):
     """EAGLE-3 (fused features of 3 layers, 600-token draft vocabulary mapped by d2t) in CUDA
     graphs: the same greedy tokens as plain decoding of its 3-layer target."""
