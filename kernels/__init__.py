@@ -5,12 +5,14 @@ public dispatch function that uses Triton for CUDA tensors and torch otherwise. 
 optional: without it every function runs its torch path. See docs/kernels.md.
 """
 
+from .gemv import gemv
 from .kv_cache import store_kv
 from .paged_attention import paged_attention
 from .rejection_sampling import rejection_sample, sample_from_probs
 from .sampling import sampling_probs
 
 __all__ = [
+    "gemv",
     "store_kv",
     "paged_attention",
     "sampling_probs",
