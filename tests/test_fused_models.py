@@ -79,7 +79,7 @@ def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch):
     over a prefill of 5 tokens and 2 decode steps, with aux hidden states (EAGLE-3) collected."""
     from speculant.engine.model_runner import ModelRunner
     from speculant.engine.sequence import Sequence
-    from speculant.kernels import gemv as gemv_mod
+    from speculant.kernels.gemv import gemv as gemv_fn
     from speculant.models import llama
     from speculant.models.loader import load_config, load_model
     from speculant.outputs import RequestMetrics
@@ -105,7 +105,7 @@ def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch):
 
     def spy(*a, **kw):
         calls[0] += 1
-        return gemv_mod.gemv(*a, **kw, force_triton=True)
+        return gemv_fn(*a, **kw, force_triton=True)
 
     monkeypatch.setattr(llama, "gemv", spy)
     got = run(True)
