@@ -50,10 +50,12 @@ def interpret_mode() -> bool:
 
 
 class LazyJit:
-    """``triton.jit`` applied on first launch (and again if the interpreter setting changes)."""
+    """``triton.jit`` applied on first launch (and again if the interpreter setting changes).
+    ``jit_kwargs`` go to ``triton.jit`` (e.g. ``do_not_specialize``)."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], **jit_kwargs: Any) -> None:
         self.fn = fn
+        self.jit_kwargs = jit_kwargs
         self.__name__ = fn.__name__
         self.__doc__ = fn.__doc__
         self._compiled: dict[bool, Any] = {}
@@ -64,7 +66,7 @@ class LazyJit:
         mode = interpret_mode()
         kernel = self._compiled.get(mode)
         if kernel is None:
-            kernel = triton.jit(self.fn)
+            kernel = triton.jit(self.fn, **self.jit_kwargs)
             self._compiled[mode] = kernel
         return kernel
 
@@ -72,8 +74,16 @@ class LazyJit:
         return self.jitted()[grid]
 
 
-def lazy_jit(fn: Callable[..., Any]) -> LazyJit:
-    return LazyJit(fn)
+def lazy_jit(fn: Callable[..., Any] | None = None, **jit_kwargs: Any):
+    """``@lazy_jit`` or ``@lazy_jit(do_not_specialize=("name", ...))``.
+
+    Triton compiles a separate binary for every integer argument that equals 1 or is divisible
+    by 16 (it specialises on them). An argument that takes such values only now and then at run
+    time (a batch size, a block-table width, a split count) then triggers a compile in the
+    middle of serving, the first time it does: list it in ``do_not_specialize``."""
+    if fn is None:
+        return lambda f: LazyJit(f, **jit_kwargs)
+    return LazyJit(fn, **jit_kwargs)
 
 
 def triton_enabled() -> bool:

@@ -120,7 +120,10 @@ def paged_attention_ref(
 # --------------------------------------------------------------------------------------------
 if tl is not None:
 
-    @lazy_jit
+    # batch size, split count and block-table width vary from call to call on the eager paths
+    # (prefill, a proposer's catch-up): not specialised, so that e.g. a table 16 blocks wide (a
+    # context of 241-256 tokens) does not compile a variant of its own mid-run
+    @lazy_jit(do_not_specialize=("num_seqs", "num_splits", "stride_bt"))
     def _paged_attn_kernel(
         q_ptr,  # [num_tokens, num_heads, head_dim]
         k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -320,7 +323,7 @@ if tl is not None:
                     mask=row_valid[:, None],
                 )
 
-    @lazy_jit
+    @lazy_jit(do_not_specialize=("num_seqs", "num_splits"))
     def _paged_attn_reduce_kernel(
         part_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] fp32
         part_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32 (log2 domain)

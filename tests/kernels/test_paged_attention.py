@@ -384,3 +384,19 @@ def test_kernel_program_order(device, heads_first):
         )
         assert not torch.isnan(out).any()
         assert rel_err(out, ref) < REL_TOL[torch.float16]
+
+
+def test_varying_ints_are_not_specialised(monkeypatch):
+    """Triton compiles a separate binary for every integer argument equal to 1 or divisible by
+    16. The batch size, split count and block-table width change between eager calls (prefill,
+    a proposer's catch-up): those are not specialised, or a table 16 blocks wide (a context of
+    241-256 tokens) would compile a variant of its own mid-run (an H100 run paid 0.6 s)."""
+    import sys
+
+    mod = sys.modules["speculant.kernels.paged_attention"]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the compiled kernel's JITFunction, not built
+    flags = {p.name: p.do_not_specialize for p in mod._paged_attn_kernel.jitted().params}
+    assert flags["num_seqs"] and flags["num_splits"] and flags["stride_bt"]
+    assert not flags["stride_qt"] and not flags["stride_kb"]  # fixed per model: specialised
+    reduce = {p.name: p.do_not_specialize for p in mod._paged_attn_reduce_kernel.jitted().params}
+    assert reduce["num_seqs"] and reduce["num_splits"] and not reduce["stride_ot"]
