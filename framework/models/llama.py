@@ -115,9 +115,10 @@ class LlamaDecoderLayer(nn.Module):
         ctx: ForwardContext,
         residual: torch.Tensor | None,  # [num_tokens, hidden]: residual stream before ``h``
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream before it)
-        """The few-row CUDA path: 4 GEMVs with fused prologues (kernels/gemv.py) and attention;
-        the layer input is ``h + residual``, summed inside the QKV product's RMSNorm. Same
-        arithmetic as ``forward`` up to the products' summation order."""
+        """The one-row CUDA path (``fused.GEMV_MAX_ROWS``): 4 GEMVs with fused prologues
+        (kernels/gemv.py) around attention. The layer input is ``h + residual``, summed inside
+        the QKV product's RMSNorm. Same arithmetic as ``forward`` up to the products' summation
+        order."""
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         qkv_w, qkv_b = attn.qkv_proj.weight, attn.qkv_proj.bias
@@ -212,6 +213,8 @@ class LlamaForCausalLM(nn.Module):
                     h, residual = h + residual, None
                 ctx.aux_hidden.append(h)  # input of layer i
             h, residual = layer.forward_gemv(positions, h, ctx, residual)
+        if residual is None:  # no layers
+            return fused.rms_norm(h, self.norm.weight, self.norm.eps)
         return fused.rms_norm(h, self.norm.weight, self.norm.eps, residual=residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
