@@ -22,6 +22,7 @@ import json
 import logging
 import platform
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -51,6 +52,7 @@ class _StepTimer:
     def __init__(self, device) -> None:
         self.device = device
         self.propose_s = 0.0
+        self.propose_max_s = 0.0  # the slowest call (a catch-up, a compile, a graph capture)
         self.propose_calls = 0
         self.score_s = 0.0
         self.score_calls = 0
@@ -63,7 +65,9 @@ class _StepTimer:
         t0 = time.perf_counter()
         result = yield
         _sync(self.device)
-        self.propose_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.propose_s += dt
+        self.propose_max_s = max(self.propose_max_s, dt)
         self.propose_calls += 1
         return result
 
@@ -106,16 +110,31 @@ def _decode_run(engine, prompts: list[list[int]], max_tokens: int) -> dict:
         outs.update({o.request_id: o for o in engine.step()})
     _sync(engine.device)
     t1 = time.perf_counter()
-    steps = 0
+    step_times = []  # host wall time of each step (on CUDA: up to its own token read-back)
     while engine.has_unfinished_requests():
+        ts = time.perf_counter()
         outs.update({o.request_id: o for o in engine.step()})
-        steps += 1
+        step_times.append(time.perf_counter() - ts)
     _sync(engine.device)
     t2 = time.perf_counter()
     tokens = [outs[r.request_id].outputs[0].token_ids for r in reqs]
     decode_tokens = sum(len(t) - 1 for t in tokens)
-    return {"tokens": tokens, "prefill_s": t1 - t0, "decode_s": t2 - t1, "steps": steps,
-            "decode_tokens": decode_tokens}
+    return {"tokens": tokens, "prefill_s": t1 - t0, "decode_s": t2 - t1, "steps": len(step_times),
+            "decode_tokens": decode_tokens, "step_times": step_times}
+
+
+SLOW_STEP = 5.0  # a step this many times the median step is counted as a stall
+
+
+def step_stats(step_times: list[float]) -> dict:
+    """Median and max step time and the number of stalls (steps over SLOW_STEP x the median: a
+    kernel compile or graph capture inside the timed window shows up here)."""
+    if not step_times:
+        return {"median_step_s": None, "max_step_s": None, "slow_steps": 0, "slow_steps_s": 0.0}
+    med = statistics.median(step_times)
+    slow = [t for t in step_times if t > SLOW_STEP * med]
+    return {"median_step_s": med, "max_step_s": max(step_times), "slow_steps": len(slow),
+            "slow_steps_s": sum(slow)}
 
 
 def _set_strategy(engine, spec_config: dict | None):
@@ -208,6 +227,7 @@ def _summarise(spec, bs, r, dec, timer, plain, record) -> dict:
         "step_s": step_s, "decode_tokens": r["decode_tokens"],
         # greedy equivalence with the plain recording (same prompts, same engine)
         "same_tokens_as_plain": all(t == ref[: len(t)] for t, ref in zip(r["tokens"], record["tokens"])),
+        **step_stats(r["step_times"]),
     }
     row["speedup"] = (row["tokens_per_s"] / plain["tokens_per_s"]) if plain else 1.0
     if dec is None:
@@ -224,6 +244,7 @@ def _summarise(spec, bs, r, dec, timer, plain, record) -> dict:
         acceptance_rate=m.acceptance_rate, num_spec_steps=m.num_spec_steps,
         num_plain_steps=m.num_plain_steps, num_times_disabled=m.num_times_disabled,
         propose_s_per_step=propose_step,
+        max_propose_s=timer.propose_max_s if timer.propose_calls else None,
         score_issue_s_per_step=timer.score_s / timer.score_calls if timer.score_calls else None,
         c=c,
         theoretical_speedup=theoretical_speedup(a, k, c) if (a is not None and c is not None

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from speculant.bench import parse_strategies, theoretical_speedup
+from speculant.bench import parse_strategies, step_stats, theoretical_speedup
 from speculant.cli import main
 
 
@@ -14,6 +14,13 @@ def test_theoretical_speedup_formula():
     assert theoretical_speedup(0.8, 5, 0.0) == pytest.approx((1 - 0.8**6) / 0.2)
     assert theoretical_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
     assert theoretical_speedup(1.0, 3, 0.05) == pytest.approx(4 / 1.15)
+
+
+def test_step_stats_counts_stalls():
+    st = step_stats([0.01, 0.011, 0.009, 0.3, 0.01, 0.05, 0.012])
+    assert st["median_step_s"] == 0.011 and st["max_step_s"] == 0.3
+    assert st["slow_steps"] == 1 and st["slow_steps_s"] == 0.3  # 0.05 < 5 x 0.011 = 0.055
+    assert step_stats([])["slow_steps"] == 0
 
 
 def test_parse_strategies():
@@ -38,7 +45,11 @@ def test_bench_cli_writes_json_and_png(tiny_factory, tmp_path, capsys):
         assert r["same_tokens_as_plain"], r["name"]
         assert r["tokens_per_s"] > 0 and r["s_per_token"] > 0 and r["decode_tokens"] == 19 * r["batch_size"]
     assert runs[("plain", 1)]["speedup"] == 1.0
+    for r in runs.values():  # stall accounting of the timed window
+        assert 0 < r["median_step_s"] <= r["max_step_s"] and r["slow_steps"] >= 0
+        assert r["max_step_s"] <= r["decode_s"]
     sure = runs[("oracle a=1.0 k=3", 1)]
+    assert sure["max_propose_s"] >= sure["propose_s_per_step"] > 0
     assert sure["acceptance"] == 1.0
     # every target step emits k + 1 tokens except possibly the last (19 tokens after prefill)
     assert sure["steps"] == 5 and sure["mean_accepted_length"] == pytest.approx(19 / 5)
