@@ -49,24 +49,14 @@ import re
 import sys
 import time
 import traceback
-import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _checkout import REPO, use_checkout  # bench/, the script's folder
 
-REPO = Path(__file__).resolve().parents[1]
-try:
-    import speculant.kernels  # noqa: F401
-except ImportError:  # running from a checkout: the folder kernels/ is speculant.kernels
-    try:
-        import speculant as _pkg
-    except ImportError:
-        _pkg = types.ModuleType("speculant")
-        _pkg.__path__ = []
-        sys.modules["speculant"] = _pkg
-    _pkg.__path__.append(str(REPO))
+use_checkout()
 
 from speculant.kernels.gemv import (  # noqa: E402
     GemvConfig,

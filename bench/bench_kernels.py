@@ -47,20 +47,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _checkout import use_checkout  # bench/, the script's folder
 
-try:
-    import speculant.kernels  # noqa: F401
-except ImportError:  # running from a checkout: the folder kernels/ is speculant.kernels
-    import types
-
-    repo = Path(__file__).resolve().parents[1]
-    try:
-        import speculant as _pkg
-    except ImportError:
-        _pkg = types.ModuleType("speculant")
-        _pkg.__path__ = []
-        sys.modules["speculant"] = _pkg
-    _pkg.__path__.append(str(repo))
+use_checkout()
 
 import triton  # noqa: E402
 import triton.testing  # noqa: E402

@@ -66,12 +66,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @lazy_jit
-def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, sq_t, sq_h, sk_t, sk_h, s_cos,
-                 HQ, HK, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0)
+def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
+                 sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, s_cos, skc_b, skc_s, skc_h, svc_b, svc_s,
+                 svc_h, HQ, HK, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, STORE: tl.constexpr):
+    # q [T, HQ, 2 * HALF] (rotated in place); k [T, HK, 2 * HALF]; cos, sin [max_pos, 2 * HALF]
+    # f32 (the cache is cat(freqs, freqs)); pos [T]. STORE: the rotated k and v [T, HK, 2 * HALF]
+    # go to kc, vc [num_blocks, BLOCK_SIZE, HK, 2 * HALF] at slot [T] (-1: padding, not stored)
+    # and k is left as it was; else k is rotated in place (v, slot, kc, vc unused)
+    t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos * s_cos + d)[None, :]  # the cache is cat(freqs, freqs)
+    cos = tl.load(cos_ptr + pos * s_cos + d)[None, :]
     sin = tl.load(sin_ptr + pos * s_cos + d)[None, :]
     h = tl.arange(0, BLOCK_H)[:, None]
     mq = h < HQ
@@ -83,11 +89,27 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, sq_t, sq_h, sk_t, sk_h
     tl.store(pq + HALF, (f2 * cos + f1 * sin).to(q1.dtype), mask=mq)
     mk = h < HK
     pk = k_ptr + t * sk_t + h * sk_h + d[None, :]
-    k1 = tl.load(pk, mask=mk, other=0.0)
-    k2 = tl.load(pk + HALF, mask=mk, other=0.0)
-    g1, g2 = k1.to(tl.float32), k2.to(tl.float32)
-    tl.store(pk, (g1 * cos - g2 * sin).to(k1.dtype), mask=mk)
-    tl.store(pk + HALF, (g2 * cos + g1 * sin).to(k1.dtype), mask=mk)
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+            k1 = tl.load(pk, mask=mk, other=0.0)
+            k2 = tl.load(pk + HALF, mask=mk, other=0.0)
+            g1, g2 = k1.to(tl.float32), k2.to(tl.float32)
+            ck = kc_ptr + blk * skc_b + off * skc_s + h * skc_h + d[None, :]
+            cty = kc_ptr.dtype.element_ty
+            tl.store(ck, (g1 * cos - g2 * sin).to(k1.dtype).to(cty), mask=mk)
+            tl.store(ck + HALF, (g2 * cos + g1 * sin).to(k1.dtype).to(cty), mask=mk)
+            pv = v_ptr + t * sv_t + h * sv_h + d[None, :]
+            cv = vc_ptr + blk * svc_b + off * svc_s + h * svc_h + d[None, :]
+            tl.store(cv, tl.load(pv, mask=mk, other=0.0).to(cty), mask=mk)
+            tl.store(cv + HALF, tl.load(pv + HALF, mask=mk, other=0.0).to(cty), mask=mk)
+    else:
+        k1 = tl.load(pk, mask=mk, other=0.0)
+        k2 = tl.load(pk + HALF, mask=mk, other=0.0)
+        g1, g2 = k1.to(tl.float32), k2.to(tl.float32)
+        tl.store(pk, (g1 * cos - g2 * sin).to(k1.dtype), mask=mk)
+        tl.store(pk + HALF, (g2 * cos + g1 * sin).to(k1.dtype), mask=mk)
 
 
 def rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -95,48 +117,12 @@ def rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.
     """In place. positions [T]; q [T, Hq, D], k [T, Hk, D] (any row/head strides, last dim
     contiguous); cos/sin [max_pos, D] float32 (rotate-half layout, full rotary)."""
     T, HQ, D = q.shape
-    if T:
-        _rope_kernel[(T,)](q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0),
-                           k.stride(1), cos.stride(0), HQ, k.shape[1], HALF=D // 2,
-                           BLOCK_H=next_pow2(max(HQ, k.shape[1])), num_warps=4)
-
-
-@lazy_jit
-def _rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
-                       sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, s_cos, skc_b, skc_s, skc_h, svc_b,
-                       svc_s, svc_h, HQ, HK, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_SIZE: tl.constexpr):
-    # q [T, HQ, 2 * HALF] (rotated in place); k, v [T, HK, 2 * HALF]; cos, sin [max_pos, 2 * HALF]
-    # f32; pos, slot [T] (slot -1: padding, not stored); kc, vc [num_blocks, BLOCK_SIZE, HK, 2*HALF]
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t)
-    d = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos * s_cos + d)[None, :]  # the cache is cat(freqs, freqs)
-    sin = tl.load(sin_ptr + pos * s_cos + d)[None, :]
-    h = tl.arange(0, BLOCK_H)[:, None]
-    mq = h < HQ
-    pq = q_ptr + t * sq_t + h * sq_h + d[None, :]
-    q1 = tl.load(pq, mask=mq, other=0.0)
-    q2 = tl.load(pq + HALF, mask=mq, other=0.0)
-    f1, f2 = q1.to(tl.float32), q2.to(tl.float32)
-    tl.store(pq, (f1 * cos - f2 * sin).to(q1.dtype), mask=mq)
-    tl.store(pq + HALF, (f2 * cos + f1 * sin).to(q1.dtype), mask=mq)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
-        blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-        mk = h < HK
-        pk = k_ptr + t * sk_t + h * sk_h + d[None, :]
-        k1 = tl.load(pk, mask=mk, other=0.0)
-        k2 = tl.load(pk + HALF, mask=mk, other=0.0)
-        g1, g2 = k1.to(tl.float32), k2.to(tl.float32)
-        ck = kc_ptr + blk * skc_b + off * skc_s + h * skc_h + d[None, :]
-        cty = kc_ptr.dtype.element_ty
-        tl.store(ck, (g1 * cos - g2 * sin).to(k1.dtype).to(cty), mask=mk)
-        tl.store(ck + HALF, (g2 * cos + g1 * sin).to(k1.dtype).to(cty), mask=mk)
-        pv = v_ptr + t * sv_t + h * sv_h + d[None, :]
-        cv = vc_ptr + blk * svc_b + off * svc_s + h * svc_h + d[None, :]
-        tl.store(cv, tl.load(pv, mask=mk, other=0.0).to(cty), mask=mk)
-        tl.store(cv + HALF, tl.load(pv + HALF, mask=mk, other=0.0).to(cty), mask=mk)
+    if T:  # STORE=False: v, slot and the caches are not read (q / positions stand in)
+        _rope_kernel[(T,)](q, k, q, cos, sin, positions, positions, q, q, q.stride(0),
+                           q.stride(1), k.stride(0), k.stride(1), 0, 0, cos.stride(0), 0, 0, 0,
+                           0, 0, 0, HQ, k.shape[1], HALF=D // 2,
+                           BLOCK_H=next_pow2(max(HQ, k.shape[1])), BLOCK_SIZE=1, STORE=False,
+                           num_warps=4)
 
 
 def rope_store_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -153,12 +139,12 @@ def rope_store_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         raise ValueError(f"rope_store_: caches of shape {tuple(k_cache.shape)} / "
                          f"{tuple(v_cache.shape)} do not hold k of shape {tuple(k.shape)}")
     if T:
-        _rope_store_kernel[(T,)](
+        _rope_kernel[(T,)](
             q, k, v, cos, sin, positions, slots, k_cache, v_cache, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
             v_cache.stride(1), v_cache.stride(2), HQ, HK, HALF=D // 2,
-            BLOCK_H=next_pow2(max(HQ, HK)), BLOCK_SIZE=k_cache.shape[1], num_warps=4)
+            BLOCK_H=next_pow2(max(HQ, HK)), BLOCK_SIZE=k_cache.shape[1], STORE=True, num_warps=4)
 
 
 @lazy_jit
