@@ -545,8 +545,16 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - reported in the JSON
             extra["errors"]["profile"] = f"{type(e).__name__}: {e}"
     if args.host_profile:
-        extra["plain_kernel_profile"] = plain_kernel_profile(engine, prompts)
+        extra["plain_kernel_profile"] = kernel_profile(engine, prompts)
         print("plain kernel profile", json.dumps(extra["plain_kernel_profile"]), flush=True)
+        from speculant.bench import _decode_run, _set_strategy
+
+        _set_strategy(engine, None)
+        rec = _decode_run(engine, prompts[:1], 64)["tokens"][0]
+        refs = [{"prompt_token_ids": prompts[0], "output_token_ids": rec}]
+        oracle = dict(method="oracle", alpha=0.8, num_speculative_tokens=5, references=refs)
+        extra["oracle_kernel_profile"] = kernel_profile(engine, prompts, 40, oracle)
+        print("oracle kernel profile", json.dumps(extra["oracle_kernel_profile"]), flush=True)
         profiled = [
             sp
             for sp in strategies
@@ -654,15 +662,16 @@ def host_profile(engine, prompts, max_tokens: int, specs: list[dict] = ()) -> st
     return buf.getvalue()
 
 
-def plain_kernel_profile(engine, prompts, steps: int = 16) -> dict:
-    """GPU kernel time of plain batch-1 decode steps (torch.profiler, CUDA activity only):
-    total per step against the step's wall time, and the kernels that take it."""
+def kernel_profile(engine, prompts, steps: int = 16, spec: dict | None = None) -> dict:
+    """GPU kernel time of batch-1 decode steps (torch.profiler, CUDA activity only): total per
+    step against the step's wall time, and the kernels that take it. ``spec``: a speculative
+    config (e.g. the oracle) whose steps to profile instead of plain ones."""
     from torch.profiler import ProfilerActivity, profile
 
     from speculant.bench import _decode_run, _set_strategy
     from speculant.sampling_params import SamplingParams
 
-    _set_strategy(engine, None)
+    _set_strategy(engine, spec)
     _decode_run(engine, prompts[:1], 8)  # warm-up
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     engine.add_request(f"kprof-{time.monotonic_ns()}", None, prompts[0], params)
@@ -676,6 +685,7 @@ def plain_kernel_profile(engine, prompts, steps: int = 16) -> dict:
             n += 1
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    _set_strategy(engine, None)
     kernels = {}
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None)
@@ -683,8 +693,9 @@ def plain_kernel_profile(engine, prompts, steps: int = 16) -> dict:
         kernels[e.key] = (us, e.count)
     total_ms = sum(us for us, _ in kernels.values()) / 1e3
     n = max(n, 1)
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]
     return {
+        "strategy": "plain" if spec is None else spec["method"],
         "steps": n,
         "wall_ms_per_decode_step_profiled": 1e3 * wall / n,
         "gpu_ms_per_step": total_ms / n,

@@ -15,6 +15,7 @@ import torch
 from speculant import hookimpl
 from speculant.engine.sampler import Row, process_logits, target_probs, uniforms
 from speculant.engine.staging import to_device
+from speculant.kernels.logprobs import token_logprobs
 from speculant.kernels.rejection_sampling import rejection_sample
 from speculant.spec_types import Proposal, ScoreResult, SpecBatch, StrategyContext, VerifyResult
 
@@ -68,9 +69,9 @@ class RejectionSampler:
             acc += n + 1
         rows_idx = (to_device(starts, torch.long, device)[:, None]
                     + torch.arange(max_k + 1, device=device)[None, :]).clamp(max=len(rows) - 1)
-        lp_all = torch.log_softmax(scores.logits.float(), dim=-1)  # [sum(k_i + 1), vocab]
-        lp = lp_all[rows_idx, out.clamp(min=0)]  # [batch, max_k + 1]
         B, W = out.shape
+        lp = token_logprobs(scores.logits, out.clamp(min=0).reshape(-1),
+                            rows_idx.reshape(-1))[1].view(B, W)  # [batch, max_k + 1]
         # one device-to-host read for tokens, counts and logprobs (float64 holds the ids exactly)
         flat = torch.cat([out.reshape(-1).double(), n_out.double(), lp.reshape(-1).double()]).tolist()
         out_l = [flat[i * W : (i + 1) * W] for i in range(B)]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculant.engine.sampler import Row, chosen_logprobs, sample_tokens
+from speculant.engine.sampler import Row, sample_tokens_and_logprobs
 from speculant.engine.sequence import Sequence
 from speculant.sampling_params import SamplingParams
 
@@ -77,9 +77,9 @@ class AsyncDecoder:
         else:
             hidden, aux = eng.runner.forward(seqs, [[s.last_token] for s in seqs], aux_layers)
         logits = eng.runner.logits(hidden)  # [n, vocab] float32
-        tokens = sample_tokens(logits, [Row(s, []) for s in seqs], eng.generator,
-                               eng.eos_token_id)  # [n] int64
-        both = torch.stack([tokens.double(), chosen_logprobs(logits, tokens).double()])  # [2, n]
+        tokens, lps = sample_tokens_and_logprobs(logits, [Row(s, []) for s in seqs], eng.generator,
+                                                 eng.eos_token_id)  # [n] int64, [n] float32
+        both = torch.stack([tokens.double(), lps.double()])  # [2, n]
         done = None
         if both.is_cuda:
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)

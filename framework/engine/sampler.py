@@ -10,6 +10,7 @@ import torch
 
 from speculant.engine.sequence import Sequence
 from speculant.engine.staging import to_device
+from speculant.kernels import logprobs as logprob_kernels
 from speculant.kernels.rejection_sampling import sample_from_probs
 from speculant.kernels.sampling import sampling_probs
 from speculant.outputs import Logprob
@@ -32,6 +33,12 @@ def _call_processor(fn, prompt_ids: list[int], output_ids: list[int], logits: to
     return fn(prompt_ids, output_ids, logits) if n >= 3 else fn(output_ids, logits)
 
 
+def needs_processing(rows: list[Row]) -> bool:
+    """Whether :func:`process_logits` changes anything for these rows."""
+    return any(r.seq.params.logits_processors or r.seq.params.has_penalties
+               or r.seq.params.min_tokens for r in rows)
+
+
 def process_logits(
     logits: torch.Tensor,  # [num_rows, vocab] float32
     rows: list[Row],
@@ -39,9 +46,7 @@ def process_logits(
 ) -> torch.Tensor:  # [num_rows, vocab] float32, processed copy
     """Apply per-request logits processors, repetition/presence/frequency penalties (vLLM
     semantics) and the min_tokens EOS/stop-token mask."""
-    needs = [r for r in rows if r.seq.params.logits_processors or r.seq.params.has_penalties
-             or r.seq.params.min_tokens]
-    if not needs:
+    if not needs_processing(rows):
         return logits
     logits = logits.clone()
     V = logits.shape[1]
@@ -128,8 +133,23 @@ def chosen_logprobs(
     logits: torch.Tensor,  # [num_rows, vocab] raw target logits
     tokens: torch.Tensor,  # [num_rows] int64, same device
 ) -> torch.Tensor:  # [num_rows] float32
-    """log_softmax(logits)[row, token] (the same numbers :func:`token_logprobs` gives)."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+    """log_softmax(logits)[row, token] (the same numbers :func:`token_logprobs` gives), without
+    materialising the log-softmax on CUDA (kernels/logprobs.py)."""
+    return logprob_kernels.token_logprobs(logits, tokens)[1]
+
+
+def sample_tokens_and_logprobs(
+    logits: torch.Tensor,  # [num_rows, vocab] raw target logits, float32
+    rows: list[Row],
+    engine_gen: torch.Generator,
+    eos_token_id: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_rows] int64, [num_rows] float32), on device
+    """One token per row and its target log-probability (raw logits), both left on the device.
+    All-greedy rows without logits processing take one fused argmax + log-probability pass."""
+    if all(r.seq.params.is_greedy for r in rows) and not needs_processing(rows):
+        return logprob_kernels.token_logprobs(logits)
+    tok = sample_tokens(logits, rows, engine_gen, eos_token_id)  # [num_rows]
+    return tok, chosen_logprobs(logits, tok)
 
 
 def sample_with_logprobs(
@@ -141,8 +161,7 @@ def sample_with_logprobs(
 ) -> tuple[list[int], list[float], list[dict[int, Logprob] | None]]:
     """Sample one token per row and return (tokens, their target logprobs, top-N dicts for rows
     that asked for logprobs) with ONE device-to-host read for the tokens and logprobs."""
-    tok = sample_tokens(logits, rows, engine_gen, eos_token_id)  # [num_rows]
-    lp = chosen_logprobs(logits, tok)  # [num_rows]
+    tok, lp = sample_tokens_and_logprobs(logits, rows, engine_gen, eos_token_id)  # [num_rows]
     # float64 holds every token id exactly
     both = torch.stack([tok.to(torch.float64), lp.to(torch.float64)]).tolist()
     tokens = [int(t) for t in both[0]]

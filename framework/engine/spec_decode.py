@@ -9,11 +9,12 @@ import pluggy
 import torch
 
 from speculant import hookspecs
-from speculant.engine.sampler import chosen_logprobs, topn_dict
+from speculant.engine.sampler import topn_dict
 from speculant.engine.sequence import Sequence
 from speculant.engine.spec_control import SpecController
 from speculant.engine.staging import to_device
 from speculant.hookspecs import hookimpl
+from speculant.kernels.logprobs import token_logprobs
 from speculant.outputs import SpecMetrics
 from speculant.spec_registry import (
     SpeculativeConfig,
@@ -275,10 +276,10 @@ class SpecDecoder:
         logprobs = result.logprobs
         if logprobs is None:  # a verifier that did not return them: one batched gather
             idx = [(r0 + j, t) for r0, toks in zip(starts, result.token_ids) for j, t in enumerate(toks)]
-            flat = chosen_logprobs(scores.logits[to_device([i for i, _ in idx], torch.long,
-                                                           scores.logits.device)],
-                                   to_device([t for _, t in idx], torch.long,
-                                             scores.logits.device)).tolist() if idx else []
+            dev = scores.logits.device
+            flat = token_logprobs(scores.logits, to_device([t for _, t in idx], torch.long, dev),
+                                  to_device([i for i, _ in idx], torch.long, dev))[1].tolist() \
+                if idx else []
             logprobs, pos = [], 0
             for toks in result.token_ids:
                 logprobs.append(flat[pos : pos + len(toks)])
