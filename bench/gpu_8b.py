@@ -545,7 +545,9 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - reported in the JSON
             extra["errors"]["profile"] = f"{type(e).__name__}: {e}"
     if args.host_profile:
-        extra["plain_kernel_profile"] = kernel_profile(engine, prompts)
+        extra["plain_kernel_profile"] = kernel_profile(
+            engine, prompts, trace=out / "trace_plain.json"
+        )
         print("plain kernel profile", json.dumps(extra["plain_kernel_profile"]), flush=True)
         from speculant.bench import _decode_run, _set_strategy
 
@@ -553,7 +555,9 @@ def main() -> int:
         rec = _decode_run(engine, prompts[:1], 64)["tokens"][0]
         refs = [{"prompt_token_ids": prompts[0], "output_token_ids": rec}]
         oracle = dict(method="oracle", alpha=0.8, num_speculative_tokens=5, references=refs)
-        extra["oracle_kernel_profile"] = kernel_profile(engine, prompts, 40, oracle)
+        extra["oracle_kernel_profile"] = kernel_profile(
+            engine, prompts, 40, oracle, trace=out / "trace_oracle.json"
+        )
         print("oracle kernel profile", json.dumps(extra["oracle_kernel_profile"]), flush=True)
         profiled = [
             sp
@@ -662,7 +666,47 @@ def host_profile(engine, prompts, max_tokens: int, specs: list[dict] = ()) -> st
     return buf.getvalue()
 
 
-def kernel_profile(engine, prompts, steps: int = 16, spec: dict | None = None) -> dict:
+def gpu_gaps(prof, steps: int, top: int = 12) -> dict:
+    """Where the GPU sits idle in a profile: the union of kernel / copy intervals against their
+    span, and the idle time summed per (previous kernel -> next kernel) pair, per step."""
+    from torch.autograd import DeviceType
+
+    ev = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    if not ev:
+        return {}
+    pairs: dict[str, list[float]] = {}
+    busy = 0.0
+    end, last = ev[0][1], ev[0][2]
+    busy += ev[0][1] - ev[0][0]
+    for s, e, name in ev[1:]:
+        if s > end:
+            key = f"{last[:40]} -> {name[:40]}"
+            pairs.setdefault(key, [0.0, 0])
+            pairs[key][0] += s - end
+            pairs[key][1] += 1
+        busy += max(0.0, e - max(s, end))
+        if e > end:
+            end, last = e, name
+    span = end - ev[0][0]
+    worst = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "span_ms_per_step": span / 1e3 / steps,
+        "busy_ms_per_step": busy / 1e3 / steps,
+        "idle_ms_per_step": (span - busy) / 1e3 / steps,
+        "idle_by_pair_us_per_step": [
+            {"pair": k, "us_per_step": v[0] / steps, "count_per_step": v[1] / steps}
+            for k, v in worst
+        ],
+    }
+
+
+def kernel_profile(
+    engine, prompts, steps: int = 16, spec: dict | None = None, trace: Path | None = None
+) -> dict:
     """GPU kernel time of batch-1 decode steps (torch.profiler, CUDA activity only): total per
     step against the step's wall time, and the kernels that take it. ``spec``: a speculative
     config (e.g. the oracle) whose steps to profile instead of plain ones."""
@@ -686,6 +730,8 @@ def kernel_profile(engine, prompts, steps: int = 16, spec: dict | None = None) -
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     _set_strategy(engine, None)
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     kernels = {}
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None)
@@ -699,6 +745,7 @@ def kernel_profile(engine, prompts, steps: int = 16, spec: dict | None = None) -
         "steps": n,
         "wall_ms_per_decode_step_profiled": 1e3 * wall / n,
         "gpu_ms_per_step": total_ms / n,
+        "gaps": gpu_gaps(prof, n),
         "top_kernels": [
             {"kernel": k[:100], "ms_per_step": us / 1e3 / n, "calls_per_step": c / n}
             for k, (us, c) in top

@@ -403,11 +403,15 @@ def choose_launch_config(
     real_tiles = min(num_tiles, num_seqs * max(1, cdiv(max_query_len, block_q)))
     if num_splits is None:
         programs = max(1, real_tiles * num_kv_heads)
-        # about _PROGRAMS_PER_SM[multi-token] programs per SM (one full wave), at least 256
-        # cached tokens per split, at most 64 splits
+        # about _PROGRAMS_PER_SM[multi-token] programs per SM (one full wave), at least one
+        # chunk of cached tokens per split, at most 64 splits. A program walks its chunks one
+        # after another at ~1.8 us each (H100, 1 split at 8k: 225 us for 128 chunks), so at
+        # short contexts (a few hundred tokens, the first steps of every request) the split
+        # count, not the bandwidth, sets the time; the earlier floor of 256 tokens per split
+        # left batch-1 decode at a 448-token table with 2 splits of 4 chunks
         target = _PROGRAMS_PER_SM[block_q > 1] * sm_count
         want = max(1, round(target / programs))
-        cap = max(1, min(64, cdiv(max_context, 256)))
+        cap = max(1, min(64, cdiv(max_context, block_n)))
         num_splits = min(want, cap)
     if prefetch is None:
         prefetch = _PREFETCH_DEFAULT

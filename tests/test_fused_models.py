@@ -73,10 +73,14 @@ def test_silu_mul():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test of the CUDA code path; "
                     "on CUDA tests/test_gpu_engine.py covers it end to end")
-def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch):
-    """The few-row path of the Llama layers (4 GEMVs with fused RMSNorm / residual / SiLU*up
-    prologues, kernels/gemv.py; RoPE fused with the K/V store) against the torch layer path,
-    over a prefill of 5 tokens and 2 decode steps, with aux hidden states (EAGLE-3) collected."""
+@pytest.mark.parametrize("path", ["gemv", "fused"])
+def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch, path):
+    """The CUDA paths of the Llama layers against the torch layer path, over a prefill of 5
+    tokens, 2 decode steps and a 3-token (verification-like) step, with aux hidden states
+    (EAGLE-3) collected. ``gemv``: the one-row path (4 GEMVs with fused RMSNorm / residual /
+    SiLU*up prologues, kernels/gemv.py; RoPE fused with the K/V store). ``fused``: the
+    multi-row path that carries the residual stream into the RMSNorm kernels
+    (``forward_fused``)."""
     from speculant.engine.model_runner import ModelRunner
     from speculant.engine.sequence import Sequence
     from speculant.kernels.gemv import gemv as gemv_fn
@@ -89,15 +93,16 @@ def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch):
     model = load_model(tiny_llama, cfg, torch.float32, torch.device("cpu"), 256)
     model._cpu_plan = False  # the layer loop, not the CPU fast path
 
-    def run(gemv_path: bool):
-        monkeypatch.setattr(fused, "gemv_enabled", lambda x: gemv_path)
-        monkeypatch.setattr(fused, "enabled", lambda x: gemv_path)  # + rope_store_, fused norms
+    def run(cuda_path: bool):
+        gemv_on = cuda_path and path == "gemv"
+        monkeypatch.setattr(fused, "gemv_enabled", lambda x: gemv_on and x.shape[0] == 1)
+        monkeypatch.setattr(fused, "enabled", lambda x: cuda_path)  # + rope_store_, fused norms
         runner = ModelRunner(model, 8, 16, torch.device("cpu"), torch.float32)
         seqs = [Sequence("r", 0, [1, 5, 9, 200, 7], SamplingParams(), RequestMetrics(0.0), None)]
         seqs[0].block_table = [0, 1]
         outs = [runner.forward(seqs, [seqs[0].token_ids], (1,))]
-        for t in (11, 300):
-            outs.append(runner.forward(seqs, [[t]], (1,)))
+        for toks in ([11], [300], [4, 77, 12]):
+            outs.append(runner.forward(seqs, [toks], (1,)))
         return outs
 
     ref = run(False)
@@ -108,11 +113,26 @@ def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch):
         return gemv_fn(*a, **kw, force_triton=True)
 
     monkeypatch.setattr(llama, "gemv", spy)
+    layer_calls = [0]
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_fused", _counted(
+        llama.LlamaDecoderLayer.forward_fused, layer_calls))
     got = run(True)
-    assert calls[0] == 3 * 4 * cfg.num_hidden_layers
+    if path == "gemv":  # the two one-row decode steps; the others take the fused path
+        assert calls[0] == 2 * 4 * cfg.num_hidden_layers
+        assert layer_calls[0] == 2 * cfg.num_hidden_layers
+    else:
+        assert calls[0] == 0 and layer_calls[0] == 4 * cfg.num_hidden_layers
     for (h, aux), (h_ref, aux_ref) in zip(got, ref):
         torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(aux, aux_ref, atol=1e-4, rtol=1e-4)
+
+
+def _counted(fn, counter):
+    def wrapped(*a, **kw):
+        counter[0] += 1
+        return fn(*a, **kw)
+
+    return wrapped
 
 
 def test_rope_store_equals_rope_then_store():

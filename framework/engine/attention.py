@@ -3,6 +3,7 @@ seam to the Triton kernels (CUDA)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -372,6 +373,13 @@ class ForwardContext:
     )  # filled: [num_tokens, hidden] each
     # CPU: the whole cache [num_layers, 2, num_blocks, block_size, nkv, d] (cpu_kv_views)
     kv_cache: torch.Tensor | None = None
+    # called with the layer index before each layer runs (CUDA-graph capture splits the
+    # forward into several graphs there: engine/cuda_graph.py)
+    on_layer: Callable[[int], None] | None = None
+
+    def begin_layer(self, layer: int) -> None:
+        if self.on_layer is not None:
+            self.on_layer(layer)
 
     def attend(self, layer: int, q, k, v, scale: float) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]

@@ -108,6 +108,25 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        h: torch.Tensor,  # [num_tokens, hidden]: the previous layer's MLP output (or the input)
+        ctx: ForwardContext,
+        residual: torch.Tensor | None,  # [num_tokens, hidden]: residual stream before ``h``
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream before it)
+        """The CUDA path of ``forward`` with the residual stream carried to the next layer: both
+        residual adds happen inside the RMSNorm kernels (``fused.rms_norm(residual=)``), so a
+        layer has no separate add kernel. Same additions, in the same order and rounding."""
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            x, residual = fused.rms_norm(h, ln1.weight, ln1.eps), h
+        else:
+            x, residual = fused.rms_norm(h, ln1.weight, ln1.eps, residual=residual)
+        a = self.self_attn(positions, x, ctx)
+        x, residual = fused.rms_norm(a, ln2.weight, ln2.eps, residual=residual)
+        return self.mlp(x), residual
+
     def forward_gemv(
         self,
         positions: torch.Tensor,  # [num_tokens]
@@ -198,21 +217,29 @@ class LlamaForCausalLM(nn.Module):
             if self._cpu_plan:
                 return cpu_forward.forward(self._cpu_plan, x, positions, ctx)
         if self.gemv_ok and fused.gemv_enabled(x):
-            return self._forward_gemv(positions, x, ctx)
+            return self._forward_residual(positions, x, ctx, gemv=True)
+        if fused.enabled(x):
+            return self._forward_residual(positions, x, ctx, gemv=False)
         for i, layer in enumerate(self.layers):
+            ctx.begin_layer(i)
             if i in ctx.aux_layers:
                 ctx.aux_hidden.append(x)  # input of layer i == output of layer i-1
             x = layer(positions, x, ctx)
         return self.norm(x)
 
-    def _forward_gemv(self, positions, x, ctx: ForwardContext) -> torch.Tensor:
+    def _forward_residual(self, positions, x, ctx: ForwardContext, gemv: bool) -> torch.Tensor:
+        """CUDA layers that carry the residual stream (``forward_gemv`` / ``forward_fused``)."""
         h, residual = x, None
         for i, layer in enumerate(self.layers):
+            ctx.begin_layer(i)
             if i in ctx.aux_layers:
                 if residual is not None:
                     h, residual = h + residual, None
                 ctx.aux_hidden.append(h)  # input of layer i
-            h, residual = layer.forward_gemv(positions, h, ctx, residual)
+            if gemv:
+                h, residual = layer.forward_gemv(positions, h, ctx, residual)
+            else:
+                h, residual = layer.forward_fused(positions, h, ctx, residual)
         if residual is None:  # no layers
             return fused.rms_norm(h, self.norm.weight, self.norm.eps)
         return fused.rms_norm(h, self.norm.weight, self.norm.eps, residual=residual)[0]

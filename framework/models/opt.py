@@ -110,6 +110,7 @@ class OPTForCausalLM(nn.Module):
             x = self.project_in(x)
         x = x + self.embed_positions(positions + _POS_OFFSET)
         for i, layer in enumerate(self.layers):
+            ctx.begin_layer(i)
             if i in ctx.aux_layers:
                 ctx.aux_hidden.append(x)
             x = layer(x, ctx)

@@ -1,0 +1,89 @@
+"""The CUDA-graph runner's input staging, on CPU: the list path used for small steps
+(``_fill_small``) writes exactly what the numpy path (``_fill``) writes, and the layer
+segmentation of captured graphs covers every layer once."""
+
+from __future__ import annotations
+
+import random
+import types
+
+import pytest
+import torch
+
+from speculant.engine import cuda_graph
+from speculant.engine.cuda_graph import CudaGraphRunner, segment_starts
+
+
+class _NoEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+
+def _runner(monkeypatch) -> CudaGraphRunner:
+    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
+    return CudaGraphRunner(None, None, 16, torch.device("cpu"), 12, max_batch=8, max_query=8)
+
+
+def _seqs(rng: random.Random, n: int, query_lens: list[int]):
+    seqs = []
+    for ql in query_lens:
+        cached = rng.randrange(0, 150)
+        blocks = rng.sample(range(1000), (cached + ql + 15) // 16)
+        seqs.append(types.SimpleNamespace(num_cached_tokens=cached, block_table=blocks))
+    return seqs
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("on_device", [False, True])
+def test_small_step_staging_matches_numpy_staging(monkeypatch, seed, on_device):
+    rng = random.Random(seed)
+    n = rng.randrange(1, 8)
+    query_lens = [rng.randrange(1, 7) for _ in range(n)]
+    new_tokens = [[rng.randrange(5, 30000) for _ in range(q)] for q in query_lens]
+    B = cuda_graph._bucket(n, (1, 2, 4, 8))
+    Q = cuda_graph._bucket(max(query_lens), (1, 2, 4, 8))
+    a, b = _runner(monkeypatch), _runner(monkeypatch)
+    for r in (a, b):  # stale contents from an earlier, larger step
+        r.host.copy_(torch.randint(0, 255, r.host.shape, dtype=torch.uint8))
+    b.host.copy_(a.host)
+    seqs = _seqs(rng, n, query_lens)
+    a._fill(seqs, new_tokens, query_lens, B, Q, on_device)
+    b._fill_small(seqs, new_tokens, query_lens, B, Q, on_device)
+    M, N = B * Q, a.max_tokens
+    for lo in (0, N, 2 * N):  # ids, positions, slots: the rows the graph reads
+        assert a.np64[lo : lo + M].tolist() == b.np64[lo : lo + M].tolist()
+    c, q, t = a.o32
+    assert a.np32[c : c + B].tolist() == b.np32[c : c + B].tolist()  # context lengths
+    assert a.np32[q : q + B + 1].tolist() == b.np32[q : q + B + 1].tolist()  # query starts
+    for i, s in enumerate(seqs):  # block tables
+        row = slice(t + i * a.W, t + i * a.W + len(s.block_table))
+        assert a.np32[row].tolist() == b.np32[row].tolist() == s.block_table
+    # and the values are the right ones: positions and slots of the last sequence's tokens
+    s, ql, T = seqs[-1], query_lens[-1], sum(query_lens)
+    pos = list(range(s.num_cached_tokens, s.num_cached_tokens + ql))
+    assert b.np64[N + T - ql : N + T].tolist() == pos
+    assert b.np64[2 * N + T - ql : 2 * N + T].tolist() == [
+        s.block_table[p // 16] * 16 + p % 16 for p in pos
+    ]
+    assert b.np64[2 * N + T : 2 * N + M].tolist() == [-1] * (M - T)  # padding is not stored
+
+
+def test_the_int64_and_int32_regions_share_one_staging_buffer(monkeypatch):
+    r = _runner(monkeypatch)
+    r.np64[0] = 123456789012
+    r.np32[-1] = -7
+    r.dev.copy_(r.host)  # what a step does, once
+    assert r.dev64[0].item() == 123456789012 and r.dev32[-1].item() == -7
+
+
+@pytest.mark.parametrize("layers", [1, 2, 9, 16, 32])
+def test_segments_start_at_layer_boundaries(layers):
+    starts = sorted(segment_starts(layers))
+    assert all(0 < s < layers for s in starts)
+    bounds = [0, *starts, layers]
+    sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+    assert sum(sizes) == layers and all(sz > 0 for sz in sizes)
+    assert sizes[0] == min(layers, cuda_graph.FIRST_SEGMENT_LAYERS)
