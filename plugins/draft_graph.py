@@ -31,6 +31,7 @@ import torch
 
 from speculant.engine.attention import AttentionMetadata, ForwardContext
 from speculant.engine.cuda_graph import BATCH_BUCKETS, QUERY_BUCKETS
+from speculant.kernels.logprobs import row_argmax
 
 MAX_BATCH, MAX_QUERY = 128, 16  # ModelRunner's max_graph_batch / max_graph_query defaults
 
@@ -134,7 +135,7 @@ def _catch_up(
     i32 = torch.int32
     fctx = _fctx(slots, tables.view(Bp, W).to(i32), ctx.to(i32), qsl.to(i32), Q, bs, kv_caches)
     hidden = model(ids, pos, fctx)  # [Bp * Q, hidden]
-    return model.compute_logits(hidden.index_select(0, last)).argmax(dim=-1)
+    return row_argmax(model.compute_logits(hidden.index_select(0, last)))
 
 
 def _draft_steps(
@@ -156,7 +157,7 @@ def _draft_steps(
     out = [tok]
     for j in range(S):
         x = model(tok, spos[j], _fctx(sslots[j], tables, sctx[j], sqsl, 1, bs, kv_caches))
-        tok = model.compute_logits(x).argmax(dim=-1)  # [Bp]
+        tok = row_argmax(model.compute_logits(x))  # [Bp]
         out.append(tok)
     return torch.stack(out, dim=1)
 

@@ -91,6 +91,7 @@ from torch import nn
 
 from speculant import hookimpl
 from speculant.engine.attention import AttentionMetadata, ForwardContext
+from speculant.kernels.logprobs import row_argmax
 from speculant.models.layers import RMSNorm, RotaryEmbedding
 from speculant.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from speculant.models.weights import WeightLoader, WeightLoadError
@@ -641,7 +642,7 @@ class _EagleBase:
         x_buf[:A].copy_(x)
 
         def greedy(j: int, logits: torch.Tensor) -> torch.Tensor:
-            return logits.argmax(dim=-1)
+            return row_argmax(logits)
 
         def fn(ints, xs):
             return self._chain(ints, xs, K, W, greedy)

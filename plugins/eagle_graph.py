@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from speculant.engine.attention import AttentionMetadata, ForwardContext
+from speculant.kernels.logprobs import row_argmax
 from speculant.plugins.mlp_speculator import bucket, to_device_async
 
 QUERY_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)  # catch-up rows per sequence: 1..k+1 normally
@@ -149,6 +150,6 @@ def propose_graph(
     x = out.index_select(0, last)  # [Bp, H] the draft state of each row's last position
 
     def greedy(j: int, logits: torch.Tensor) -> torch.Tensor:  # [Bp, vocab] -> [Bp]
-        return logits.argmax(dim=-1)
+        return row_argmax(logits)
 
     return strat._chain(chain, x, K, W, greedy)

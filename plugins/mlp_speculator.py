@@ -58,6 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from speculant import hookimpl
+from speculant.kernels.logprobs import row_argmax
 from speculant.spec_registry import StrategyError
 from speculant.spec_types import Proposal, SpecBatch, SpecSequence, StrategyContext
 
@@ -279,7 +280,7 @@ class DraftSampler:
     def __call__(self, j: int, logits: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """Step j: logits [n, vocab] float32 over the TARGET vocabulary of ``rows`` (positions
         in ``seqs``; None: all rows, n = len(seqs)) -> tokens [n] int64 on the device."""
-        argmax = logits.argmax(dim=-1)  # [n]
+        argmax = row_argmax(logits)  # [n]
         if self.all_greedy:
             return argmax
         from speculant.kernels.rejection_sampling import sample_from_probs
@@ -624,7 +625,7 @@ class MLPSpeculatorStrategy:
         tok_buf[:n].copy_(to_device_async(tokens, torch.long, dev))
 
         def greedy(j: int, logits: torch.Tensor) -> torch.Tensor:
-            return logits.argmax(dim=-1)
+            return row_argmax(logits)
 
         def fn(st, tok):
             return self._stages(st, tok, K, greedy)

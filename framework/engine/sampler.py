@@ -114,11 +114,11 @@ def sample_tokens(logits: torch.Tensor, rows: list[Row], engine_gen: torch.Gener
     processed = process_logits(logits, rows, eos_token_id)
     greedy = [r.seq.params.is_greedy for r in rows]
     if all(greedy):
-        return processed.argmax(dim=-1)
+        return logprob_kernels.row_argmax(processed)
     probs = target_probs(processed, rows)
     u = uniforms([r.seq for r in rows], [1] * len(rows), engine_gen, logits.device)
     sampled = sample_from_probs(probs, u)
-    argmax = processed.argmax(dim=-1)
+    argmax = logprob_kernels.row_argmax(processed)
     g = to_device(greedy, torch.bool, logits.device)
     return torch.where(g, argmax, sampled)
 

@@ -117,15 +117,22 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream before it)
         """The CUDA path of ``forward`` with the residual stream carried to the next layer: both
         residual adds happen inside the RMSNorm kernels (``fused.rms_norm(residual=)``), so a
-        layer has no separate add kernel. Same additions, in the same order and rounding."""
+        layer has no separate add kernel (same additions, same order and rounding). Up to
+        ``fused.GEMV_FEW_ROWS`` rows, o_proj and down_proj (with SiLU * up) are GEMVs."""
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        attn, mlp = self.self_attn, self.mlp
         if residual is None:
             x, residual = fused.rms_norm(h, ln1.weight, ln1.eps), h
         else:
             x, residual = fused.rms_norm(h, ln1.weight, ln1.eps, residual=residual)
-        a = self.self_attn(positions, x, ctx)
+        few = fused.gemv_few_enabled(x)  # o_proj / down_proj as few-row GEMVs
+        o = attn.attend_qkv(positions, attn.qkv_proj(x), ctx)  # [num_tokens, q_size]
+        a = gemv(o, attn.o_proj.weight, attn.o_proj.bias) if few else attn.o_proj(o)
         x, residual = fused.rms_norm(a, ln2.weight, ln2.eps, residual=residual)
-        return self.mlp(x), residual
+        if few and mlp.fused_act:
+            gu = mlp.gate_up_proj(x)  # [num_tokens, 2 * inter]
+            return gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul"), residual
+        return mlp(x), residual
 
     def forward_gemv(
         self,

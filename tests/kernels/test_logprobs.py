@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculant.kernels.logprobs import _chunking, token_logprobs, token_logprobs_ref
+from speculant.kernels.logprobs import _chunking, row_argmax, token_logprobs, token_logprobs_ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-5, torch.float16: 2e-5}  # fp32 arithmetic inside
 
@@ -72,3 +72,17 @@ def test_bad_arguments_name_the_problem():
         token_logprobs(x, rows=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="logits must have 2 dims"):
         token_logprobs(torch.randn(10))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R,V", [(1, 5), (4, 32000), (3, 150_001)])
+def test_row_argmax_matches_torch(device, dtype, R, V):
+    big = torch.randn(R, V + 8) * 3
+    x = big[:, :V].to(dtype)  # strided rows
+    chunk, _, nc = _chunking(V)
+    if nc > 1:  # a tie between the last two chunks' entries, and one inside a chunk
+        x[0, [V - 1, V - 1 - chunk]] = 30.0
+        x[-1, [1, 2]] = 31.0
+    got = row_argmax(x.to(device), force_triton=True)
+    assert got.dtype == torch.int64
+    assert torch.equal(got.cpu(), x.float().argmax(dim=-1))
