@@ -70,7 +70,7 @@ class RejectionSampler:
         rows_idx = (to_device(starts, torch.long, device)[:, None]
                     + torch.arange(max_k + 1, device=device)[None, :]).clamp(max=len(rows) - 1)
         B, W = out.shape
-        lp = token_logprobs(scores.logits, out.clamp(min=0).reshape(-1),
+        lp = token_logprobs(scores.logits.float().contiguous(), out.clamp(min=0).reshape(-1),
                             rows_idx.reshape(-1))[1].view(B, W)  # [batch, max_k + 1]
         # one device-to-host read for tokens, counts and logprobs (float64 holds the ids exactly)
         flat = torch.cat([out.reshape(-1).double(), n_out.double(), lp.reshape(-1).double()]).tolist()

@@ -133,8 +133,8 @@ def chosen_logprobs(
     logits: torch.Tensor,  # [num_rows, vocab] raw target logits
     tokens: torch.Tensor,  # [num_rows] int64, same device
 ) -> torch.Tensor:  # [num_rows] float32
-    """log_softmax(logits)[row, token] (the same numbers :func:`token_logprobs` gives), without
-    materialising the log-softmax on CUDA (kernels/logprobs.py)."""
+    """log_softmax(logits)[row, token] (the same numbers the list-based :func:`token_logprobs`
+    below gives), without materialising the log-softmax on CUDA (kernels/logprobs.py)."""
     return logprob_kernels.token_logprobs(logits, tokens)[1]
 
 

@@ -277,7 +277,8 @@ class SpecDecoder:
         if logprobs is None:  # a verifier that did not return them: one batched gather
             idx = [(r0 + j, t) for r0, toks in zip(starts, result.token_ids) for j, t in enumerate(toks)]
             dev = scores.logits.device
-            flat = token_logprobs(scores.logits, to_device([t for _, t in idx], torch.long, dev),
+            logits = scores.logits.float().contiguous()  # a plugin scorer's may be strided
+            flat = token_logprobs(logits, to_device([t for _, t in idx], torch.long, dev),
                                   to_device([i for i, _ in idx], torch.long, dev))[1].tolist() \
                 if idx else []
             logprobs, pos = [], 0
