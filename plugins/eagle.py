@@ -95,7 +95,7 @@ from speculant.kernels.logprobs import row_argmax
 from speculant.models.layers import RMSNorm, RotaryEmbedding
 from speculant.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from speculant.models.weights import WeightLoader, WeightLoadError
-from speculant.plugins.eagle_graph import fused_greedy
+from speculant.plugins.eagle_graph import _slot, fused_greedy
 from speculant.plugins.mlp_speculator import (
     DraftSampler,
     GraphCache,
@@ -373,6 +373,7 @@ class _EagleBase:
         self.states: dict[int, _SeqState] = {}
         self.generator = torch.Generator().manual_seed(ctx.seed + 15485863)
         self.graphs = GraphCache(ctx.device, f"{self.name} {folder}")
+        self.graph_staging: dict = {}  # their pinned int inputs (eagle_graph._stage_into)
         # block-table width of the captured draft loop: the most blocks a sequence can hold
         self.graph_width = -(-(max_pos + 1) // ctx.block_size) + 1
 
@@ -564,27 +565,25 @@ class _EagleBase:
         drafts = split_drafts(toks, row_ids, [p.k for p in rows], B)
         return Proposal(token_ids=drafts, probs=sampler.probs(row_ids, B, self.ctx.vocab_size))
 
-    def _chain_ints(self, rows: list[_Plan], K: int, Bp: int, W: int) -> np.ndarray:
+    def _chain_ints(self, rows: list[_Plan], K: int, Bp: int, W: int) -> list[int]:
         """The int64 inputs of K - 1 draft steps for ``rows`` padded to ``Bp`` sequences and
         block tables of width ``W``: positions, slots, context lengths ``[K - 1, Bp]`` each,
         query start offsets ``[Bp + 1]``, block tables ``[Bp, W]`` (flat, in that order). Padded
         sequences have context length 0 and an empty query range; their token rows write no
-        K/V (slot -1)."""
+        K/V (slot -1). Built as a Python list: a few hundred numbers, where numpy's per-call
+        cost dominated (the GPU waits for this host work before the draft graph runs)."""
         S, A, bs = K - 1, len(rows), self.cache.block_size
-        pos = np.zeros((S, Bp), np.int64)
-        slots = np.full((S, Bp), -1, np.int64)
-        ctx = np.zeros((S, Bp), np.int64)
-        qsl = np.full(Bp + 1, A, np.int64)
-        qsl[: A + 1] = np.arange(A + 1)
-        tables = np.zeros((Bp, W), np.int64)
+        pos, slots, ctx = [0] * (S * Bp), [-1] * (S * Bp), [0] * (S * Bp)
+        tables = [0] * (Bp * W)
         for r, p in enumerate(rows):
-            tables[r, : len(p.st.table)] = p.st.table
-            q = p.n - 1 + np.arange(S)  # draft step j writes position n - 1 + j
-            idx = q - p.st.offset  # index in the sequence's draft cache
-            pos[:, r] = q
-            slots[:, r] = tables[r, idx // bs] * bs + idx % bs
-            ctx[:, r] = idx + 1
-        return np.concatenate([pos.ravel(), slots.ravel(), ctx.ravel(), qsl, tables.ravel()])
+            tbl = p.st.table
+            tables[r * W : r * W + len(tbl)] = tbl
+            for j in range(S):
+                idx = p.n - 1 + j - p.st.offset  # draft step j writes position n - 1 + j
+                pos[j * Bp + r] = p.n - 1 + j
+                slots[j * Bp + r] = _slot(tbl, idx, bs)
+                ctx[j * Bp + r] = idx + 1
+        return pos + slots + ctx + list(range(A + 1)) + [A] * (Bp - A) + tables
 
     def _chain(
         self,

@@ -25,7 +25,6 @@ sequences, no drafting sequence) return None and the caller runs its eager path.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from speculant.engine.attention import AttentionMetadata, ForwardContext
@@ -40,44 +39,57 @@ def query_bucket(n: int) -> int | None:
     return next((q for q in QUERY_BUCKETS if q >= n), None)
 
 
-def fused_ints(strat, batch, order: list, A: int, Bp: int, Q: int, K: int, W: int) -> np.ndarray:
+def _slot(table: list[int], idx: int, bs: int) -> int:
+    """Cache slot of index ``idx`` of a sequence whose blocks are ``table`` (block 0 past its
+    end, as a zero-padded table row gives)."""
+    b = idx // bs
+    return (table[b] if b < len(table) else 0) * bs + idx % bs
+
+
+def fused_ints(strat, batch, order: list, A: int, Bp: int, Q: int, K: int, W: int) -> list[int]:
     """The ``ints`` of one call (layout above); ``order``: the _Plan rows, the ``A`` drafting
-    ones first."""
+    ones first. A Python list (a few hundred numbers: numpy's per-call cost dominated)."""
     bs, M = strat.cache.block_size, Bp * Q
-    ids = np.zeros(M, np.int64)
-    pos = np.zeros(M, np.int64)
-    slots = np.full(M, -1, np.int64)
-    ctx = np.zeros(Bp, np.int64)
-    qsl = np.zeros(Bp + 1, np.int64)
-    last = np.zeros(Bp, np.int64)
     chain = strat._chain_ints(order[:A], K, Bp, W)
-    tables = chain[chain.size - Bp * W :].reshape(Bp, W)  # a view: the shared block tables
+    t0 = len(chain) - Bp * W  # the shared block tables: rows of non-drafting sequences too
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    ctx, qsl, last = [0] * Bp, [0] * (Bp + 1), [0] * Bp
     t = 0
     for r, p in enumerate(order):
-        c = p.count  # positions p.start .. p.n - 2, fed tokens p.start + 1 .. p.n - 1
+        tbl, off = p.st.table, p.st.offset
         if r >= A:
-            tables[r, : len(p.st.table)] = p.st.table
-        ids[t : t + c] = batch.seqs[p.i].token_ids[p.start + 1 : p.n]
-        q = np.arange(p.start, p.n - 1)
-        idx = q - p.st.offset  # index in the sequence's draft cache
-        pos[t : t + c] = q
-        slots[t : t + c] = tables[r, idx // bs] * bs + idx % bs
-        ctx[r] = p.n - 1 - p.st.offset
-        t += c
+            chain[t0 + r * W : t0 + r * W + len(tbl)] = tbl
+        ids.extend(batch.seqs[p.i].token_ids[p.start + 1 : p.n])  # fed tokens
+        qs = range(p.start, p.n - 1)  # their positions
+        pos.extend(qs)
+        slots.extend(_slot(tbl, q - off, bs) for q in qs)
+        ctx[r] = p.n - 1 - off
+        t += p.count
         qsl[r + 1] = t
         if r < A:
             last[r] = t - 1
-    qsl[len(order) + 1 :] = t
-    return np.concatenate([ids, pos, slots, ctx, qsl, last, chain])
+    qsl[len(order) + 1 :] = [t] * (Bp - len(order))
+    pad = M - t
+    return ids + [0] * pad + pos + [0] * pad + slots + [-1] * pad + ctx + qsl + last + chain
 
 
-def _stage_into(buf: torch.Tensor, arr: np.ndarray) -> None:
-    """``buf`` [n] <- ``arr`` [n]: on CUDA one asynchronous copy from pinned memory."""
-    src = torch.from_numpy(arr)
-    if buf.is_cuda:
-        buf.copy_(src.pin_memory(), non_blocking=True)
-    else:
-        buf.copy_(src)
+def _stage_into(strat, key, buf: torch.Tensor, values: list[int]) -> None:
+    """``buf`` [n] <- ``values`` (n ints): on CUDA through this key's pinned host buffer and one
+    asynchronous copy; the buffer is rewritten only once its previous copy has run."""
+    if not buf.is_cuda:
+        buf.copy_(torch.tensor(values, dtype=buf.dtype))
+        return
+    staging = strat.graph_staging
+    if key not in staging:
+        staging[key] = (torch.empty(buf.numel(), dtype=buf.dtype, pin_memory=True),
+                        torch.cuda.Event())
+    host, copied = staging[key]
+    copied.synchronize()
+    host.numpy()[:] = values
+    buf.copy_(host, non_blocking=True)
+    copied.record()
 
 
 def fused_greedy(
@@ -109,7 +121,7 @@ def fused_greedy(
 
     key = ("fused", Bp, Q, K)
     ints_buf, feats_buf = strat.graphs.buffers(key, make)  # [n_ints], [M, F]
-    _stage_into(ints_buf, fused_ints(strat, batch, order, A, Bp, Q, K, W))
+    _stage_into(strat, key, ints_buf, fused_ints(strat, batch, order, A, Bp, Q, K, W))
     rows = [r for p in order for r in range(p.row, p.row + p.count)]
     T = len(rows)
     if rows == list(range(feats.shape[0])):

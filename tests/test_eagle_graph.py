@@ -104,3 +104,42 @@ def test_one_graph_propose_equals_eager(target, tmp_path, monkeypatch, version):
 def test_query_buckets():
     assert [eagle_graph.query_bucket(n) for n in (1, 3, 4, 5, 16)] == [1, 3, 4, 6, 16]
     assert eagle_graph.query_bucket(17) is None
+
+
+def test_fused_ints_layout():
+    """The graph's int inputs for two drafting sequences and one catching up only, padded to
+    Bp=4, Q=3, K=3, written out by hand (the graph-vs-eager test above cannot see a layout error
+    in ``_chain_ints``: the eager path uses it too)."""
+    from types import SimpleNamespace
+
+    from speculant.plugins.eagle import EagleStrategy, _Plan, _SeqState
+
+    bs, W, Bp, Q, K = 4, 3, 4, 3, 3
+    strat = SimpleNamespace(cache=SimpleNamespace(block_size=bs))
+    strat._chain_ints = EagleStrategy._chain_ints.__get__(strat)
+    toks = [list(range(100, 110)), list(range(200, 206)), list(range(300, 305))]
+    batch = SimpleNamespace(seqs=[SimpleNamespace(token_ids=t) for t in toks])
+    plans = [  # (i, state(table, offset, valid), row, count, start, n, k)
+        _Plan(0, _SeqState([5, 6, 1], 1, 7), 0, 2, 7, 10, 3),  # positions 7, 8 (cache idx 6, 7)
+        _Plan(1, _SeqState([3, 2], 0, 4), 2, 1, 4, 6, 2),  # position 4
+        _Plan(2, _SeqState([8], 0, 2), 3, 2, 2, 5, 0),  # positions 2, 3: no drafts
+    ]
+    ints = eagle_graph.fused_ints(strat, batch, plans, 2, Bp, Q, K, W)
+    M, S = Bp * Q, K - 1
+    sizes = [M, M, M, Bp, Bp + 1, Bp, S * Bp, S * Bp, S * Bp, Bp + 1, Bp * W]
+    assert len(ints) == sum(sizes)
+    parts, o = [], 0
+    for n in sizes:
+        parts.append(ints[o : o + n])
+        o += n
+    ids, pos, slots, ctx, qsl, last, cpos, cslots, cctx, cqsl, tables = parts
+    assert ids == [108, 109, 205, 303, 304] + [0] * 7
+    assert pos == [7, 8, 4, 2, 3] + [0] * 7
+    assert slots == [6 * 4 + 2, 6 * 4 + 3, 2 * 4 + 0, 8 * 4 + 2, 8 * 4 + 3] + [-1] * 7
+    assert ctx == [8, 5, 4, 0] and qsl == [0, 2, 3, 5, 5] and last == [1, 2, 0, 0]
+    # chain: draft step j of a drafting row writes position n - 1 + j (cache index - offset)
+    assert cpos == [9, 5, 0, 0, 10, 6, 0, 0]
+    assert cslots == [1 * 4 + 0, 2 * 4 + 1, -1, -1, 1 * 4 + 1, 2 * 4 + 2, -1, -1]
+    assert cctx == [9, 6, 0, 0, 10, 7, 0, 0]
+    assert cqsl == [0, 1, 2, 2, 2]
+    assert tables == [5, 6, 1, 3, 2, 0, 8, 0, 0, 0, 0, 0]
