@@ -91,7 +91,9 @@ from torch import nn
 
 from speculant import hookimpl
 from speculant.engine.attention import AttentionMetadata, ForwardContext
+from speculant.kernels.gemv import gemv
 from speculant.kernels.logprobs import row_argmax
+from speculant.models import fused
 from speculant.models.layers import RMSNorm, RotaryEmbedding
 from speculant.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from speculant.models.weights import WeightLoader, WeightLoadError
@@ -199,8 +201,14 @@ class Eagle3Layer(nn.Module):
         h = self.hidden_norm(hidden)
         residual = h if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(emb), h], dim=-1)
-        x = residual + self.self_attn(positions, x, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(positions, x, ctx)  # [tokens, H]
+        mlp, norm = self.mlp, self.post_attention_layernorm
+        if mlp.fused_act and fused.gemv_enabled(a):  # a one-row draft step on CUDA
+            gu, x = gemv(a, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, prologue="rmsnorm",
+                         norm_weight=norm.weight, residual=residual, eps=norm.eps)
+            return x + gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul")
+        x = residual + a
+        return x + mlp(norm(x))
 
 
 class Eagle3Draft(nn.Module):

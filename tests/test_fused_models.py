@@ -166,3 +166,61 @@ def test_rope_store_equals_rope_then_store():
     assert torch.equal(k, k_before)
     with pytest.raises(ValueError, match="do not hold k"):
         fused.rope_store_(pos, q, k, v, cos, sin, caches[0][:, :, :1], caches[1], slots)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test of the CUDA code path; "
+                    "on CUDA tests/test_gpu_engine.py covers the EAGLE heads end to end")
+@pytest.mark.parametrize("which", ["llama_layer", "eagle3_layer"])
+def test_one_row_head_layers_equal_torch_path(monkeypatch, which):
+    """The one-row CUDA path of the layers the EAGLE heads run (``LlamaDecoderLayer.forward``:
+    EAGLE-1; ``Eagle3Layer.forward``): the second RMSNorm with the residual add and gate/up, and
+    SiLU * up with down, as GEMVs (kernels/gemv.py), against the torch path, one decode row over
+    a cache holding 5 earlier tokens."""
+    import transformers
+
+    from speculant.engine.attention import AttentionMetadata, ForwardContext
+    from speculant.kernels.gemv import gemv as gemv_fn
+    from speculant.models import llama
+    from speculant.models.layers import RotaryEmbedding
+    from speculant.plugins import eagle
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    torch.manual_seed(5)
+    rope = RotaryEmbedding(cfg, 16, 64)
+    if which == "llama_layer":
+        layer = llama.LlamaDecoderLayer(cfg, 0, rope, False)
+    else:
+        layer = eagle.Eagle3Layer(cfg, rope)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() > 1 else 0.1) + (1.0 if p.dim() == 1 else 0))
+    bs, nb = 4, 3
+    caches = [torch.randn(nb, bs, 2, 16) for _ in range(2)]
+    meta = AttentionMetadata.build([1], [6], [[0, 1]], bs, torch.device("cpu"))
+    pos = torch.tensor([5])
+    x, h = torch.randn(1, 64), torch.randn(1, 64)
+
+    def run(cuda_path: bool):
+        monkeypatch.setattr(fused, "enabled", lambda t: cuda_path)
+        monkeypatch.setattr(fused, "gemv_enabled", lambda t: cuda_path and t.shape[0] == 1)
+        ctx = ForwardContext(meta=meta, kv_caches=[(caches[0].clone(), caches[1].clone())])
+        with torch.no_grad():
+            if which == "llama_layer":
+                return layer(pos, x, ctx)
+            return layer(pos, x, h, ctx)
+
+    ref = run(False)
+    calls = [0]
+
+    def spy(*a, **kw):
+        calls[0] += 1
+        return gemv_fn(*a, **kw, force_triton=True)
+
+    monkeypatch.setattr(llama, "gemv", spy)
+    monkeypatch.setattr(eagle, "gemv", spy)
+    got = run(True)
+    # gate/up (norm + residual) and down (SiLU * up); o_proj's GEMV is in LlamaAttention's CUDA
+    # branch, which CPU tensors never take (tests/test_gpu_engine.py runs it)
+    assert calls[0] == 2
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

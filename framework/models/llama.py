@@ -48,7 +48,10 @@ class LlamaAttention(nn.Module):
             v = qkv[:, self.q_size + self.kv_size :].view(T, nkv, d)  # [T, nkv, d]
             o = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [T, nh, d]
             return self.o_proj(o.reshape(T, self.q_size))
-        return self.o_proj(self.attend_qkv(positions, qkv, ctx))
+        o = self.attend_qkv(positions, qkv, ctx)  # [num_tokens, q_size]
+        if fused.gemv_enabled(o):  # a one-row step (an EAGLE head's draft step)
+            return gemv(o, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(o)
 
     def attend_qkv(
         self,
@@ -100,9 +103,15 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, positions, x, ctx: ForwardContext) -> torch.Tensor:  # x: [num_tokens, hidden]
+        """One layer, residual stream in and out (the target model runs ``forward_fused`` /
+        ``forward_gemv`` on CUDA; this serves the CPU and the EAGLE heads' layers)."""
         if fused.enabled(x):  # residual add fused into the second norm
             a = self.self_attn(positions, self.input_layernorm(x), ctx)
-            norm = self.post_attention_layernorm
+            norm, mlp = self.post_attention_layernorm, self.mlp
+            if mlp.fused_act and fused.gemv_enabled(a):  # one row: norm and SiLU*up in GEMVs
+                gu, x = gemv(a, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, prologue="rmsnorm",
+                             norm_weight=norm.weight, residual=x, eps=norm.eps)
+                return x + gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul")
             h, x = fused.rms_norm(a, norm.weight, norm.eps, residual=x)
             return x + self.mlp(h)
         x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
