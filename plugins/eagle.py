@@ -91,11 +91,10 @@ from torch import nn
 
 from speculant import hookimpl
 from speculant.engine.attention import AttentionMetadata, ForwardContext
-from speculant.kernels.gemv import gemv
 from speculant.kernels.logprobs import row_argmax
 from speculant.models import fused
 from speculant.models.layers import RMSNorm, RotaryEmbedding
-from speculant.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from speculant.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, mlp_gemv
 from speculant.models.weights import WeightLoader, WeightLoadError
 from speculant.plugins.eagle_graph import _slot, fused_greedy
 from speculant.plugins.mlp_speculator import (
@@ -204,9 +203,8 @@ class Eagle3Layer(nn.Module):
         a = self.self_attn(positions, x, ctx)  # [tokens, H]
         mlp, norm = self.mlp, self.post_attention_layernorm
         if mlp.fused_act and fused.gemv_enabled(a):  # a one-row draft step on CUDA
-            gu, x = gemv(a, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, prologue="rmsnorm",
-                         norm_weight=norm.weight, residual=residual, eps=norm.eps)
-            return x + gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul")
+            out, x = mlp_gemv(mlp, norm, a, residual)
+            return x + out
         x = residual + a
         return x + mlp(norm(x))
 

@@ -83,7 +83,6 @@ def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch, path):
     (``forward_fused``)."""
     from speculant.engine.model_runner import ModelRunner
     from speculant.engine.sequence import Sequence
-    from speculant.kernels.gemv import gemv as gemv_fn
     from speculant.models import llama
     from speculant.models.loader import load_config, load_model
     from speculant.outputs import RequestMetrics
@@ -106,13 +105,7 @@ def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch, path):
         return outs
 
     ref = run(False)
-    calls = [0]
-
-    def spy(*a, **kw):
-        calls[0] += 1
-        return gemv_fn(*a, **kw, force_triton=True)
-
-    monkeypatch.setattr(llama, "gemv", spy)
+    calls = _triton_gemv(monkeypatch)
     layer_calls = [0]
     monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_fused", _counted(
         llama.LlamaDecoderLayer.forward_fused, layer_calls))
@@ -126,6 +119,21 @@ def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch, path):
     for (h, aux), (h_ref, aux_ref) in zip(got, ref):
         torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(aux, aux_ref, atol=1e-4, rtol=1e-4)
+
+
+def _triton_gemv(monkeypatch) -> list[int]:
+    """Send the Llama layers' ``gemv`` calls to the Triton kernel (interpreter) and count them."""
+    from speculant.kernels.gemv import gemv as gemv_fn
+    from speculant.models import llama
+
+    calls = [0]
+
+    def spy(*a, **kw):
+        calls[0] += 1
+        return gemv_fn(*a, **kw, force_triton=True)
+
+    monkeypatch.setattr(llama, "gemv", spy)
+    return calls
 
 
 def _counted(fn, counter):
@@ -179,7 +187,6 @@ def test_one_row_head_layers_equal_torch_path(monkeypatch, which):
     import transformers
 
     from speculant.engine.attention import AttentionMetadata, ForwardContext
-    from speculant.kernels.gemv import gemv as gemv_fn
     from speculant.models import llama
     from speculant.models.layers import RotaryEmbedding
     from speculant.plugins import eagle
@@ -211,14 +218,7 @@ def test_one_row_head_layers_equal_torch_path(monkeypatch, which):
             return layer(pos, x, h, ctx)
 
     ref = run(False)
-    calls = [0]
-
-    def spy(*a, **kw):
-        calls[0] += 1
-        return gemv_fn(*a, **kw, force_triton=True)
-
-    monkeypatch.setattr(llama, "gemv", spy)
-    monkeypatch.setattr(eagle, "gemv", spy)
+    calls = _triton_gemv(monkeypatch)
     got = run(True)
     # gate/up (norm + residual) and down (SiLU * up); o_proj's GEMV is in LlamaAttention's CUDA
     # branch, which CPU tensors never take (tests/test_gpu_engine.py runs it)

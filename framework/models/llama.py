@@ -93,6 +93,19 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+def mlp_gemv(
+    mlp: LlamaMLP,  # SiLU-gated
+    norm: RMSNorm,
+    a: torch.Tensor,  # [rows, hidden]: the attention output
+    residual: torch.Tensor,  # [rows, hidden]: the residual stream before it
+) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, a + residual)
+    """``mlp(norm(a + residual))`` as two GEMVs (kernels/gemv.py): the residual add and RMSNorm
+    inside the gate/up product, SiLU * up inside the down product."""
+    gu, x = gemv(a, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, prologue="rmsnorm",
+                 norm_weight=norm.weight, residual=residual, eps=norm.eps)
+    return gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul"), x
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, rope: RotaryEmbedding, qkv_bias: bool) -> None:
         super().__init__()
@@ -109,9 +122,8 @@ class LlamaDecoderLayer(nn.Module):
             a = self.self_attn(positions, self.input_layernorm(x), ctx)
             norm, mlp = self.post_attention_layernorm, self.mlp
             if mlp.fused_act and fused.gemv_enabled(a):  # one row: norm and SiLU*up in GEMVs
-                gu, x = gemv(a, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, prologue="rmsnorm",
-                             norm_weight=norm.weight, residual=x, eps=norm.eps)
-                return x + gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul")
+                out, x = mlp_gemv(mlp, norm, a, x)
+                return x + out
             h, x = fused.rms_norm(a, norm.weight, norm.eps, residual=x)
             return x + self.mlp(h)
         x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
@@ -164,9 +176,7 @@ class LlamaDecoderLayer(nn.Module):
             qkv, residual = gemv(h, qkv_w, qkv_b, prologue="rmsnorm", norm_weight=ln1.weight,
                                  residual=residual, eps=ln1.eps)
         o = gemv(attn.attend_qkv(positions, qkv, ctx), attn.o_proj.weight, attn.o_proj.bias)
-        gu, residual = gemv(o, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, prologue="rmsnorm",
-                            norm_weight=ln2.weight, residual=residual, eps=ln2.eps)
-        return gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul"), residual
+        return mlp_gemv(mlp, ln2, o, residual)
 
 
 class LlamaForCausalLM(nn.Module):
