@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from _checkout import REPO, use_checkout  # bench/, the script's folder
+from _graph_timing import capture, replay_median_ms  # bench/
 
 use_checkout()
 
@@ -230,21 +231,6 @@ def precompile(work: list[tuple[Shape, int, GemvConfig]], jobs: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # timing
 # ---------------------------------------------------------------------------------------------
-def _capture(fn) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
-
-
 def time_steady_us(fns, rep: int = 20, warmup: int = 3) -> float:
     """Median us per fn: ONE CUDA graph runs every fn of ``fns`` (each on its own weights) one
     after another; back-to-back replays, each between two CUDA events."""
@@ -253,21 +239,12 @@ def time_steady_us(fns, rep: int = 20, warmup: int = 3) -> float:
         for f in fns:
             f()
 
-    g = _capture(run_all)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    g = capture(run_all)
     if hasattr(torch.cuda, "_sleep"):
         torch.cuda._sleep(1 << 20)  # the replays queue up behind ~0.5 ms of GPU work
-    for i in range(-warmup, rep):
-        if i >= 0:
-            starts[i].record()
-        g.replay()
-        if i >= 0:
-            ends[i].record()
-    torch.cuda.synchronize()
-    ts = sorted(a.elapsed_time(b) for a, b in zip(starts, ends))
+    ms = replay_median_ms(g, rep, warmup)
     del g
-    return 1e3 * ts[len(ts) // 2] / len(fns)
+    return 1e3 * ms / len(fns)
 
 
 def copy_bandwidth() -> float:

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from _checkout import use_checkout  # bench/, the script's folder
+from _graph_timing import capture, replay_median_ms  # bench/
 
 use_checkout()
 
@@ -86,45 +87,11 @@ def bench(fn, rep=100, warmup=25) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def _capture(fn) -> torch.cuda.CUDAGraph:
-    """``fn`` captured in a CUDA graph after two warm-up calls on a side stream."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
-
-
-def _replay_median(g, rep: int, warmup: int, before=None) -> float:
-    """Median ms of ``rep`` replays of ``g``, each between two CUDA events (``before()`` runs
-    ahead of each replay, outside the events), after ``warmup`` untimed ones."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    for i in range(-warmup, rep):
-        if before is not None:
-            before()
-        if i >= 0:
-            starts[i].record()
-        g.replay()
-        if i >= 0:
-            ends[i].record()
-    torch.cuda.synchronize()
-    ts = sorted(a.elapsed_time(b) for a, b in zip(starts, ends))
-    return float(ts[len(ts) // 2])
-
-
 def bench_graph(fn, rep=100) -> float:
     """Median ms of a CUDA-graph replay of ``fn`` (captured once after a warm-up call)."""
     if SMOKE:
         return bench(fn)
-    return bench(_capture(fn).replay, rep=rep)
+    return bench(capture(fn).replay, rep=rep)
 
 
 def bench_graph_clean_l2(fn, rep=50) -> float:
@@ -133,11 +100,11 @@ def bench_graph_clean_l2(fn, rep=50) -> float:
     write-back of the flush buffer competing for HBM."""
     if SMOKE:
         return bench(fn)
-    g = _capture(fn)
+    g = capture(fn)
     flush = torch.empty(64 << 20, dtype=torch.float32, device=DEV).normal_()
     # 1-element out with an explicit dim: torch.sum(x, out=<0-dim>) is rejected by torch 2.11
     acc = torch.empty(1, dtype=torch.float32, device=DEV)
-    return _replay_median(g, rep, 5, before=lambda: torch.sum(flush, dim=0, keepdim=True, out=acc))
+    return replay_median_ms(g, rep, 5, before=lambda: torch.sum(flush, dim=0, keepdim=True, out=acc))
 
 
 # steady-state timing (``*_graphN``): copies of the K/V per timed graph, and their byte budget
@@ -171,10 +138,10 @@ def bench_graph_steady(fns, rep=30) -> float:
         for f in fns:
             f()
 
-    g = _capture(run_all)
+    g = capture(run_all)
     if hasattr(torch.cuda, "_sleep"):
         torch.cuda._sleep(1 << 21)  # ~1 ms of GPU work: the replays queue up behind it
-    t = _replay_median(g, rep, 3)
+    t = replay_median_ms(g, rep, 3)
     del g
     return t / len(fns)
 
