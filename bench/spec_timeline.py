@@ -1,0 +1,192 @@
+"""Host timeline of speculative steps at Llama-3-8B scale: where the GPU waits for the host.
+
+    python bench/spec_timeline.py --out OUT_DIR [--layers 32] [--tokens 128]
+
+A verification step cannot be launched before the previous step's accepted tokens are known, so
+everything the host does between reading them back and launching the next forward leaves the GPU
+idle. This script builds the same synthetic Llama-3-8B target as ``bench/gpu_8b.py``, times plain
+batch-1 decoding and the oracle (a = 0.8, k = 5 and a = 0.9, k = 3) exactly as ``speculant
+bench`` does, then reruns the oracle with timestamps (``time.perf_counter_ns``) at the entry and
+exit of each phase of the step (engine step, propose, staging, graph launch, verify) and reports
+the median time between consecutive marks. Writes spec_timeline.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_8b import LLAMA3_8B, copy_bandwidth, synthetic_loader, write_config  # noqa: E402
+
+
+class Timeline:
+    """Named timestamps, one list per engine step."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple[str, int]]] = []
+        self.on = False
+
+    def mark(self, name: str) -> None:
+        if self.on and self.steps:
+            self.steps[-1].append((name, time.perf_counter_ns()))
+
+    def wrap(self, owner, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+        tl = self
+
+        @functools.wraps(fn)  # keeps pluggy's hookimpl marker
+        def wrapped(*args, **kwargs):
+            tl.mark(name + ">")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                tl.mark(name + "<")
+
+        setattr(owner, attr, wrapped)
+
+    def intervals(self) -> list[dict]:
+        """Median time from each mark to the next, over steps with the most common mark sequence
+        (the verification steps), the last mark of a step wrapping around to the next step's
+        first."""
+        seqs = [tuple(n for n, _ in s) for s in self.steps if s]
+        common = max(set(seqs), key=seqs.count)
+        rows: dict[str, list[float]] = {}
+        kept = [s for s in self.steps if tuple(n for n, _ in s) == common]
+        for i, s in enumerate(kept):
+            nxt = kept[i + 1] if i + 1 < len(kept) else None
+            for j, (name, t) in enumerate(s):
+                if j + 1 < len(s):
+                    to, t2 = s[j + 1]
+                elif nxt is not None:
+                    to, t2 = "next " + nxt[0][0], nxt[0][1]
+                else:
+                    continue
+                rows.setdefault(f"{name} -> {to}", []).append((t2 - t) / 1e3)
+        return [
+            {"interval": k, "median_us": statistics.median(v), "n": len(v)} for k, v in rows.items()
+        ] + [{"interval": "steps with this sequence", "median_us": None, "n": len(kept)}]
+
+
+def instrument(tl: Timeline) -> None:
+    from speculant.engine import cuda_graph, llm_engine, spec_decode
+    from speculant.plugins import rejection_sampler
+
+    orig_step = llm_engine.LLMEngine.step
+
+    def step(self):
+        if tl.on:
+            tl.steps.append([])
+        tl.mark("step>")
+        try:
+            return orig_step(self)
+        finally:
+            tl.mark("step<")
+
+    llm_engine.LLMEngine.step = step
+    tl.wrap(spec_decode.SpecDecoder, "_propose", "propose")
+    tl.wrap(spec_decode.SpecDecoder, "_apply", "apply")
+    tl.wrap(rejection_sampler.RejectionSampler, "verify", "verify")
+    tl.wrap(cuda_graph.CudaGraphRunner, "_stage", "stage")
+    fill = cuda_graph.CudaGraphRunner._fill_small
+    cuda_graph.CudaGraphRunner._fill_small = lambda *a, **k: (fill(*a, **k), tl.mark("filled"))[0]
+
+    def replay(self):
+        tl.mark("launch>")
+        self.graphs[0].replay()
+        tl.mark("seg0<")
+        for g in self.graphs[1:]:
+            g.replay()
+        tl.mark("launch<")
+
+    cuda_graph._Graph.replay = replay
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    import speculant.engine.llm_engine as llm_engine
+    import speculant.models.loader as loader
+    from speculant import LLM
+    from speculant.bench import _decode_run, random_prompts, run_bench, table
+
+    loader.load_model = synthetic_loader(loader.load_model)
+    llm_engine.load_model = loader.load_model
+    bw = copy_bandwidth()
+    tmp = Path(tempfile.mkdtemp(prefix="speculant-tl-"))
+    target = write_config(tmp / "target", dict(LLAMA3_8B, num_hidden_layers=args.layers), 0)
+    llm = LLM(
+        model=str(target),
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        max_num_seqs=8,
+        max_model_len=args.prompt_len + args.tokens + 64,
+        kv_cache_memory=4 << 30,
+    )
+    engine = llm.engine
+    prompts = random_prompts(1, args.prompt_len, engine.vocab_size, seed=0)
+    specs = [
+        dict(method="oracle", alpha=0.8, num_speculative_tokens=5),
+        dict(method="oracle", alpha=0.9, num_speculative_tokens=3),
+    ]
+    result = run_bench(engine, prompts, specs, args.tokens, [1], warmup_tokens=16)
+    print(table(result), flush=True)
+
+    tl = Timeline()
+    instrument(tl)
+    from speculant.bench import _set_strategy
+
+    rec = _decode_run(engine, prompts, args.tokens + 8)["tokens"][0]
+    timelines = {}
+    for spec in specs:
+        refs = [{"prompt_token_ids": prompts[0], "output_token_ids": rec}]
+        _set_strategy(engine, dict(spec, references=refs))
+        _decode_run(engine, prompts, 16)  # warm-up
+        tl.steps, tl.on = [], True
+        t0 = time.perf_counter()
+        r = _decode_run(engine, prompts, args.tokens)
+        wall = time.perf_counter() - t0
+        tl.on = False
+        name = f"oracle a={spec['alpha']} k={spec['num_speculative_tokens']}"
+        timelines[name] = {
+            "intervals": tl.intervals(),
+            "steps": r["steps"],
+            "step_ms": 1e3 * r["decode_s"] / max(r["steps"], 1),
+            "wall_s": wall,
+        }
+        print(
+            f"\n== {name}: {r['steps']} steps, {timelines[name]['step_ms']:.3f} ms per step "
+            "(instrumented)"
+        )
+        for row in timelines[name]["intervals"]:
+            us = row["median_us"]
+            print(f"  {row['interval']:<40} {'' if us is None else f'{us:9.1f} us'}  n={row['n']}")
+    _set_strategy(engine, None)
+    doc = {
+        "copy_bandwidth_Bps": bw,
+        "device": torch.cuda.get_device_name(),
+        "bench": result,
+        "timelines": timelines,
+    }
+    (out / "spec_timeline.json").write_text(json.dumps(doc, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
