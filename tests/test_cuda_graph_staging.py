@@ -12,6 +12,7 @@ import torch
 
 from speculant.engine import cuda_graph
 from speculant.engine.cuda_graph import CudaGraphRunner, segment_starts
+from speculant.kernels.stage_copy import stage_copy_reference
 
 
 class _NoEvent:
@@ -87,3 +88,69 @@ def test_segments_start_at_layer_boundaries(layers):
     sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
     assert sum(sizes) == layers and all(sz > 0 for sz in sizes)
     assert sizes[0] == min(layers, cuda_graph.FIRST_SEGMENT_LAYERS)
+
+
+def _ring_copy(r: CudaGraphRunner, B: int, Q: int) -> None:
+    """What the graph's first kernel does (its torch reference, kernels/stage_copy.py)."""
+    stage_copy_reference(r.ring64, r.ring32, r.dev64, r.dev32, r.count, r.ack, r.err,
+                         r._layout(B, Q))
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_ring_staging_gives_the_graph_what_the_copy_path_gives(monkeypatch, on_device):
+    """Small steps stage into a pinned ring slot that the graph copies itself: over more launches
+    than the ring has slots, the device buffers the graph reads hold what the one-copy path
+    puts there (the ids a caller wrote on the device are left alone)."""
+    rng = random.Random(1)
+    ring, ref = _runner(monkeypatch), _runner(monkeypatch)
+    for launch in range(1, 2 * cuda_graph.STAGE_RING + 2):
+        n = rng.randrange(1, 8)
+        query_lens = [rng.randrange(1, 7) for _ in range(n)]
+        new_tokens = [[rng.randrange(5, 30000) for _ in range(q)] for q in query_lens]
+        B = cuda_graph._bucket(n, (1, 2, 4, 8))
+        Q = cuda_graph._bucket(max(query_lens), (1, 2, 4, 8))
+        T, M = sum(query_lens), B * Q
+        seqs = _seqs(rng, n, query_lens)
+        twins = [types.SimpleNamespace(**vars(s)) for s in seqs]
+        on_dev_ids = torch.tensor([rng.randrange(5, 30000) for _ in range(T)])
+        slot = ring._stage_ring(seqs, new_tokens, query_lens, B, Q, T if on_device else 0)
+        assert slot == (launch - 1) % cuda_graph.STAGE_RING
+        if on_device:
+            ring.dev64[:T].copy_(on_dev_ids)  # the caller's device-side ids, before the launch
+        ring.launches += 1
+        _ring_copy(ring, B, Q)
+        ref._stage(twins, new_tokens, query_lens, B, Q, on_device)
+        if on_device:
+            ref.dev64[:T].copy_(on_dev_ids)
+        assert [s.num_cached_tokens for s in seqs] == [s.num_cached_tokens for s in twins]
+        assert int(ring.count[0]) == launch and int(ring.ack[slot]) == launch
+        assert int(ring.err[0]) == 0
+        N = ring.max_tokens
+        for lo in (0, N, 2 * N):
+            assert ring.dev64[lo : lo + M].tolist() == ref.dev64[lo : lo + M].tolist()
+        c, q, t = ring.o32
+        for lo, k in ((c, B), (q, B + 1)):
+            assert ring.dev32[lo : lo + k].tolist() == ref.dev32[lo : lo + k].tolist()
+        for i, s in enumerate(twins):
+            row = slice(t + i * ring.W, t + i * ring.W + len(s.block_table))
+            assert ring.dev32[row].tolist() == s.block_table
+
+
+def test_ring_staging_waits_for_an_unconsumed_slot_then_reports_it(monkeypatch):
+    r = _runner(monkeypatch)
+    synced = []
+    monkeypatch.setattr(
+        torch.cuda, "current_stream",
+        lambda device=None: types.SimpleNamespace(synchronize=lambda: synced.append(1)),
+    )
+    seqs = _seqs(random.Random(0), 1, [1])
+    for _ in range(cuda_graph.STAGE_RING):  # launches whose copies never run
+        r._stage_ring(seqs, [[7]], [1], 1, 1, 0)
+        r.launches += 1
+    assert not synced
+    with pytest.raises(RuntimeError, match="never copied its ring slot"):
+        r._stage_ring(seqs, [[7]], [1], 1, 1, 0)
+    assert synced == [1]  # it waited for the stream before giving up
+    r.err[0] = 5
+    with pytest.raises(RuntimeError, match="out of step: launch 5"):
+        r._stage_ring(seqs, [[7]], [1], 1, 1, 0)

@@ -27,12 +27,14 @@ query range (the attention kernel skips them). Padded rows of the output are gar
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from speculant.engine.attention import AttentionMetadata, ForwardContext
+from speculant.kernels.stage_copy import HEADER, StageLayout, stage_copy
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 # tokens per sequence: decode (1), verification of k drafts (k + 1), draft catch-up (1..k+1)
@@ -49,6 +51,11 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
 # steps of up to this many tokens are staged with Python lists (``_fill_small``), larger ones
 # with numpy (``_fill``)
 SMALL_STAGE_TOKENS = 64
+# graphs of up to this many rows (B * Q) read their inputs themselves from a pinned ring buffer
+# (kernels/stage_copy.py: no copy or event call between a step's read-back and the next launch);
+# larger ones are staged with one host-to-device copy. SPECULANT_ZERO_COPY_STAGING=0: never.
+ZERO_COPY_MAX_ROWS = 64
+STAGE_RING = 8  # slots of that ring: the host waits only when this many launches ahead
 # layers in the first captured segment and in each later one (see the module doc)
 FIRST_SEGMENT_LAYERS = 1
 SEGMENT_LAYERS = 8
@@ -106,6 +113,21 @@ class CudaGraphRunner:
         self.dev64 = self.dev[: 8 * 3 * N].view(torch.int64)  # [3 * N]
         self.dev32 = self.dev[8 * 3 * N :].view(torch.int32)  # [len32]
         self.copied = torch.cuda.Event()  # staging may be rewritten once this has passed
+        # small steps: a ring of pinned slots, each laid out as [host64 | header] and host32,
+        # that the first kernel of their graph copies from (kernels/stage_copy.py)
+        pin = device.type == "cuda"
+        R = STAGE_RING
+        off = os.environ.get("SPECULANT_ZERO_COPY_STAGING", "1") in ("0", "false", "off")
+        self.zero_copy_max_rows = 0 if off else ZERO_COPY_MAX_ROWS
+        self.ring64 = torch.zeros(R, 3 * N + HEADER, dtype=torch.int64, pin_memory=pin)
+        self.ring32 = torch.zeros(R, self.len32, dtype=torch.int32, pin_memory=pin)
+        self.ack = torch.zeros(R, dtype=torch.int64, pin_memory=pin)  # [R] written by the GPU
+        self.err = torch.zeros(1, dtype=torch.int64, pin_memory=pin)  # [1] written by the GPU
+        self.count = torch.zeros(1, dtype=torch.int64, device=device)  # [1] launches consumed
+        self.ring64_np, self.ring32_np = self.ring64.numpy(), self.ring32.numpy()
+        self.ack_np, self.err_np = self.ack.numpy(), self.err.numpy()
+        self.launches = 0  # ring launches issued by the host
+        self._stage_warm = False
         self.graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}  # (B, Q, aux)
         self.pool = None
 
@@ -145,12 +167,54 @@ class CudaGraphRunner:
         n, T = len(seqs), sum(query_lens)
         B, Q = _bucket(n, self.buckets), _bucket(max(query_lens), self.q_buckets)
         key = (B, Q, tuple(aux_layers))
-        self._stage(seqs, new_tokens, query_lens, B, Q, token_ids is not None)
-        if token_ids is not None:  # after the staged copy of the placeholder ids
+        ring = B * Q <= self.zero_copy_max_rows
+        g = self.graphs.get(key)
+        if ring:
+            slot = self._stage_ring(seqs, new_tokens, query_lens, B, Q,
+                                    T if token_ids is not None else 0)
+            if g is None:  # the warm-up before the capture reads the device buffers
+                self.dev64.copy_(self.ring64[slot, : self.dev64.shape[0]])
+                self.dev32.copy_(self.ring32[slot])
+        else:
+            self._stage(seqs, new_tokens, query_lens, B, Q, token_ids is not None)
+        if token_ids is not None:  # after the staged placeholder ids (the ring skips them)
             self.dev64[:T].copy_(token_ids)
-        g = self.graphs.get(key) or self._capture(*key)
+        g = g or self._capture(*key)
+        if ring:
+            self.launches += 1  # the launch that consumes the slot: now, never without it
         g.replay()
         return g.hidden[:T].clone(), (g.aux[:T].clone() if g.aux is not None else None)
+
+    def _layout(self, B: int, Q: int) -> StageLayout:
+        c, q, t = self.o32
+        return StageLayout(n_max=self.max_tokens, m=B * Q, c=c, q=q, t=t, b=B, w=self.W)
+
+    def _stage_ring(self, seqs, new_tokens, query_lens, B: int, Q: int, ids_on_device: int) -> int:
+        """Write this step's inputs into the next ring slot (the graph's first kernel copies
+        them); returns the slot. Waits only if the launch that last used the slot has not
+        copied it yet (``STAGE_RING`` launches ahead)."""
+        if self.err_np[0]:
+            raise RuntimeError(
+                f"CUDA-graph input staging out of step: launch {int(self.err_np[0])} found a "
+                "stale ring slot (a bug: please report it with SPECULANT_ZERO_COPY_STAGING=0 as "
+                "the workaround)"
+            )
+        n = self.launches + 1
+        R = self.ring64.shape[0]
+        slot = (n - 1) % R
+        if n > R and self.ack_np[slot] < n - R:
+            torch.cuda.current_stream(self.device).synchronize()
+            if self.ack_np[slot] < n - R:
+                raise RuntimeError(f"CUDA-graph input staging: launch {n - R} never copied its "
+                                   "ring slot (a bug: please report it)")
+        h64, h32 = self.ring64_np[slot], self.ring32_np[slot]
+        self._fill_small(seqs, new_tokens, query_lens, B, Q, ids_on_device > 0, h64, h32)
+        N = self.max_tokens
+        h64[3 * N] = n
+        h64[3 * N + 1] = ids_on_device
+        for s, ql in zip(seqs, query_lens):
+            s.num_cached_tokens += ql
+        return slot
 
     def _stage(self, seqs, new_tokens, query_lens, B: int, Q: int, on_device: bool = False) -> None:
         self.copied.synchronize()  # the previous step's copy has read the staging buffers
@@ -161,12 +225,15 @@ class CudaGraphRunner:
         for s, ql in zip(seqs, query_lens):
             s.num_cached_tokens += ql
 
-    def _fill_small(self, seqs, new_tokens, query_lens, B: int, Q: int, on_device: bool) -> None:
+    def _fill_small(self, seqs, new_tokens, query_lens, B: int, Q: int, on_device: bool,
+                    h64=None, h32=None) -> None:
         """``_fill`` with Python lists: a few slice writes instead of ~30 numpy calls, which at
         a few tokens per step cost the host ~100 us on the H100 machine (the GPU waits for this
-        after every verification step)."""
+        after every verification step). ``h64`` / ``h32``: where to write (default: the
+        staging buffer; a ring slot for ``_stage_ring``)."""
         N, M, W, bs = self.max_tokens, B * Q, self.W, self.block_size
-        h64, h32 = self.np64, self.np32
+        h64 = self.np64 if h64 is None else h64
+        h32 = self.np32 if h32 is None else h32
         c, q, t = self.o32
         pos: list[int] = []
         slots: list[int] = []
@@ -221,7 +288,9 @@ class CudaGraphRunner:
         h32[q + len(seqs) + 1 : q + B + 1] = T
 
     # ----------------------------------------------------------------- capture
-    def _forward(self, B: int, Q: int, aux_layers: tuple[int, ...], on_layer=None):
+    def _forward(self, B: int, Q: int, aux_layers: tuple[int, ...], on_layer=None, stage=None):
+        if stage is not None:  # captured first: the graph copies its own inputs in
+            stage()
         ids, pos, slots, ctx_lens, qsl, tables = self._views(B, Q)
         meta = AttentionMetadata.padded(slots, tables, ctx_lens, qsl, Q, self.block_size)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, aux_layers=aux_layers,
@@ -241,6 +310,15 @@ class CudaGraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        stage = None
+        if B * Q <= self.zero_copy_max_rows:
+            self._warm_stage_kernel()
+            layout = self._layout(B, Q)
+
+            def stage() -> None:
+                stage_copy(self.ring64, self.ring32, self.dev64, self.dev32, self.count,
+                           self.ack, self.err, layout)
+
         starts = segment_starts(self.model.num_layers)
         graphs = [torch.cuda.CUDAGraph()]
 
@@ -257,10 +335,29 @@ class CudaGraphRunner:
         with torch.cuda.stream(capture_stream):
             graphs[0].capture_begin(pool=self.pool)
             try:
-                hidden, aux = self._forward(B, Q, aux_layers, next_segment)
+                hidden, aux = self._forward(B, Q, aux_layers, next_segment, stage)
             finally:
                 graphs[-1].capture_end()
         torch.cuda.current_stream(self.device).wait_stream(capture_stream)
         g = _Graph(graphs, hidden, aux)
         self.graphs[(B, Q, aux_layers)] = g
         return g
+
+    def _warm_stage_kernel(self) -> None:
+        """Compile and load the staging kernel outside any capture, on throwaway buffers of the
+        ring's shapes (its integer arguments are not specialised on: one binary serves all)."""
+        if self._stage_warm:
+            return
+        R, pin = self.ring64.shape[0], True
+        ring64 = torch.zeros_like(self.ring64, pin_memory=pin)
+        ring64[0, 3 * self.max_tokens] = 1  # launch 1 in slot 0
+        ring32 = torch.zeros_like(self.ring32, pin_memory=pin)
+        ack = torch.zeros(R, dtype=torch.int64, pin_memory=pin)
+        err = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
+        stage_copy(ring64, ring32, torch.empty_like(self.dev64), torch.empty_like(self.dev32),
+                   torch.zeros_like(self.count), ack, err, self._layout(1, 1))
+        torch.cuda.synchronize(self.device)
+        if int(ack[0]) != 1 or int(err[0]) != 0:
+            raise RuntimeError("the CUDA-graph staging kernel failed its warm-up copy (a bug: "
+                               "SPECULANT_ZERO_COPY_STAGING=0 avoids it)")
+        self._stage_warm = True
