@@ -17,6 +17,18 @@ row-major) once and computes the activation transform ``f`` on the fly, per prog
 * ``prologue="silu_mul"``: ``x`` is ``gate_up`` [M, 2K]; ``f(x) = silu(gate.float()).to(dtype)
   * up``, as ``speculant.models.fused.silu_mul``.
 
+Output epilogue (``out_norm_weight`` with ``out_residual``): the residual add and RMSNorm that
+follow a projection (``o_proj`` / ``down_proj`` then the next norm) run in the split-K reduce
+kernel instead of a separate ``fused.rms_norm`` launch: one kernel less (~2 us each even in a
+CUDA graph, two per layer in the 2-8 row verification steps). ``gemv`` then returns
+``(normed, s)`` with ``s = y + out_residual`` rounded to x's dtype and ``normed =
+(s.float() * rsqrt(sum(s.float() ** 2) / N + out_eps)).to(dtype) * out_norm_weight`` in x's
+dtype: bit-identical to ``fused.rms_norm(y, out_norm_weight, out_eps, residual=out_residual)``.
+The norm needs whole rows of y, so the main kernel always writes fp32 partials (even with
+``split_k=1``) and the reduce runs one program per row over all N columns (BLOCK =
+next_pow2(N) and the warps of ``fused.rms_norm``, so its sum of squares is reduced in the same
+order). Meant for N = the hidden size (a few thousand columns), as ``fused.rms_norm``.
+
 Triton kernel design
 --------------------
 * Program ``(n, s)`` owns ``BLOCK_N`` output columns (weight rows) and the ``s``-th of
@@ -41,7 +53,12 @@ Triton kernel design
   layouts (through shared memory, with barriers) every iteration.
 * ``split_k > 1``: each program writes an fp32 partial ``[split_k, M, N]`` and a small second
   kernel sums the pieces, adds the bias and casts. Gives more programs when N has few blocks
-  (N = 4096) at the price of one more launch.
+  (N = 4096) at the price of one more launch. With the output epilogue the partials are always
+  written and the second kernel (``_split_reduce_norm_kernel``) also adds the residual and
+  normalises; its half-precision adds and products are computed in fp32 and rounded once,
+  which is the correctly rounded half result (fp32 has at least 2p + 2 bits), i.e. what
+  ``fused.rms_norm`` computes on a GPU, and what the CPU interpreter (which cannot do bf16
+  arithmetic) computes too.
 * The launch configuration depends on the shapes only (never on tensor contents): the call is
   CUDA-graph capturable (no host sync, no ``.item()``). Weight row offsets are int64 (N * K may
   exceed 2**31 elements, e.g. a large vocabulary).
@@ -110,13 +127,20 @@ def gemv_reference(
     norm_weight: torch.Tensor | None = None,  # [K], prologue="rmsnorm"
     residual: torch.Tensor | None = None,  # [M, K], prologue="rmsnorm"
     eps: float = 1e-6,
+    out_norm_weight: torch.Tensor | None = None,  # [N], output epilogue
+    out_residual: torch.Tensor | None = None,  # [M, N], output epilogue
+    out_eps: float = 1e-6,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch: the prologue as separate ops, then ``F.linear`` in x's dtype. Also the
-    fallback path. Returns y [M, N], or (y, x + residual) when ``residual`` is given."""
+    """Plain torch: the prologue as separate ops, then ``F.linear`` in x's dtype, then the
+    output epilogue as separate ops (the rounding of ``fused.rms_norm``). Also the fallback
+    path. Returns y [M, N]; (y, x + residual) when ``residual`` is given; (rmsnorm(y +
+    out_residual) * out_norm_weight, y + out_residual) when ``out_norm_weight`` is given."""
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
     a, res_out = _prologue_ref(x, prologue, norm_weight, residual, eps)
     y = F.linear(a, weight, bias)
+    if out_norm_weight is not None:  # s = y + out_residual, then its RMSNorm: as the prologue's
+        return _prologue_ref(y, "rmsnorm", out_norm_weight, out_residual, out_eps)
     return y if residual is None else (y, res_out)
 
 
@@ -295,6 +319,54 @@ if tl is not None:
             acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
+    @lazy_jit
+    def _split_reduce_norm_kernel(
+        p_ptr,  # [SPLIT_K, M, N] fp32 partials
+        b_ptr,  # [N] bias; read when HAS_BIAS
+        r_ptr,  # [M, N] residual (out_residual), y's dtype, last dim contiguous
+        w_ptr,  # [N] RMSNorm weight (out_norm_weight), any float dtype
+        s_ptr,  # [M, N] out: s = y + residual, in y's dtype
+        o_ptr,  # [M, N] out: rmsnorm(s) * w, in y's dtype
+        N,
+        stride_ps,
+        stride_pm,
+        stride_rm,
+        stride_sm,
+        stride_om,
+        eps,
+        HAS_BIAS: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        BLOCK: tl.constexpr,  # next_pow2(N): the whole row, as fused._rms_norm_kernel
+    ):
+        # one program per row: y = sum of the partials + bias, rounded to y's dtype as
+        # _split_reduce_kernel (and the single-split store) does; then fused._rms_norm_kernel's
+        # arithmetic on s = y + residual
+        m = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        p_row = p_ptr + m * stride_pm + cols  # [BLOCK] pointers into split 0
+        acc = tl.load(p_row, mask=mask, other=0.0)
+        for k in tl.static_range(1, SPLIT_K):
+            acc += tl.load(p_row + k * stride_ps, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dt = s_ptr.dtype.element_ty
+        y = acc.to(dt)
+        r = tl.load(r_ptr + m * stride_rm + cols, mask=mask, other=0.0)
+        # half adds and products in fp32, rounded once: the correctly rounded half results
+        # (bit-identical to native half arithmetic; the interpreter has no bf16 arithmetic)
+        x = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+        tl.store(s_ptr + m * stride_sm + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        normed = (xf * inv).to(dt)  # then * w, as fused._rms_norm_kernel
+        tl.store(
+            o_ptr + m * stride_om + cols,
+            (normed.to(tl.float32) * w.to(tl.float32)).to(dt),
+            mask=mask,
+        )
+
 
 # --------------------------------------------------------------------------------------------
 # Launch configuration
@@ -409,7 +481,9 @@ def _as_config(config: GemvConfig | Mapping | None, M, N, K, prologue, device) -
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
-def _check_args(x, weight, bias, prologue, norm_weight, residual, eps) -> tuple[int, int, int]:
+def _check_args(
+    x, weight, bias, prologue, norm_weight, residual, eps, out_norm_weight, out_residual, out_eps
+) -> tuple[int, int, int]:
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
     check_tensor("x", x, ndim=2, dtypes=_FLOAT_DTYPES, last_contiguous=True)
@@ -448,15 +522,58 @@ def _check_args(x, weight, bias, prologue, norm_weight, residual, eps) -> tuple[
             raise ValueError(f"norm_weight is only used with prologue='rmsnorm', not {prologue!r}")
         if residual is not None:
             raise ValueError(f"residual is only used with prologue='rmsnorm', not {prologue!r}")
+    if out_norm_weight is not None:
+        check_tensor(
+            "out_norm_weight", out_norm_weight, shape=(N,), dtypes=_FLOAT_DTYPES, device=dev
+        )
+        if out_residual is None:
+            raise ValueError(
+                "out_norm_weight (the output RMSNorm) needs out_residual [M, N] (the residual "
+                "added to y before the norm)"
+            )
+        check_tensor(
+            "out_residual",
+            out_residual,
+            shape=(M, N),
+            dtypes=(x.dtype,),
+            device=dev,
+            last_contiguous=True,
+        )
+        if not isinstance(out_eps, (int, float)) or not out_eps >= 0.0:
+            raise ValueError(f"out_eps must be a non-negative float, got {out_eps!r}")
+        if residual is not None:
+            raise ValueError(
+                "residual (the rmsnorm prologue's input residual) and out_residual (the "
+                "output epilogue's) are not supported in one call: add the input residual "
+                "beforehand, or drop out_norm_weight / out_residual and run fused.rms_norm after"
+            )
+    elif out_residual is not None:
+        raise ValueError("out_residual is only used with out_norm_weight (the output RMSNorm)")
     return M, N, K
 
 
-def _gemv_triton(x, weight, bias, prologue, norm_weight, residual, eps, cfg: GemvConfig):
+def _gemv_triton(
+    x,
+    weight,
+    bias,
+    prologue,
+    norm_weight,
+    residual,
+    eps,
+    cfg: GemvConfig,
+    out_norm_weight=None,
+    out_residual=None,
+    out_eps=1e-6,
+):
+    """(y, x + residual or None); with the output epilogue: (normed, y + out_residual)."""
     M = x.shape[0]
     N, K = weight.shape
     dev = x.device
-    y = torch.empty(M, N, dtype=x.dtype, device=dev)
+    epilogue = out_norm_weight is not None
+    y = torch.empty(M, N, dtype=x.dtype, device=dev)  # normed with the epilogue
     res_out = torch.empty(M, K, dtype=x.dtype, device=dev) if residual is not None else None
+    if epilogue:
+        res_out = torch.empty(M, N, dtype=x.dtype, device=dev)  # s = y + out_residual
     if M == 0 or N == 0:
         return y, res_out
     block_k = min(cfg.block_k, max(16, next_pow2(K)))  # no chunk far larger than K
@@ -467,7 +584,8 @@ def _gemv_triton(x, weight, bias, prologue, norm_weight, residual, eps, cfg: Gem
     block_m = 16 if cfg.use_dot and not cfg.pad_rows else next_pow2(M)
     # sum-of-squares pass: ~32 elements of x a thread per chunk (few chunks: its loads wait)
     block_ks = min(next_pow2(K), max(block_k, 1024 * cfg.num_warps // block_m))
-    if split > 1:
+    partial = split > 1 or epilogue  # the epilogue needs whole rows: always partials
+    if partial:
         out = torch.empty(split, M, N, dtype=torch.float32, device=dev)
         stride_ys, stride_ym = out.stride(0), out.stride(1)
     else:
@@ -475,7 +593,7 @@ def _gemv_triton(x, weight, bias, prologue, norm_weight, residual, eps, cfg: Gem
         stride_ys, stride_ym = 0, y.stride(0)
     dummy = y  # pointer for unused arguments (never dereferenced)
     r = residual if residual is not None else dummy
-    ro = res_out if res_out is not None else dummy
+    ro = res_out if residual is not None else dummy
     extra = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
     grid = (cdiv(N, cfg.block_n), split)
     _gemv_kernel[grid](
@@ -500,7 +618,7 @@ def _gemv_triton(x, weight, bias, prologue, norm_weight, residual, eps, cfg: Gem
         PROLOGUE=_PROLOGUE_ID[prologue],
         HAS_BIAS=bias is not None,
         HAS_RES=residual is not None,
-        PARTIAL=split > 1,
+        PARTIAL=partial,
         USE_DOT=bool(cfg.use_dot),
         SWAP_AB=bool(cfg.swap_ab),
         PREFETCH=bool(cfg.prefetch),
@@ -514,7 +632,28 @@ def _gemv_triton(x, weight, bias, prologue, norm_weight, residual, eps, cfg: Gem
         num_warps=cfg.num_warps,
         **extra,
     )
-    if split > 1:
+    if epilogue:
+        block = next_pow2(N)
+        _split_reduce_norm_kernel[(M,)](
+            out,
+            bias if bias is not None else dummy,
+            out_residual,
+            out_norm_weight,
+            res_out,
+            y,
+            N,
+            out.stride(0),
+            out.stride(1),
+            out_residual.stride(0),
+            res_out.stride(0),
+            y.stride(0),
+            float(out_eps),
+            HAS_BIAS=bias is not None,
+            SPLIT_K=split,
+            BLOCK=block,
+            num_warps=8 if block >= 4096 else 4,  # as fused.rms_norm: same reduction order
+        )
+    elif split > 1:
         block = min(1024, next_pow2(N))
         _split_reduce_kernel[(cdiv(N, block), M)](
             out,
@@ -541,6 +680,9 @@ def gemv(
     norm_weight: torch.Tensor | None = None,  # [K], prologue="rmsnorm"
     residual: torch.Tensor | None = None,  # [M, K], prologue="rmsnorm"
     eps: float = 1e-6,
+    out_norm_weight: torch.Tensor | None = None,  # [N], output epilogue
+    out_residual: torch.Tensor | None = None,  # [M, N], output epilogue
+    out_eps: float = 1e-6,
     force_triton: bool = False,
     config: GemvConfig | Mapping | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -551,13 +693,32 @@ def gemv(
     fp32); ``norm_weight`` may be any float dtype (the product is rounded to x's dtype). Rows
     and the weight may be strided, their last dim must be contiguous.
 
+    Output epilogue: with ``out_norm_weight`` ([N], any float dtype) and ``out_residual``
+    ([M, N], x's dtype, last dim contiguous; required with it), returns ``(normed, s)``, two
+    new [M, N] tensors in x's dtype: ``s = y + out_residual`` and ``normed = rmsnorm(s,
+    out_eps) * out_norm_weight``, bit-identical to ``fused.rms_norm(y, out_norm_weight,
+    out_eps, residual=out_residual)`` (the residual add and the norm run in the reduce kernel,
+    one launch less). Works with every prologue, but not together with the rmsnorm prologue's
+    ``residual`` (ValueError).
+
     ``config`` (a :class:`GemvConfig` or a mapping of its fields) overrides the shape-based
     launch parameters (benchmarks). ``force_triton`` runs the Triton kernel under
     ``TRITON_INTERPRET=1`` on CPU tensors (tests). More than ``MAX_ROWS`` rows take the torch
     path (``force_triton=True`` then raises).
     """
-    M, N, K = _check_args(x, weight, bias, prologue, norm_weight, residual, eps)
-    tensors = [x, weight, bias, norm_weight, residual]
+    M, N, K = _check_args(
+        x,
+        weight,
+        bias,
+        prologue,
+        norm_weight,
+        residual,
+        eps,
+        out_norm_weight,
+        out_residual,
+        out_eps,
+    )
+    tensors = [x, weight, bias, norm_weight, residual, out_norm_weight, out_residual]
     if M > MAX_ROWS:
         if force_triton:
             raise ValueError(f"the Triton gemv takes at most {MAX_ROWS} rows, got {M}")
@@ -573,7 +734,22 @@ def gemv(
             norm_weight=norm_weight,
             residual=residual,
             eps=eps,
+            out_norm_weight=out_norm_weight,
+            out_residual=out_residual,
+            out_eps=out_eps,
         )
     cfg = _as_config(config, M, N, K, prologue, x.device)
-    y, res_out = _gemv_triton(x, weight, bias, prologue, norm_weight, residual, eps, cfg)
-    return y if residual is None else (y, res_out)
+    y, res_out = _gemv_triton(
+        x,
+        weight,
+        bias,
+        prologue,
+        norm_weight,
+        residual,
+        eps,
+        cfg,
+        out_norm_weight=out_norm_weight,
+        out_residual=out_residual,
+        out_eps=out_eps,
+    )
+    return y if res_out is None else (y, res_out)

@@ -135,25 +135,43 @@ class LlamaDecoderLayer(nn.Module):
         h: torch.Tensor,  # [num_tokens, hidden]: the previous layer's MLP output (or the input)
         ctx: ForwardContext,
         residual: torch.Tensor | None,  # [num_tokens, hidden]: residual stream before ``h``
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream before it)
+        normed: bool = False,  # ``h`` is already this layer's normed input (``residual`` its input)
+        next_norm: RMSNorm | None = None,  # the norm after this layer: the next layer's, or final
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:  # (out, residual stream before it, out normed)
         """The CUDA path of ``forward`` with the residual stream carried to the next layer: both
         residual adds happen inside the RMSNorm kernels (``fused.rms_norm(residual=)``), so a
-        layer has no separate add kernel (same additions, same order and rounding). Up to
-        ``fused.GEMV_FEW_ROWS`` rows, o_proj and down_proj (with SiLU * up) are GEMVs."""
+        layer has no separate add kernel (same additions, same order and rounding).
+
+        Up to ``fused.GEMV_FEW_ROWS`` rows, o_proj and down_proj (with SiLU * up) are GEMVs whose
+        split-K reduction also does the residual add and the RMSNorm that follows
+        (kernels/gemv.py ``out_norm_weight``): o_proj's the post-attention norm, down_proj's
+        ``next_norm``. The layer then returns ``next_norm``'s output (``normed`` True) and the
+        next layer starts from it. Bit-identical to the separate kernels; two kernels fewer per
+        layer."""
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         attn, mlp = self.self_attn, self.mlp
-        if residual is None:
+        if normed:
+            x = h
+        elif residual is None:
             x, residual = fused.rms_norm(h, ln1.weight, ln1.eps), h
         else:
             x, residual = fused.rms_norm(h, ln1.weight, ln1.eps, residual=residual)
         few = fused.gemv_few_enabled(x)  # o_proj / down_proj as few-row GEMVs
         o = attn.attend_qkv(positions, attn.qkv_proj(x), ctx)  # [num_tokens, q_size]
-        a = gemv(o, attn.o_proj.weight, attn.o_proj.bias) if few else attn.o_proj(o)
-        x, residual = fused.rms_norm(a, ln2.weight, ln2.eps, residual=residual)
+        if few:
+            x, residual = gemv(o, attn.o_proj.weight, attn.o_proj.bias, out_norm_weight=ln2.weight,
+                               out_residual=residual, out_eps=ln2.eps)
+        else:
+            x, residual = fused.rms_norm(attn.o_proj(o), ln2.weight, ln2.eps, residual=residual)
         if few and mlp.fused_act:
             gu = mlp.gate_up_proj(x)  # [num_tokens, 2 * inter]
-            return gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul"), residual
-        return mlp(x), residual
+            wd, bd = mlp.down_proj.weight, mlp.down_proj.bias
+            if next_norm is not None:
+                x, residual = gemv(gu, wd, bd, prologue="silu_mul", out_norm_weight=next_norm.weight,
+                                   out_residual=residual, out_eps=next_norm.eps)
+                return x, residual, True
+            return gemv(gu, wd, bd, prologue="silu_mul"), residual, False
+        return mlp(x), residual, False
 
     def forward_gemv(
         self,
@@ -255,17 +273,24 @@ class LlamaForCausalLM(nn.Module):
 
     def _forward_residual(self, positions, x, ctx: ForwardContext, gemv: bool) -> torch.Tensor:
         """CUDA layers that carry the residual stream (``forward_gemv`` / ``forward_fused``)."""
-        h, residual = x, None
-        for i, layer in enumerate(self.layers):
+        h, residual, normed = x, None, False
+        layers = self.layers
+        for i, layer in enumerate(layers):
             ctx.begin_layer(i)
             if i in ctx.aux_layers:
-                if residual is not None:
-                    h, residual = h + residual, None
-                ctx.aux_hidden.append(h)  # input of layer i
+                if normed:  # h is layer i's normed input, residual its input
+                    ctx.aux_hidden.append(residual)
+                else:
+                    if residual is not None:
+                        h, residual = h + residual, None
+                    ctx.aux_hidden.append(h)  # input of layer i
             if gemv:
                 h, residual = layer.forward_gemv(positions, h, ctx, residual)
             else:
-                h, residual = layer.forward_fused(positions, h, ctx, residual)
+                nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+                h, residual, normed = layer.forward_fused(positions, h, ctx, residual, normed, nxt)
+        if normed:  # the last layer's down_proj did the final norm
+            return h
         if residual is None:  # no layers
             return fused.rms_norm(h, self.norm.weight, self.norm.eps)
         return fused.rms_norm(h, self.norm.weight, self.norm.eps, residual=residual)[0]

@@ -13,6 +13,7 @@ from speculant.kernels.gemv import (
     gemv,
     gemv_reference,
 )
+from speculant.models import fused
 
 HAS_CUDA = torch.cuda.is_available()
 # the Triton CPU interpreter misreads bf16 memory and has no half-precision dot: half dtypes
@@ -304,3 +305,202 @@ def test_gemv_validation(device):
         gemv(x, w, force_triton=True, config={"block_n": 16, "block_k": 32, "split_k": 0})
     with pytest.raises(ValueError, match="bad gemv config"):
         gemv(x, w, force_triton=True, config={"block_n": 16, "bk": 32})
+
+
+# --------------------------------------------------------------------------------------------
+# Output epilogue: residual add + RMSNorm in the split-K reduce (out_norm_weight / out_residual)
+# --------------------------------------------------------------------------------------------
+# all three dtypes on the CPU too: the interpreter computes fp16 like a GPU; bf16 only without a
+# prologue there (the prologues' bf16 arithmetic is misread) and with tolerances (its fp32 ->
+# bf16 casts truncate instead of rounding to nearest)
+EPI_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# the input-prologue cases (the rmsnorm prologue's own residual is rejected with out_residual)
+EPI_PROLOGUES = ["none", "rmsnorm", "silu_mul"]
+# (config, bias): one split (the partials path all the same), 3 splits (the last one short);
+# dots for M >= 2, FMAs for M = 1 (use_dot=None)
+EPI_CONFIGS = {
+    "split1": (GemvConfig(block_n=32, block_k=32, num_warps=4), False),
+    "split1_bias": (GemvConfig(block_n=32, block_k=32, num_warps=4), True),
+    "split3_bias": (
+        GemvConfig(block_n=32, block_k=32, split_k=3, swap_ab=True, prefetch=True),
+        True,
+    ),
+}
+OUT_EPS = 1e-3  # differs from the prologue's eps (1e-5): a kernel mixing them up fails
+
+
+def _epi_inputs(case, M, N, K, dtype, device, bias):
+    """gemv inputs plus the epilogue's: out_norm_weight (fp32 with silu_mul: a mixed dtype)
+    and out_residual [M, N]."""
+    x, w, b, kw = _inputs(case, M, N, K, dtype, device, bias=bias)
+    nw_dtype = torch.float32 if case == "silu_mul" else dtype
+    onw = _nz(N, dtype=nw_dtype).to(device)
+    ores = _nz(M, N, dtype=dtype, scale=2.0).to(device)
+    return x, w, b, kw, onw, ores
+
+
+def _interp_bf16(dtype):
+    return not HAS_CUDA and dtype == torch.bfloat16
+
+
+def _epi_tol(dtype, ref):
+    """_tol, and 4x that for bf16 under the interpreter (truncating casts: y, s, normed)."""
+    return _tol(dtype, ref) * (4 if _interp_bf16(dtype) else 1)
+
+
+def _two_step(x, w, b, kw, onw, ores, cfg):
+    """What the epilogue replaces: the Triton gemv, then fused.rms_norm's Triton kernel; for
+    bf16 under the interpreter, the same in torch (fused.rms_norm's torch rounding)."""
+    y = gemv(x, w, b, force_triton=True, config=cfg, **kw)
+    if not _interp_bf16(y.dtype):
+        normed, s = fused.rms_norm(y, onw, OUT_EPS, residual=ores)
+        return y, normed, s
+    s = y + ores
+    sf = s.float()
+    normed = (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + OUT_EPS)).to(s.dtype)
+    return y, (normed * onw).to(s.dtype), s
+
+
+def _check_epilogue(x, w, b, kw, onw, ores, cfg):
+    M, N = ores.shape
+    dtype = x.dtype
+    ekw = {"out_norm_weight": onw, "out_residual": ores, "out_eps": OUT_EPS}
+    got, got_s = gemv(x, w, b, force_triton=True, config=cfg, **ekw, **kw)
+    assert got.shape == (M, N) and got_s.shape == (M, N)
+    assert got.dtype == dtype and got_s.dtype == dtype
+    assert torch.isfinite(got).all() and torch.isfinite(got_s).all()
+    y, want, want_s = _two_step(x, w, b, kw, onw, ores, cfg)
+    if _interp_bf16(dtype):  # the interpreter's bf16 casts truncate: close, not exact
+        torch.testing.assert_close(got_s, want_s, atol=_epi_tol(dtype, want_s), rtol=0)
+        torch.testing.assert_close(got, want, atol=_epi_tol(dtype, want), rtol=0)
+    else:  # bit-exact: the residual add and the norm of fused.rms_norm
+        assert torch.equal(got_s, want_s)
+        assert torch.equal(got_s, y + ores)
+        assert torch.equal(got, want)
+    # the torch reference (F.linear, then the separate ops)
+    ref, ref_s = gemv_reference(x, w, b, **ekw, **kw)
+    torch.testing.assert_close(got_s, ref_s, atol=_epi_tol(dtype, ref_s), rtol=0)
+    torch.testing.assert_close(got, ref, atol=_epi_tol(dtype, ref), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", EPI_DTYPES)
+@pytest.mark.parametrize("config", list(EPI_CONFIGS))
+@pytest.mark.parametrize("M", [1, 2, 3, 6, 8])
+@pytest.mark.parametrize("case", EPI_PROLOGUES)
+def test_gemv_out_norm_matches_two_step(device, case, M, config, dtype):
+    """The epilogue against gemv + fused.rms_norm (bit-exact) and against gemv_reference."""
+    if _interp_bf16(dtype) and case != "none":
+        pytest.skip("the interpreter misreads the prologues' bf16 arithmetic")
+    cfg, bias = EPI_CONFIGS[config]
+    N, K = 200, 96  # N: not a power of two, nor a multiple of block_n
+    _check_epilogue(*_epi_inputs(case, M, N, K, dtype, device, bias), cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_out_norm_hidden_size(device, dtype):
+    """N = 4096 (a hidden size: one 4096-wide block a row, 8 warps); on CUDA also the default config."""
+    M, N, K = 2, 4096, 32
+    x, w, b, kw, onw, ores = _epi_inputs("silu_mul", M, N, K, dtype, device, bias=True)
+    cfgs = [GemvConfig(block_n=256, block_k=16, split_k=2)]  # few programs for the interpreter
+    for cfg in cfgs + [None] if HAS_CUDA else cfgs:
+        _check_epilogue(x, w, b, kw, onw, ores, cfg)
+
+
+def test_gemv_out_norm_strided_residual(device):
+    """out_residual rows with a stride larger than N (a view), N = 96."""
+    M, N, K = 3, 96, 64
+    x, w, b, kw, onw, ores = _epi_inputs("rmsnorm", M, N, K, torch.float32, device, bias=True)
+    rb = torch.zeros(M, 2 * N + 8, device=device)
+    rb[:, 8 : 8 + N] = ores
+    view = rb[:, 8 : 8 + N]
+    assert view.stride(0) != N
+    cfg = CONFIGS["split"]
+    ekw = {"out_norm_weight": onw, "out_residual": view, "out_eps": OUT_EPS}
+    got, got_s = gemv(x, w, b, force_triton=True, config=cfg, **ekw, **kw)
+    _, want, want_s = _two_step(x, w, b, kw, onw, ores, cfg)
+    assert torch.equal(got_s, want_s) and torch.equal(got, want)
+    assert torch.equal(rb[:, 8 : 8 + N], ores)  # the residual is only read
+
+
+def test_gemv_out_norm_torch_path(device):
+    """Without force_triton on CPU tensors, and with more than MAX_ROWS rows: the torch path,
+    i.e. gemv_reference with the epilogue (whose rounding is fused.rms_norm's torch one)."""
+    for M in (3, MAX_ROWS + 1):
+        x, w, b, kw, onw, ores = _epi_inputs("none", M, 40, 32, torch.float32, device, True)
+        ekw = {"out_norm_weight": onw, "out_residual": ores, "out_eps": OUT_EPS}
+        if M > MAX_ROWS:
+            with pytest.raises(ValueError, match="at most 8 rows"):
+                gemv(x, w, b, force_triton=True, **ekw)
+        elif HAS_CUDA:
+            continue
+        got, got_s = gemv(x, w, b, **ekw)
+        ref, ref_s = gemv_reference(x, w, b, **ekw)
+        assert torch.equal(got, ref) and torch.equal(got_s, ref_s)
+        y = gemv_reference(x, w, b)
+        assert torch.equal(ref_s, y + ores)
+        sf = ref_s.float()
+        want = (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + OUT_EPS)).to(y.dtype) * onw
+        assert torch.equal(ref, want)
+
+
+def test_gemv_out_norm_zero_rows(device):
+    x, w, b, kw, onw, ores = _epi_inputs("none", 0, 24, 32, torch.float32, device, True)
+    got, got_s = gemv(x, w, b, force_triton=True, out_norm_weight=onw, out_residual=ores)
+    assert got.shape == (0, 24) and got_s.shape == (0, 24)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gemv_out_norm_cuda_graph(device):
+    """o_proj of Llama-3-8B for a 6-row verification step, default config, bf16 with an fp32
+    norm weight, captured in a CUDA graph: bit-exact against gemv + fused.rms_norm."""
+    M, N, K = 6, 4096, 4096
+    dt = torch.bfloat16
+    x = _nz(M, K, dtype=dt).to(device)
+    w = _nz(N, K, dtype=dt, scale=0.02).to(device)
+    ores = _nz(M, N, dtype=dt).to(device)
+    onw = _nz(N).to(device)
+    ekw = {"out_norm_weight": onw, "out_residual": ores, "out_eps": OUT_EPS}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        gemv(x, w, **ekw)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got, got_s = gemv(x, w, **ekw)
+    x.copy_(_nz(M, K, dtype=dt).to(device))  # new inputs, same buffers
+    g.replay()
+    torch.cuda.synchronize()
+    want, want_s = fused.rms_norm(gemv(x, w), onw, OUT_EPS, residual=ores)
+    assert torch.equal(got_s, want_s) and torch.equal(got, want)
+
+
+def test_gemv_out_norm_validation(device):
+    M, N, K = 2, 24, 32
+    x = torch.randn(M, K, device=device)
+    w = torch.randn(N, K, device=device)
+    onw = torch.randn(N, device=device)
+    ores = torch.randn(M, N, device=device)
+    ekw = {"out_norm_weight": onw, "out_residual": ores}
+    with pytest.raises(ValueError, match="out_norm_weight .* needs out_residual"):
+        gemv(x, w, out_norm_weight=onw)
+    with pytest.raises(ValueError, match="out_residual is only used with out_norm_weight"):
+        gemv(x, w, out_residual=ores)
+    with pytest.raises(ValueError, match=r"out_residual must have shape \(2, 24\)"):
+        gemv(x, w, out_norm_weight=onw, out_residual=ores[:1])
+    with pytest.raises(ValueError, match=r"out_residual must have shape \(2, 24\)"):
+        gemv(x, w, out_norm_weight=onw, out_residual=torch.randn(M, K, device=device))
+    with pytest.raises(ValueError, match="out_residual must have dtype"):
+        gemv(x, w, out_norm_weight=onw, out_residual=ores.half())
+    with pytest.raises(ValueError, match="out_residual must be contiguous in its last dim"):
+        gemv(x, w, out_norm_weight=onw, out_residual=torch.randn(N, M, device=device).t())
+    with pytest.raises(ValueError, match=r"out_norm_weight must have shape \(24,\)"):
+        gemv(x, w, out_norm_weight=onw[:-1], out_residual=ores)
+    with pytest.raises(ValueError, match="out_norm_weight must have dtype"):
+        gemv(x, w, out_norm_weight=onw.to(torch.int32), out_residual=ores)
+    with pytest.raises(ValueError, match="out_eps must be"):
+        gemv(x, w, out_norm_weight=onw, out_residual=ores, out_eps=-1.0)
+    nw = torch.randn(K, device=device)
+    r = torch.randn(M, K, device=device)
+    with pytest.raises(ValueError, match="residual .* and out_residual .* not supported"):
+        gemv(x, w, prologue="rmsnorm", norm_weight=nw, residual=r, **ekw)
