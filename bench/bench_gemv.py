@@ -97,6 +97,10 @@ SHAPES = (
     Shape("gate_up", 28672, 4096, "rmsnorm", True),
     Shape("down", 4096, 14336, "silu_mul"),
     Shape("lm_head", 128256, 4096, "rmsnorm", False),
+    # verification steps (2-8 rows): the inputs of qkv and gate/up arrive normed (the previous
+    # projection's split-K reduce does the RMSNorm), so the products alone against cuBLAS
+    Shape("qkv_plain", 6144, 4096, "none"),
+    Shape("gate_up_plain", 28672, 4096, "none"),
 )
 ROWS = (1, 2, 4, 6, 8)
 DTYPE = torch.bfloat16

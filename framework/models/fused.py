@@ -25,10 +25,15 @@ GEMV_MAX_ROWS = 1
 
 
 # Rows up to which the multi-row CUDA layer path (``LlamaDecoderLayer.forward_fused``: verification
-# steps, small batches) runs o_proj and down_proj (SiLU * up fused) as few-row GEMVs; qkv and
-# gate/up stay on cuBLAS (the kernel is slower there at 4-8 rows). Same-process A/B on an H100
+# steps, small batches) runs o_proj and down_proj (SiLU * up fused) as few-row GEMVs, their
+# split-K reduce doing the residual add and the next RMSNorm. Same-process A/B on an H100
 # (Llama-3-8B scale, oracle k=5 verification steps of 6 rows): 6.908 -> 6.802 ms per step.
 GEMV_FEW_ROWS = 8
+# Rows up to which qkv and gate/up are few-row GEMVs too (their input arrives normed, so without a
+# prologue). bench/bench_gemv.py on an H100, bf16, Llama-3-8B shapes, against cuBLAS: qkv 21.1 ->
+# 19.9 us at 4 and 6 rows, gate/up 82.1 -> 80.6 us (4 rows) and 85.8 -> 80.9 us (6 rows); 8 rows
+# not measured, so cuBLAS keeps them.
+GEMV_IN_ROWS = 6
 
 
 def gemv_few_enabled(x: torch.Tensor) -> bool:

@@ -142,7 +142,8 @@ class LlamaDecoderLayer(nn.Module):
         residual adds happen inside the RMSNorm kernels (``fused.rms_norm(residual=)``), so a
         layer has no separate add kernel (same additions, same order and rounding).
 
-        Up to ``fused.GEMV_FEW_ROWS`` rows, o_proj and down_proj (with SiLU * up) are GEMVs whose
+        Up to ``fused.GEMV_IN_ROWS`` rows qkv and gate/up are GEMVs (kernels/gemv.py) instead of
+        cuBLAS. Up to ``fused.GEMV_FEW_ROWS`` rows, o_proj and down_proj (with SiLU * up) are GEMVs whose
         split-K reduction also does the residual add and the RMSNorm that follows
         (kernels/gemv.py ``out_norm_weight``): o_proj's the post-attention norm, down_proj's
         ``next_norm``. The layer then returns ``next_norm``'s output (``normed`` True) and the
@@ -157,14 +158,17 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = fused.rms_norm(h, ln1.weight, ln1.eps, residual=residual)
         few = fused.gemv_few_enabled(x)  # o_proj / down_proj as few-row GEMVs
-        o = attn.attend_qkv(positions, attn.qkv_proj(x), ctx)  # [num_tokens, q_size]
+        few_in = few and x.shape[0] <= fused.GEMV_IN_ROWS  # qkv and gate/up too
+        qkv = gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias) if few_in else attn.qkv_proj(x)
+        o = attn.attend_qkv(positions, qkv, ctx)  # [num_tokens, q_size]
         if few:
             x, residual = gemv(o, attn.o_proj.weight, attn.o_proj.bias, out_norm_weight=ln2.weight,
                                out_residual=residual, out_eps=ln2.eps)
         else:
             x, residual = fused.rms_norm(attn.o_proj(o), ln2.weight, ln2.eps, residual=residual)
         if few and mlp.fused_act:
-            gu = mlp.gate_up_proj(x)  # [num_tokens, 2 * inter]
+            gu = (gemv(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias) if few_in
+                  else mlp.gate_up_proj(x))  # [num_tokens, 2 * inter]
             wd, bd = mlp.down_proj.weight, mlp.down_proj.bias
             if next_norm is not None:
                 x, residual = gemv(gu, wd, bd, prologue="silu_mul", out_norm_weight=next_norm.weight,
