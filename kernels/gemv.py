@@ -433,8 +433,9 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
       qkv 0.84x, gate_up 0.87x, lm_head 1.05x: for qkv / gate_up the separate kernels are faster.
 
     * 3-8 rows, no prologue (verification steps: o_proj, and qkv / gate_up whose input arrives
-      normed): dots with the weight first, 64 x 256 tiles, 16-row masked x tiles, 4 warps, no
-      split. A third sweep (2026-11-23, this revision, 4 and 6 rows) against cuBLAS: qkv 1.06x,
+      normed), N >= 4096: dots with the weight first, 64 x 256 tiles, 16-row masked x tiles, 4
+      warps, no split (smaller N keep the split-K config below: 64 programs or fewer otherwise).
+      A third sweep (2026-11-23, this revision, 4 and 6 rows) against cuBLAS: qkv 1.06x,
       gate_up 1.02-1.06x, o_proj 1.04-1.10x (and 1.04-1.10x over the split-K config before it).
 
     The first two sweeps ran on earlier revisions of the kernel (the last one before the main loop's
@@ -449,7 +450,7 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
         if big_n:
             return GemvConfig(block_n=64, block_k=128, num_warps=8, use_dot=True, pad_rows=False)
         return GemvConfig(block_n=64, block_k=256, num_warps=4, use_dot=True, pad_rows=False)
-    if prologue == "none" and 3 <= M <= 8 and not big_n:
+    if prologue == "none" and 3 <= M <= 8 and 4096 <= N and not big_n:  # the measured shapes
         return GemvConfig(block_n=64, block_k=256, num_warps=4, split_k=1, use_dot=True,
                           swap_ab=True, pad_rows=False)
     block_n, block_k = 64, 128
