@@ -286,14 +286,14 @@ class SpecDecoder:
                 logprobs.append(flat[pos : pos + len(toks)])
                 pos += len(toks)
         keep, hidden_starts = [], [len(s) - 1 for s in seqs]
-        step_total = SpecMetrics()
+        total = self.total
         for s, drafts, toks, lps, acc, r0 in zip(seqs, proposal.token_ids, result.token_ids, logprobs,
                                                  result.num_accepted, starts):
             base = len(s)  # tokens before this step; cache now holds base + len(drafts)
             m = s.metrics.spec
             m.record(len(drafts), acc)
             m.num_spec_steps += 1
-            step_total.record(len(drafts), acc)
+            total.record(len(drafts), acc)
             keep.append(acc + 1)
             full = None
             if s.params.logprobs is not None:  # top-N dicts: this sequence's rows only
@@ -301,14 +301,13 @@ class SpecDecoder:
             for j, (t, lp) in enumerate(zip(toks, lps)):
                 top = topn_dict(full[j], t, s.params.logprobs, eng.tokenizer) if full is not None else None
                 m.num_emitted_tokens += 1
-                step_total.num_emitted_tokens += 1
+                total.num_emitted_tokens += 1
                 if eng.append_token(s, t, lp, top):
                     break
             # the cache is valid for the last token and the accepted drafts only
             if not s.is_finished:
                 eng.block_manager.rollback(s, base + acc)
-        step_total.num_spec_steps = len(seqs)
-        self.total.merge(step_total)
+        total.num_spec_steps += len(seqs)
         self.record_hidden(seqs, counts, scores.hidden_states, scores.aux_hidden_states, keep,
                            hidden_starts)
 
