@@ -4,9 +4,12 @@ tokens per sequence) steps.
 One graph per (batch bucket B, query bucket Q, aux layers), captured lazily on first use and
 replayed afterwards. All inputs live in static device buffers that the graphs read: token ids,
 positions and slot mapping (int64, ``B * Q`` rows), and context lengths, query start offsets and
-block tables (int32). A step fills one pinned host staging buffer per dtype with numpy, copies it
-to the device (one asynchronous copy each) and replays the graph: no device read, no ``.item()``,
-no per-layer launch. The Triton paged-attention kernel picks its launch configuration from shapes
+block tables (int32). A step writes them into pinned host memory and replays the graph: no
+device read, no ``.item()``, no per-layer launch. Graphs of up to ``ZERO_COPY_MAX_ROWS`` rows copy
+their inputs themselves: the host writes the next slot of a pinned ring (``_stage_ring``) and the
+graph's first kernel (kernels/stage_copy.py) reads it over the bus, so between a step's read-back
+and the next launch there is no copy or event call (~100 us on the H100 machine); larger steps
+fill one pinned staging buffer and copy it with one asynchronous copy (``_stage``). The Triton paged-attention kernel picks its launch configuration from shapes
 only (never from tensor contents), which is what makes it capturable.
 
 Segments: the GPU starts on a graph only when the host's launch call returns, and that call's
