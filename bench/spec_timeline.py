@@ -78,7 +78,7 @@ class Timeline:
 
 
 def instrument(tl: Timeline) -> None:
-    from speculant.engine import cuda_graph, llm_engine, spec_decode
+    from speculant.engine import cuda_graph, llm_engine, model_runner, spec_decode
     from speculant.plugins import rejection_sampler
 
     orig_step = llm_engine.LLMEngine.step
@@ -96,7 +96,11 @@ def instrument(tl: Timeline) -> None:
     tl.wrap(spec_decode.SpecDecoder, "_propose", "propose")
     tl.wrap(spec_decode.SpecDecoder, "_apply", "apply")
     tl.wrap(rejection_sampler.RejectionSampler, "verify", "verify")
+    tl.wrap(spec_decode.TargetScorer, "score", "score")
+    tl.wrap(model_runner.ModelRunner, "forward", "forward")
+    tl.wrap(cuda_graph.CudaGraphRunner, "run", "run")
     tl.wrap(cuda_graph.CudaGraphRunner, "_stage", "stage")
+    tl.wrap(cuda_graph.CudaGraphRunner, "_stage_ring", "ring")
     fill = cuda_graph.CudaGraphRunner._fill_small
     cuda_graph.CudaGraphRunner._fill_small = lambda *a, **k: (fill(*a, **k), tl.mark("filled"))[0]
 
