@@ -14,7 +14,7 @@ import torch
 
 from speculant import hookimpl
 from speculant.engine.sampler import Row, process_logits, target_probs, uniforms
-from speculant.engine.staging import to_device
+from speculant.engine.staging import read_back, to_device
 from speculant.kernels.logprobs import token_logprobs
 from speculant.kernels.rejection_sampling import rejection_sample
 from speculant.spec_types import Proposal, ScoreResult, SpecBatch, StrategyContext, VerifyResult
@@ -73,7 +73,7 @@ class RejectionSampler:
         lp = token_logprobs(scores.logits.float().contiguous(), out.clamp(min=0).reshape(-1),
                             rows_idx.reshape(-1))[1].view(B, W)  # [batch, max_k + 1]
         # one device-to-host read for tokens, counts and logprobs (float64 holds the ids exactly)
-        flat = torch.cat([out.reshape(-1).double(), n_out.double(), lp.reshape(-1).double()]).tolist()
+        flat = read_back(torch.cat([out.reshape(-1).double(), n_out.double(), lp.reshape(-1).double()]))
         out_l = [flat[i * W : (i + 1) * W] for i in range(B)]
         n_l = [int(x) for x in flat[B * W : B * W + B]]
         lp_off = B * W + B
