@@ -490,6 +490,18 @@ def _as_config(config: GemvConfig | Mapping | None, M, N, K, prologue, device) -
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
+def _check_norm(prefix: str, weight, residual, eps, res_shape, dtype, dev) -> None:
+    """An RMSNorm's arguments: ``{prefix}norm_weight`` [n] (any float dtype), ``{prefix}residual``
+    ``res_shape`` in x's dtype (or None), ``{prefix}eps`` >= 0."""
+    n = res_shape[1]
+    check_tensor(f"{prefix}norm_weight", weight, shape=(n,), dtypes=_FLOAT_DTYPES, device=dev)
+    if residual is not None:
+        check_tensor(f"{prefix}residual", residual, shape=res_shape, dtypes=(dtype,), device=dev,
+                     last_contiguous=True)
+    if not isinstance(eps, (int, float)) or not eps >= 0.0:
+        raise ValueError(f"{prefix}eps must be a non-negative float, got {eps!r}")
+
+
 def _check_args(
     x, weight, bias, prologue, norm_weight, residual, eps, out_norm_weight, out_residual, out_eps
 ) -> tuple[int, int, int]:
@@ -514,42 +526,19 @@ def _check_args(
     if prologue == "rmsnorm":
         if norm_weight is None:
             raise ValueError("prologue='rmsnorm' needs norm_weight")
-        check_tensor("norm_weight", norm_weight, shape=(K,), dtypes=_FLOAT_DTYPES, device=dev)
-        if residual is not None:
-            check_tensor(
-                "residual",
-                residual,
-                shape=(M, K),
-                dtypes=(x.dtype,),
-                device=dev,
-                last_contiguous=True,
-            )
-        if not isinstance(eps, (int, float)) or not eps >= 0.0:
-            raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+        _check_norm("", norm_weight, residual, eps, (M, K), x.dtype, dev)
     else:
         if norm_weight is not None:
             raise ValueError(f"norm_weight is only used with prologue='rmsnorm', not {prologue!r}")
         if residual is not None:
             raise ValueError(f"residual is only used with prologue='rmsnorm', not {prologue!r}")
     if out_norm_weight is not None:
-        check_tensor(
-            "out_norm_weight", out_norm_weight, shape=(N,), dtypes=_FLOAT_DTYPES, device=dev
-        )
         if out_residual is None:
             raise ValueError(
                 "out_norm_weight (the output RMSNorm) needs out_residual [M, N] (the residual "
                 "added to y before the norm)"
             )
-        check_tensor(
-            "out_residual",
-            out_residual,
-            shape=(M, N),
-            dtypes=(x.dtype,),
-            device=dev,
-            last_contiguous=True,
-        )
-        if not isinstance(out_eps, (int, float)) or not out_eps >= 0.0:
-            raise ValueError(f"out_eps must be a non-negative float, got {out_eps!r}")
+        _check_norm("out_", out_norm_weight, out_residual, out_eps, (M, N), x.dtype, dev)
         if residual is not None:
             raise ValueError(
                 "residual (the rmsnorm prologue's input residual) and out_residual (the "

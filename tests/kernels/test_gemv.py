@@ -214,6 +214,23 @@ def test_gemv_zero_rows(device):
     assert got.shape == (0, 24) and res.shape == (0, 32)
 
 
+def _graph_replay_on_new_x(fn, x, new_x):
+    """Warm ``fn`` up on a side stream, capture it in a CUDA graph, write ``new_x`` into the
+    captured input buffer ``x`` and replay: returns the captured outputs after the replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    x.copy_(new_x)  # new inputs, same buffers
+    g.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gemv_cuda_graph_and_mixed_norm_weight(device):
     """Captured in a CUDA graph (no host sync in the launcher); bf16 activations with an fp32
@@ -225,17 +242,7 @@ def test_gemv_cuda_graph_and_mixed_norm_weight(device):
     w = _nz(N, K, dtype=dt, scale=0.02).to(device)
     nw = _nz(K).to(device)  # fp32
     kw = {"prologue": "rmsnorm", "norm_weight": nw, "residual": r}
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        gemv(x, w, **kw)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y, res = gemv(x, w, **kw)
-    x.copy_(_nz(M, K, dtype=dt).to(device))  # new inputs, same buffers
-    g.replay()
-    torch.cuda.synchronize()
+    y, res = _graph_replay_on_new_x(lambda: gemv(x, w, **kw), x, _nz(M, K, dtype=dt).to(device))
     ref, ref_res = gemv_reference(x, w, **kw)
     assert torch.equal(res, ref_res)
     torch.testing.assert_close(y, ref, atol=_tol(dt, ref), rtol=0)
@@ -460,17 +467,8 @@ def test_gemv_out_norm_cuda_graph(device):
     ores = _nz(M, N, dtype=dt).to(device)
     onw = _nz(N).to(device)
     ekw = {"out_norm_weight": onw, "out_residual": ores, "out_eps": OUT_EPS}
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        gemv(x, w, **ekw)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        got, got_s = gemv(x, w, **ekw)
-    x.copy_(_nz(M, K, dtype=dt).to(device))  # new inputs, same buffers
-    g.replay()
-    torch.cuda.synchronize()
+    got, got_s = _graph_replay_on_new_x(lambda: gemv(x, w, **ekw), x,
+                                        _nz(M, K, dtype=dt).to(device))
     want, want_s = fused.rms_norm(gemv(x, w), onw, OUT_EPS, residual=ores)
     assert torch.equal(got_s, want_s) and torch.equal(got, want)
 
