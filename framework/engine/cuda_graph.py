@@ -9,8 +9,9 @@ device read, no ``.item()``, no per-layer launch. Graphs of up to ``ZERO_COPY_MA
 their inputs themselves: the host writes the next slot of a pinned ring (``_stage_ring``) and the
 graph's first kernel (kernels/stage_copy.py) reads it over the bus, so between a step's read-back
 and the next launch there is no copy or event call (~100 us on the H100 machine); larger steps
-fill one pinned staging buffer and copy it with one asynchronous copy (``_stage``). The Triton paged-attention kernel picks its launch configuration from shapes
-only (never from tensor contents), which is what makes it capturable.
+fill one pinned staging buffer and copy it with one asynchronous copy (``_stage``). The Triton
+paged-attention kernel picks its launch configuration from shapes only (never from tensor
+contents), which is what makes it capturable.
 
 Segments: the GPU starts on a graph only when the host's launch call returns, and that call's
 cost grows with the graph's kernel nodes (~450-600 for a 32-layer step). Measured on the H100
