@@ -101,6 +101,13 @@ SHAPES = (
     # projection's split-K reduce does the RMSNorm), so the products alone against cuBLAS
     Shape("qkv_plain", 6144, 4096, "none"),
     Shape("gate_up_plain", 28672, 4096, "none"),
+    # Llama-3.2-1B geometry (the 8B target's draft model: hidden 2048, 32 x 64 q heads, 8 KV
+    # heads, ffn 8192): its one-row steps
+    Shape("qkv_1b", 3072, 2048, "rmsnorm", True),
+    Shape("o_proj_1b", 2048, 2048, "none"),
+    Shape("gate_up_1b", 16384, 2048, "rmsnorm", True),
+    Shape("down_1b", 2048, 8192, "silu_mul"),
+    Shape("lm_head_1b", 128256, 2048, "rmsnorm", False),
 )
 ROWS = (1, 2, 4, 6, 8)
 DTYPE = torch.bfloat16
@@ -118,8 +125,8 @@ def log(*a) -> None:
 def sweep_configs(shape: Shape, M: int) -> list[GemvConfig]:
     """The launch parameters tried for one (shape, M); split-K only where N <= 6144.
 
-    One row: CUDA-core FMAs over BLOCK_N {8, 16, 32} x BLOCK_K {256, 512} tiles, 4 or 8 warps,
-    split 1 or 2; the next-tile prefetch once. More rows: tensor-core dots over BLOCK_N {32, 64}
+    One row: CUDA-core FMAs over BLOCK_N {8, 16, 32} (and 4 where N <= 6144) x BLOCK_K {256,
+    512} tiles, 4 or 8 warps, split 1 or 2 (and 4 where N <= 4096); the next-tile prefetch once. More rows: tensor-core dots over BLOCK_N {32, 64}
     x BLOCK_K {128, 256}, 4 or 8 warps, either operand order, prologue rows interleaved or
     masked (``pad_rows``), split 1, 2 or 4. (Pruned from a wider H100 sweep: BLOCK_N 16 and the
     prefetch were never the best with several rows.)
@@ -127,10 +134,10 @@ def sweep_configs(shape: Shape, M: int) -> list[GemvConfig]:
     splits = (1, 2, 4) if shape.N <= 6144 else (1,)
     out = []
     if M == 1:
-        for bn in (8, 16, 32):
+        for bn in (4, 8, 16, 32) if shape.N <= 6144 else (8, 16, 32):
             for bk in (256, 512):
                 for nw in (4, 8):
-                    for s in splits[:2]:
+                    for s in splits if shape.N <= 4096 else splits[:2]:
                         out.append(GemvConfig(bn, bk, nw, s, use_dot=False))
         out.append(GemvConfig(8, 512, 4, 1, use_dot=False, prefetch=True))
         return out
@@ -147,8 +154,9 @@ def sweep_configs(shape: Shape, M: int) -> list[GemvConfig]:
 
 
 def n_copies(shape: Shape) -> int:
+    """8 copies, more for small weights (together at least 256 MB, 5x the H100's L2)."""
     wbytes = shape.N * shape.K * DTYPE.itemsize
-    return max(2, min(8, int(MAX_COPY_BYTES // wbytes)))
+    return max(2, min(max(8, math.ceil(256e6 / wbytes)), int(MAX_COPY_BYTES // wbytes)))
 
 
 def make_inputs(shape: Shape, M: int, dev, copies: int, empty: bool = False, seed: int = 0):

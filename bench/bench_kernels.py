@@ -109,6 +109,7 @@ def bench_graph_clean_l2(fn, rep=50) -> float:
 
 # steady-state timing (``*_graphN``): copies of the K/V per timed graph, and their byte budget
 GRAPH_COPIES = 8
+KV_LAYOUT = "nhd"  # --kv-layout
 GRAPH_COPIES_MAX_BYTES = 20e9
 
 
@@ -200,8 +201,12 @@ def hbm_bandwidth():
 def make_paged(batch, ctx, q_len, H=32, Hkv=8, D=128, bs=16, dtype=torch.bfloat16, extra_blocks=0):
     blocks_per = math.ceil(ctx / bs)
     nb = batch * blocks_per + extra_blocks
-    kc = torch.randn(nb, bs, Hkv, D, device=DEV, dtype=dtype)
-    vc = torch.randn(nb, bs, Hkv, D, device=DEV, dtype=dtype)
+    if KV_LAYOUT == "hnd":  # each KV head's positions of a block contiguous; same logical shape
+        kc = torch.randn(nb, Hkv, bs, D, device=DEV, dtype=dtype).permute(0, 2, 1, 3)
+        vc = torch.randn(nb, Hkv, bs, D, device=DEV, dtype=dtype).permute(0, 2, 1, 3)
+    else:
+        kc = torch.randn(nb, bs, Hkv, D, device=DEV, dtype=dtype)
+        vc = torch.randn(nb, bs, Hkv, D, device=DEV, dtype=dtype)
     perm = torch.randperm(nb, device=DEV)[: batch * blocks_per].to(torch.int32)
     bt = perm.view(batch, blocks_per)
     cl = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
@@ -742,7 +747,7 @@ def summary(hbm):
 
 
 def main():
-    global SMOKE, DEV, VOCAB, GRAPH_COPIES
+    global SMOKE, DEV, VOCAB, GRAPH_COPIES, KV_LAYOUT
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="kernels_bench.json")
     ap.add_argument("--quick", action="store_true", help="fewer attention shapes")
@@ -764,6 +769,14 @@ def main():
     )
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument(
+        "--kv-layout",
+        choices=("nhd", "hnd"),
+        default="nhd",
+        help="memory order of the attention benchmarks' K/V caches (logical shape [blocks, "
+        "block_size, kv_heads, head_dim] either way): nhd = that order (the engine's), hnd = "
+        "[blocks, kv_heads, block_size, head_dim] in memory",
+    )
+    ap.add_argument(
         "--graph-copies",
         type=int,
         default=GRAPH_COPIES,
@@ -782,6 +795,8 @@ def main():
     )
     args = ap.parse_args()
     GRAPH_COPIES = args.graph_copies
+    KV_LAYOUT = args.kv_layout
+    RESULTS["kv_layout"] = KV_LAYOUT
     if args.smoke:
         import os
 

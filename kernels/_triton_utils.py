@@ -41,6 +41,8 @@ __all__ = [
     "next_pow2",
     "cdiv",
     "check_tensor",
+    "pdl_enabled",
+    "pdl_launch",
 ]
 
 
@@ -125,6 +127,39 @@ def num_sms(device: torch.device) -> int:
         idx = device.index if device.index is not None else torch.cuda.current_device()
         return _num_sms_cuda(idx)
     return 4
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """True when kernels on ``device`` launch with programmatic dependent launch (PDL, Hopper and
+    later): a CUDA device of compute capability >= 9, not the interpreter, a Triton that has
+    ``gdc_wait``, and ``SPECULANT_PDL`` not set to 0 (read at every call; a CUDA graph keeps what
+    was read when it was captured).
+
+    With PDL a kernel's programs may start while the kernel before it on the stream is still
+    running: each kernel that takes part (a ``GDC`` constexpr) first does only work that depends
+    on nothing written on the GPU (a GEMV's first weight tile), then ``gdc_wait()`` (the previous
+    kernel has finished and its writes are visible), then ``gdc_launch_dependents()`` (the next
+    kernel may start its own independent part), then the rest. What it saves: the launch of each
+    kernel and the ramp of its first loads overlap the tail of the one before (hundreds of
+    kernels per decode step)."""
+    if device.type != "cuda" or interpret_mode() or not HAS_TRITON:
+        return False
+    if os.environ.get("SPECULANT_PDL", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm90(idx) and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """Launch keywords for a kernel with a ``GDC`` constexpr: ``{"GDC": True, "launch_pdl": True}``
+    when :func:`pdl_enabled`, else ``{"GDC": False}``. The two always go together: a kernel
+    launched with PDL that does not wait (``GDC`` False) could read its inputs too early."""
+    return {"GDC": True, "launch_pdl": True} if pdl_enabled(device) else {"GDC": False}
 
 
 def next_pow2(x: int) -> int:

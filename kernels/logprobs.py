@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton_utils import cdiv, check_tensor, lazy_jit, next_pow2, tl, use_triton
+from ._triton_utils import cdiv, check_tensor, lazy_jit, next_pow2, pdl_launch, tl, use_triton
 
 __all__ = ["token_logprobs", "token_logprobs_ref", "row_argmax"]
 
@@ -68,7 +68,11 @@ if tl is not None:
         WITH_LSE: tl.constexpr,  # False: max / argmax only (s_ptr unused)
         CHUNK: tl.constexpr,
         BLOCK: tl.constexpr,
+        GDC: tl.constexpr,  # launched with PDL (programmatic dependent launch)
     ):
+        if GDC:  # launched with PDL: everything here reads what the previous kernel wrote
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         n = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         row = tl.load(rows_ptr + n) if HAS_ROWS else n
@@ -107,7 +111,11 @@ if tl is not None:
         HAS_TOKENS: tl.constexpr,
         WITH_LSE: tl.constexpr,  # False: the argmax only (s_ptr, lp_ptr unused)
         NC_P2: tl.constexpr,
+        GDC: tl.constexpr,  # launched with PDL (programmatic dependent launch)
     ):
+        if GDC:  # launched with PDL: everything here reads what the previous kernel wrote
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         n = tl.program_id(0).to(tl.int64)
         row = tl.load(rows_ptr + n) if HAS_ROWS else n
         c = tl.arange(0, NC_P2)
@@ -150,17 +158,18 @@ def _token_logprobs_triton(logits, tokens, rows, with_lse: bool = True):
     m = torch.empty((N, nc), dtype=torch.float32, device=dev)
     idx = torch.empty((N, nc), dtype=torch.int64, device=dev)
     s = torch.empty((N, nc) if with_lse else (1,), dtype=torch.float32, device=dev)
+    pdl = pdl_launch(dev)
     rows_arg = rows if rows is not None else m  # never read without HAS_ROWS
     lp_arg = lp if with_lse else m  # never written without WITH_LSE
     _partial_kernel[(N, nc)](
         logits, rows_arg, m, idx, s, V, logits.stride(0), nc,
         HAS_ROWS=rows is not None, WITH_LSE=with_lse, CHUNK=chunk, BLOCK=block,
-        num_warps=4 if block >= 512 else 2,
+        num_warps=4 if block >= 512 else 2, **pdl,
     )
     _combine_kernel[(N,)](
         logits, rows_arg, m, idx, s, out_tok, lp_arg, logits.stride(0), nc,
         HAS_ROWS=rows is not None, HAS_TOKENS=tokens is not None, WITH_LSE=with_lse,
-        NC_P2=next_pow2(nc), num_warps=1,
+        NC_P2=next_pow2(nc), num_warps=1, **pdl,
     )
     return out_tok, lp
 

@@ -38,6 +38,7 @@ from ._triton_utils import (
     lazy_jit,
     next_pow2,
     num_sms,
+    pdl_launch,
     tl,
     use_triton,
 )
@@ -159,7 +160,11 @@ if tl is not None:
         UPCAST_DOT: tl.constexpr,  # interpreter + bf16: numpy has no bf16 dot, upcast operands
         PREFETCH: tl.constexpr,  # load chunk i+1 while computing chunk i
         HEADS_FIRST: tl.constexpr,  # grid (num_kv_heads, tiles, splits) instead of (tiles, ...)
+        GDC: tl.constexpr,  # launched with PDL (programmatic dependent launch)
     ):
+        if GDC:  # launched with PDL: everything here reads what the previous kernel wrote
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         if HEADS_FIRST:  # neighbouring programs: the KV heads of one tile (same cache blocks)
             kvh = tl.program_id(0)
             tile = tl.program_id(1)
@@ -336,7 +341,11 @@ if tl is not None:
         stride_oh,
         HEAD_DIM: tl.constexpr,
         SPLITS_P2: tl.constexpr,  # next_pow2(num_splits)
+        GDC: tl.constexpr,  # launched with PDL (programmatic dependent launch)
     ):
+        if GDC:  # launched with PDL: everything here reads what the previous kernel wrote
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         tok = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         total = tl.load(qsl_ptr + num_seqs)
@@ -537,6 +546,7 @@ def _paged_attention_triton(
         grid = (num_kv_heads, cfg["num_tiles"], splits)
     else:
         grid = (cfg["num_tiles"], num_kv_heads, splits)
+    pdl = pdl_launch(q.device)
     _paged_attn_kernel[grid](
         q,
         k_cache,
@@ -574,6 +584,7 @@ def _paged_attention_triton(
         HEADS_FIRST=heads_first,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **pdl,
     )
     if split:
         _paged_attn_reduce_kernel[(num_tokens, num_heads)](
@@ -589,6 +600,7 @@ def _paged_attention_triton(
             HEAD_DIM=head_dim,
             SPLITS_P2=next_pow2(splits),
             num_warps=4 if head_dim * next_pow2(splits) >= 4096 else 2,
+            **pdl,
         )
     return out
 

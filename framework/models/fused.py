@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from speculant.kernels._triton_utils import lazy_jit, next_pow2, tl, use_triton
+from speculant.kernels._triton_utils import lazy_jit, next_pow2, pdl_launch, tl, use_triton
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -54,7 +54,11 @@ def gemv_enabled(x: torch.Tensor) -> bool:
 
 @lazy_jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
-                     stride_ro, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_ro, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                     GDC: tl.constexpr):
+    if GDC:  # launched with PDL: everything here reads what the previous kernel wrote
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -80,7 +84,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         block = next_pow2(N)
         _rms_norm_kernel[(T,)](x, r, weight, out, res_out, x.stride(0), r.stride(0), out.stride(0),
                                res_out.stride(0), N, eps, HAS_RES=residual is not None,
-                               BLOCK=block, num_warps=8 if block >= 4096 else 4)
+                               BLOCK=block, num_warps=8 if block >= 4096 else 4,
+                               **pdl_launch(x.device))
     return out if residual is None else (out, res_out)
 
 
@@ -88,11 +93,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def _rope_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
                  sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, s_cos, skc_b, skc_s, skc_h, svc_b, svc_s,
                  svc_h, HQ, HK, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, STORE: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, STORE: tl.constexpr, GDC: tl.constexpr):
     # q [T, HQ, 2 * HALF] (rotated in place); k [T, HK, 2 * HALF]; cos, sin [max_pos, 2 * HALF]
     # f32 (the cache is cat(freqs, freqs)); pos [T]. STORE: the rotated k and v [T, HK, 2 * HALF]
     # go to kc, vc [num_blocks, BLOCK_SIZE, HK, 2 * HALF] at slot [T] (-1: padding, not stored)
     # and k is left as it was; else k is rotated in place (v, slot, kc, vc unused)
+    if GDC:  # launched with PDL: everything here reads what the previous kernel wrote
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, HALF)
@@ -141,7 +149,7 @@ def rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.
                            q.stride(1), k.stride(0), k.stride(1), 0, 0, cos.stride(0), 0, 0, 0,
                            0, 0, 0, HQ, k.shape[1], HALF=D // 2,
                            BLOCK_H=next_pow2(max(HQ, k.shape[1])), BLOCK_SIZE=1, STORE=False,
-                           num_warps=4)
+                           num_warps=4, **pdl_launch(q.device))
 
 
 def rope_store_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -163,11 +171,16 @@ def rope_store_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
             v_cache.stride(1), v_cache.stride(2), HQ, HK, HALF=D // 2,
-            BLOCK_H=next_pow2(max(HQ, HK)), BLOCK_SIZE=k_cache.shape[1], STORE=True, num_warps=4)
+            BLOCK_H=next_pow2(max(HQ, HK)), BLOCK_SIZE=k_cache.shape[1], STORE=True, num_warps=4,
+            **pdl_launch(q.device))
 
 
 @lazy_jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, inter, BLOCK: tl.constexpr,
+                     GDC: tl.constexpr):
+    if GDC:  # launched with PDL: everything here reads what the previous kernel wrote
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inter
@@ -186,5 +199,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if T:
         block = 1024
         _silu_mul_kernel[(T, -(-inter // block))](gate_up, out, gate_up.stride(0), out.stride(0),
-                                                  inter, BLOCK=block, num_warps=4)
+                                                  inter, BLOCK=block, num_warps=4,
+                                                  **pdl_launch(gate_up.device))
     return out
