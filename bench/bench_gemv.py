@@ -101,6 +101,7 @@ SHAPES = (
     # projection's split-K reduce does the RMSNorm), so the products alone against cuBLAS
     Shape("qkv_plain", 6144, 4096, "none"),
     Shape("gate_up_plain", 28672, 4096, "none"),
+    Shape("lm_head_plain", 128256, 4096, "none"),  # verification rows: the final norm is done
     # Llama-3.2-1B geometry (the 8B target's draft model: hidden 2048, 32 x 64 q heads, 8 KV
     # heads, ffn 8192): its one-row steps
     Shape("qkv_1b", 3072, 2048, "rmsnorm", True),

@@ -91,6 +91,7 @@ from torch import nn
 
 from speculant import hookimpl
 from speculant.engine.attention import AttentionMetadata, ForwardContext
+from speculant.kernels.gemv import gemv
 from speculant.kernels.logprobs import row_argmax
 from speculant.models import fused
 from speculant.models.layers import RMSNorm, RotaryEmbedding
@@ -821,7 +822,11 @@ class Eagle3Strategy(_EagleBase):
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         d = self.draft
-        small = d.lm_head(d.norm(x)).float()  # [rows, draft_vocab]
+        if fused.gemv_enabled(x) and x.stride(-1) == 1:  # one row on CUDA: the norm fused
+            small = gemv(x, d.lm_head.weight, prologue="rmsnorm", norm_weight=d.norm.weight,
+                         eps=d.norm.eps).float()  # [1, draft_vocab]
+        else:
+            small = d.lm_head(d.norm(x)).float()  # [rows, draft_vocab]
         if self.identity_vocab:
             return small
         full = small.new_full((x.shape[0], self.ctx.vocab_size), -math.inf)  # [rows, vocab]

@@ -59,6 +59,7 @@ from torch import nn
 
 from speculant import hookimpl
 from speculant.kernels.logprobs import row_argmax
+from speculant.models import fused
 from speculant.spec_registry import StrategyError
 from speculant.spec_types import Proposal, SpecBatch, SpecSequence, StrategyContext
 
@@ -416,8 +417,8 @@ class MLPSpeculatorModel(nn.Module):
         """state [rows, emb_dim or inner], tokens [rows] -> (new state [rows, inner], logits fp32)."""
         emb, proj, ln, head = self.stage_modules(j)
         z = emb(tokens) * self.emb_scale
-        state = F.gelu(ln(proj(state) * self.state_weight + z))
-        return state, head(state).float()
+        state = F.gelu(ln(fused.linear(state, proj.weight, proj.bias) * self.state_weight + z))
+        return state, fused.linear(state, head.weight, head.bias).float()
 
 
 _KEY = re.compile(r"^(emb|proj|head|ln)\.(\d+)\.(weight|bias)$")
