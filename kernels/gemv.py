@@ -59,6 +59,10 @@ Triton kernel design
   which is the correctly rounded half result (fp32 has at least 2p + 2 bits), i.e. what
   ``fused.rms_norm`` computes on a GPU, and what the CPU interpreter (which cannot do bf16
   arithmetic) computes too.
+* Programmatic dependent launch (Hopper; ``_triton_utils.pdl_launch``): with ``GDC`` the
+  program waits (``gdc_wait``) after the optional first-tile prefetch (the weight is never
+  written on the GPU) and before anything else, then lets the next kernel launch: at once on
+  the one-row path, after its stores on the few-row tensor-core path (``DOT_PDL``).
 * The launch configuration depends on the shapes only (never on tensor contents): the call is
   CUDA-graph capturable (no host sync, no ``.item()``). Weight row offsets are int64 (N * K may
   exceed 2**31 elements, e.g. a large vocabulary).
