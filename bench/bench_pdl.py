@@ -122,26 +122,14 @@ def step(geo, layers, head, inp, prefetch: bool) -> torch.Tensor:  # [1, VOCAB] 
         c = choose_config(x.shape[0], wt.shape[0], wt.shape[1], prologue, dev)
         return replace(c, prefetch=prefetch)
 
-    h, residual = inp["h"], None
+    def normed(x, wt, norm, res):  # (RMSNorm(x + res) * norm @ wt.T, x + res)
+        return gemv(
+            x, wt, prologue="rmsnorm", norm_weight=norm, residual=res, config=cfg(x, wt, "rmsnorm")
+        )
+
+    h, residual = inp["h"], torch.zeros_like(inp["h"])  # layer 0: h + 0 (the model adds none)
     for L in layers:
-        if residual is None:
-            qkv, residual = gemv(
-                h,
-                L["qkv"],
-                prologue="rmsnorm",
-                norm_weight=L["ln1"],
-                residual=torch.zeros_like(h),
-                config=cfg(h, L["qkv"], "rmsnorm"),
-            )
-        else:
-            qkv, residual = gemv(
-                h,
-                L["qkv"],
-                prologue="rmsnorm",
-                norm_weight=L["ln1"],
-                residual=residual,
-                config=cfg(h, L["qkv"], "rmsnorm"),
-            )
+        qkv, residual = normed(h, L["qkv"], L["ln1"], residual)
         q, k, v = qkv.view(1, nq + 2 * nkv, D).split([nq, nkv, nkv], dim=1)
         fused.rope_store_(
             inp["positions"],
@@ -165,24 +153,9 @@ def step(geo, layers, head, inp, prefetch: bool) -> torch.Tensor:  # [1, VOCAB] 
             max_query_len=1,
         )
         o = gemv(a.reshape(1, nq * D), L["o"], config=cfg(h, L["o"], "none"))
-        gu, residual = gemv(
-            o,
-            L["gate_up"],
-            prologue="rmsnorm",
-            norm_weight=L["ln2"],
-            residual=residual,
-            config=cfg(o, L["gate_up"], "rmsnorm"),
-        )
+        gu, residual = normed(o, L["gate_up"], L["ln2"], residual)
         h = gemv(gu, L["down"], prologue="silu_mul", config=cfg(o, L["down"], "silu_mul"))
-    logits = gemv(
-        h,
-        head["lm_head"],
-        prologue="rmsnorm",
-        norm_weight=head["norm"],
-        residual=residual,
-        config=cfg(h, head["lm_head"], "rmsnorm"),
-    )[0]
-    return logits
+    return normed(h, head["lm_head"], head["norm"], residual)[0]
 
 
 def main() -> int:

@@ -125,6 +125,28 @@ def write_config(folder: Path, cfg: dict, seed: int) -> Path:
     return folder
 
 
+def synthetic_target(layers: int, max_model_len: int, prefix: str):
+    """An LLM on the synthetic Llama-3-8B target (``layers`` layers; loader patched to make the
+    weights on the GPU), batch up to 8, 4 GiB of KV cache: the engine of the small 8B scripts
+    (spec_timeline.py, step_profile.py)."""
+    import speculant.engine.llm_engine as llm_engine
+    import speculant.models.loader as loader
+    from speculant import LLM
+
+    loader.load_model = synthetic_loader(loader.load_model)
+    llm_engine.load_model = loader.load_model
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    target = write_config(tmp / "target", dict(LLAMA3_8B, num_hidden_layers=layers), 0)
+    return LLM(
+        model=str(target),
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        max_num_seqs=8,
+        max_model_len=max_model_len,
+        kv_cache_memory=4 << 30,
+    )
+
+
 def write_tensors(
     folder: Path,
     cfg: dict,

@@ -18,7 +18,6 @@ import functools
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_8b import LLAMA3_8B, copy_bandwidth, synthetic_loader, write_config  # noqa: E402
+from gpu_8b import copy_bandwidth, synthetic_target  # noqa: E402
 
 
 class Timeline:
@@ -125,24 +124,10 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    import speculant.engine.llm_engine as llm_engine
-    import speculant.models.loader as loader
-    from speculant import LLM
     from speculant.bench import _decode_run, random_prompts, run_bench, table
 
-    loader.load_model = synthetic_loader(loader.load_model)
-    llm_engine.load_model = loader.load_model
     bw = copy_bandwidth()
-    tmp = Path(tempfile.mkdtemp(prefix="speculant-tl-"))
-    target = write_config(tmp / "target", dict(LLAMA3_8B, num_hidden_layers=args.layers), 0)
-    llm = LLM(
-        model=str(target),
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-        max_num_seqs=8,
-        max_model_len=args.prompt_len + args.tokens + 64,
-        kv_cache_memory=4 << 30,
-    )
+    llm = synthetic_target(args.layers, args.prompt_len + args.tokens + 64, "speculant-tl-")
     engine = llm.engine
     prompts = random_prompts(1, args.prompt_len, engine.vocab_size, seed=0)
     specs = [

@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_8b import LLAMA3_8B, kernel_profile, synthetic_loader, write_config  # noqa: E402
+from gpu_8b import kernel_profile, synthetic_target  # noqa: E402
 
 
 def main() -> int:
@@ -29,24 +28,10 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--layers", type=int, default=32)
     args = ap.parse_args()
-    import speculant.engine.llm_engine as llm_engine
-    import speculant.models.loader as loader
-    from speculant import LLM
     from speculant.bench import _decode_run, _set_strategy, random_prompts
 
-    loader.load_model = synthetic_loader(loader.load_model)
-    llm_engine.load_model = loader.load_model
     t0 = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix="speculant-prof-"))
-    target = write_config(tmp / "target", dict(LLAMA3_8B, num_hidden_layers=args.layers), 0)
-    llm = LLM(
-        model=str(target),
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-        max_num_seqs=8,
-        max_model_len=512,
-        kv_cache_memory=4 << 30,
-    )
+    llm = synthetic_target(args.layers, 512, "speculant-prof-")
     engine = llm.engine
     prompts = random_prompts(1, 128, engine.vocab_size, seed=0)
     result = {"plain": kernel_profile(engine, prompts)}
