@@ -754,18 +754,16 @@ def gemv(
     ``TRITON_INTERPRET=1`` on CPU tensors (tests). More than ``MAX_ROWS`` rows take the torch
     path (``force_triton=True`` then raises).
     """
-    M, N, K = _check_args(
-        x,
-        weight,
-        bias,
-        prologue,
-        norm_weight,
-        residual,
-        eps,
-        out_norm_weight,
-        out_residual,
-        out_eps,
+    kw = dict(
+        prologue=prologue,
+        norm_weight=norm_weight,
+        residual=residual,
+        eps=eps,
+        out_norm_weight=out_norm_weight,
+        out_residual=out_residual,
+        out_eps=out_eps,
     )
+    M, N, K = _check_args(x, weight, bias, **kw)
     tensors = [x, weight, bias, norm_weight, residual, out_norm_weight, out_residual]
     if M > MAX_ROWS:
         if force_triton:
@@ -774,30 +772,7 @@ def gemv(
     else:
         triton_path = use_triton(tensors, force_triton)
     if not triton_path:
-        return gemv_reference(
-            x,
-            weight,
-            bias,
-            prologue=prologue,
-            norm_weight=norm_weight,
-            residual=residual,
-            eps=eps,
-            out_norm_weight=out_norm_weight,
-            out_residual=out_residual,
-            out_eps=out_eps,
-        )
+        return gemv_reference(x, weight, bias, **kw)
     cfg = _as_config(config, M, N, K, prologue, x.device)
-    y, res_out = _gemv_triton(
-        x,
-        weight,
-        bias,
-        prologue,
-        norm_weight,
-        residual,
-        eps,
-        cfg,
-        out_norm_weight=out_norm_weight,
-        out_residual=out_residual,
-        out_eps=out_eps,
-    )
+    y, res_out = _gemv_triton(x, weight, bias, cfg=cfg, **kw)
     return y if res_out is None else (y, res_out)

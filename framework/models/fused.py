@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from speculant.kernels._triton_utils import lazy_jit, next_pow2, pdl_launch, tl, use_triton
+from speculant.kernels.gemv import gemv
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -62,8 +63,6 @@ def linear(
     one-row draft step on CUDA: cuBLAS reads a 128k-row head at ~91-94% of the copy bandwidth,
     the GEMV at ~100%, and it launches with PDL)."""
     if gemv_enabled(x) and x.dtype == weight.dtype and x.stride(-1) == 1:
-        from speculant.kernels.gemv import gemv
-
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
