@@ -110,6 +110,7 @@ def bench_graph_clean_l2(fn, rep=50) -> float:
 # steady-state timing (``*_graphN``): copies of the K/V per timed graph, and their byte budget
 GRAPH_COPIES = 8
 KV_LAYOUT = "nhd"  # --kv-layout
+BLOCK_ORDER = "random"  # --block-order
 GRAPH_COPIES_MAX_BYTES = 20e9
 
 
@@ -207,7 +208,10 @@ def make_paged(batch, ctx, q_len, H=32, Hkv=8, D=128, bs=16, dtype=torch.bfloat1
     else:
         kc = torch.randn(nb, bs, Hkv, D, device=DEV, dtype=dtype)
         vc = torch.randn(nb, bs, Hkv, D, device=DEV, dtype=dtype)
-    perm = torch.randperm(nb, device=DEV)[: batch * blocks_per].to(torch.int32)
+    if BLOCK_ORDER == "sequential":  # each sequence's blocks in order: SDPA's gathered layout
+        perm = torch.arange(batch * blocks_per, device=DEV, dtype=torch.int32)
+    else:
+        perm = torch.randperm(nb, device=DEV)[: batch * blocks_per].to(torch.int32)
     bt = perm.view(batch, blocks_per)
     cl = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV) * q_len
@@ -586,6 +590,77 @@ def attention_sweep(hbm_gbps, cases=None, splits_only=False):
     RESULTS["attention_sweep"] = rows
 
 
+@section("decode attention steady-state sweep (graphN)")
+def attention_steady_sweep(hbm_gbps, cases, variants):
+    """Each override set of ``variants`` on each case, timed as the ``graphN`` column: N
+    distinct K/V copies in one CUDA graph (launched with PDL where the device has it), so the
+    kernels run back to back as the layers of a decode step do."""
+    rows = []
+    for batch, ctx, q_len in cases:
+        q, kc, vc, bt, cl, qsl = make_paged(batch, ctx, q_len)
+        nbytes = kv_bytes(batch, ctx)
+        n = graph_copies(nbytes)
+        sets = [(q, kc, vc, torch.empty_like(q))]
+        for _ in range(n - 1):
+            sets.append(
+                (torch.randn_like(q), torch.randn_like(kc), torch.randn_like(vc), torch.empty_like(q))
+            )
+        ref = None
+        for ov in variants:
+            fns = []
+            for q_, kc_, vc_, out_ in sets:
+
+                def fn(ov=ov, q=q_, kc=kc_, vc=vc_, out=out_, bt=bt, cl=cl, qsl=qsl, ql=q_len):
+                    pa_mod._paged_attention_triton(
+                        q, kc, vc, bt, cl, qsl, 128**-0.5, ql, out, overrides=ov
+                    )
+
+                fns.append(fn)
+            try:
+                fns[0]()
+                if ref is None:
+                    ref = sets[0][3].clone()
+                err = rel_err(sets[0][3], ref)
+                t = bench_graph_steady(fns)
+            except Exception as e:  # noqa: BLE001
+                rows.append({"batch": batch, "ctx": ctx, "q_len": q_len, **ov, "error": repr(e)[:200]})
+                log(f"   b={batch} ctx={ctx} q={q_len} {ov}: failed {e!r}"[:300])
+                continue
+            pct = 100 * nbytes / (t * 1e-3) / 1e9 / hbm_gbps
+            rows.append(
+                {
+                    "batch": batch,
+                    "ctx": ctx,
+                    "q_len": q_len,
+                    **ov,
+                    "copies": n,
+                    "ms_graphN": t,
+                    "pct_hbm": pct,
+                    "rel_diff_vs_first": err,
+                }
+            )
+            log(f"   b={batch:2d} ctx={ctx:5d} q={q_len} {t * 1e3:7.1f} us {pct:5.1f}%  {ov}")
+        del sets, q, kc, vc, bt
+        torch.cuda.empty_cache()
+    RESULTS.setdefault("attention_steady_sweep", []).extend(rows)
+
+
+def steady_sweep_variants(names: str) -> list[dict]:
+    """Override sets for ``--steady-sweep``: the default launch config, plus 'splits' (split
+    counts) and/or 'tiles' (block_n x num_warps x num_stages) or 'all'."""
+    out = [{}]
+    want = set(names.split(","))
+    if want & {"splits", "all"}:
+        out += [{"num_splits": sp} for sp in (16, 24, 32, 64, 96)]
+    if want & {"tiles", "all"}:
+        for bn in (32, 64, 128):
+            for nw in (2, 4, 8):
+                for ns in (2, 3, 4):
+                    if (bn, nw, ns) != (64, 4, 2):
+                        out.append({"block_n": bn, "num_warps": nw, "num_stages": ns})
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 def rejection_inputs(B, k, V, with_q=True, greedy_frac=0.0, ragged=False, agree=0.7):
     nd = torch.full((B,), k, dtype=torch.int32, device=DEV)
@@ -747,7 +822,7 @@ def summary(hbm):
 
 
 def main():
-    global SMOKE, DEV, VOCAB, GRAPH_COPIES, KV_LAYOUT
+    global SMOKE, DEV, VOCAB, GRAPH_COPIES, KV_LAYOUT, BLOCK_ORDER
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="kernels_bench.json")
     ap.add_argument("--quick", action="store_true", help="fewer attention shapes")
@@ -777,6 +852,21 @@ def main():
         "[blocks, kv_heads, block_size, head_dim] in memory",
     )
     ap.add_argument(
+        "--block-order",
+        choices=("random", "sequential"),
+        default="random",
+        help="block tables of the attention benchmarks: random = a random permutation of the "
+        "cache's blocks (a fragmented cache); sequential = each sequence's blocks in order (the "
+        "same memory layout as SDPA's gathered tensors)",
+    )
+    ap.add_argument(
+        "--steady-sweep",
+        default="",
+        help="after the copy bandwidth, time these override sets (comma list of default, "
+        "splits, tiles, all) as graphN on --sweep-cases (default 1:8192:1,1:16384:1,1:32768:1,"
+        "8:8192:1) and stop",
+    )
+    ap.add_argument(
         "--graph-copies",
         type=int,
         default=GRAPH_COPIES,
@@ -797,6 +887,8 @@ def main():
     GRAPH_COPIES = args.graph_copies
     KV_LAYOUT = args.kv_layout
     RESULTS["kv_layout"] = KV_LAYOUT
+    BLOCK_ORDER = args.block_order
+    RESULTS["block_order"] = BLOCK_ORDER
     if args.smoke:
         import os
 
@@ -823,6 +915,14 @@ def main():
     OUT_PATH = Path(args.out)
     t0 = time.time()
     hbm = hbm_bandwidth() or float("nan")
+    if args.steady_sweep:
+        cases = [tuple(int(x) for x in c.split(":")) for c in args.sweep_cases.split(",") if c]
+        cases = cases or [(1, 8192, 1), (1, 16384, 1), (1, 32768, 1), (8, 8192, 1)]
+        if SMOKE:
+            cases = [(1, 300, 1), (2, 100, 6)]
+        attention_steady_sweep(hbm, cases, steady_sweep_variants(args.steady_sweep))
+        save()
+        return
     if args.sweep_only:
         cases = [tuple(int(x) for x in c.split(":")) for c in args.sweep_cases.split(",") if c]
         attention_sweep(hbm, cases or None, splits_only=args.sweep_splits_only)
