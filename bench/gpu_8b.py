@@ -7,8 +7,9 @@ In one process: HBM copy bandwidth; the target (Llama-3-8B geometry, bf16, rando
 initialised on the GPU: nothing is downloaded); plain decoding vs the oracle at a in {0.6, 0.8,
 0.9} x k in {3, 5}, n-gram, a Llama-3.2-1B-geometry draft model, an EAGLE-1 head (full-vocabulary
 LM head shared with the target), an EAGLE-3 head (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B geometry:
-32000-token draft vocabulary) and an MLPSpeculator sized for the target (synthetic checkpoints written to a temporary folder), over a
-batch sweep with ``disable_by_batch_size``; CUDA graphs vs eager; Hugging Face transformers
+32000-token draft vocabulary) and an MLPSpeculator sized for the target (synthetic checkpoints
+written to a temporary folder), the draft, EAGLE-1 and MLPSpeculator also with a 32768-token
+token map (``--token-map``), over a batch sweep with ``disable_by_batch_size``; CUDA graphs vs eager; Hugging Face transformers
 ``generate`` on the same weights (shared, zero-copy). Writes gpu_8b.json and gpu_8b.png.
 
 Roofline of plain batch-1 decoding: bytes of the weights one decode step reads (every parameter
@@ -388,6 +389,14 @@ def main() -> int:
         "write host_profile.txt",
     )
     ap.add_argument(
+        "--token-map",
+        type=int,
+        default=32768,
+        help="also run the draft, EAGLE-1 and MLPSpeculator strategies with a token map of this "
+        "many ids (FR-Spec: the draft's output layer restricted to them; here ids 0..N-1, "
+        "the weights being random); 0: no such rows",
+    )
+    ap.add_argument(
         "--async-scheduling",
         choices=("auto", "on", "off"),
         default="auto",
@@ -510,6 +519,14 @@ def main() -> int:
                 **dis,
             )
         )
+    if args.token_map:
+        tm_file = tmp / f"token_map_{args.token_map}.pt"
+        torch.save(torch.arange(args.token_map), tm_file)
+        optional += [
+            dict(sp, name=f"{sp['name']} +tm{args.token_map // 1024}k", token_map=str(tm_file))
+            for sp in list(optional)
+            if sp["method"] in ("draft_model", "eagle", "mlp_speculator")
+        ]
     if "ngram" in {s["method"] for s in strategies}:
         optional.insert(0, dict(name="ngram", method="ngram", num_speculative_tokens=3, **dis))
         strategies = [s for s in strategies if s["method"] != "ngram"]
@@ -518,7 +535,7 @@ def main() -> int:
         try:
             SpecDecoder(engine, {k: v for k, v in spec.items() if k != "name"})
             strategies.append(spec)
-            if not args.no_auto:
+            if not args.no_auto and "token_map" not in spec:
                 # the same strategy with the engine's auto-disable: its drafts never match here
                 # (random weights / random prompts), so these rows show what a user pays for a
                 # strategy that does not fit the workload

@@ -1,4 +1,4 @@
-"""The ``speculant`` command: generate, chat, demo, plugins."""
+"""The ``speculant`` command: generate, chat, demo, plugins, bench, serve, token-map."""
 
 from __future__ import annotations
 
@@ -131,6 +131,93 @@ def cmd_serve(args) -> int:
     )
 
 
+def _load_tokenizer(name: str | None):
+    """A tokenizer from a model folder, a tokenizer-only folder, a .gguf file, a hub id, or (None)
+    the embedded default model."""
+    from pathlib import Path
+
+    from speculant.models.loader import load_tokenizer, resolve_model
+
+    path = Path(name).expanduser() if name else None
+    if path is not None and path.is_dir() and not (path / "config.json").exists():
+        return load_tokenizer(path)  # tokenizer files only
+    return load_tokenizer(resolve_model(name))
+
+
+def cmd_token_map(args) -> int:
+    from speculant.plugins.token_map import (
+        build_token_map_from_corpus,
+        save_token_map,
+        special_token_ids,
+    )
+
+    tok = _load_tokenizer(args.tokenizer)
+    ids, counts = build_token_map_from_corpus(
+        tok,
+        args.corpus,
+        args.size,
+        text_field=args.text_field,
+        include=args.include or (),
+        progress=not args.no_progress,
+    )
+    out = save_token_map(ids, args.out)
+    total = int(counts.sum())
+    covered = int(counts[ids.numpy()].sum())  # ids < len(counts): counts cover the vocabulary
+    share = f"{covered / total:.2%}" if total else "n/a"
+    print(
+        f"wrote {len(ids)} of {len(tok)} token ids to {out}: they cover {share} of the "
+        f"corpus's {total} tokens ({len(special_token_ids(tok))} special tokens always kept)"
+    )
+    return 0
+
+
+def _add_token_map_parser(sub) -> None:
+    t = sub.add_parser(
+        "token-map",
+        help="build a frequency-ranked draft vocabulary (token_map option of eagle, "
+        "mlp_speculator, draft_model) from a text corpus",
+    )
+    t.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the TARGET model's tokenizer: model or tokenizer folder, .gguf file, hub "
+        "id; default: the embedded SmolLM2-135M-Instruct",
+    )
+    t.add_argument(
+        "--corpus",
+        nargs="+",
+        required=True,
+        metavar="FILE",
+        help="plain text files (tokenized line by line) or .jsonl files with a "
+        '"text" field per line',
+    )
+    t.add_argument(
+        "--size",
+        type=int,
+        required=True,
+        help="hot tokens to keep, special tokens included (e.g. 32768 for a 128k vocabulary)",
+    )
+    t.add_argument(
+        "--out", required=True, help="output file: .pt (SGLang's format), .json, .npy or .txt"
+    )
+    t.add_argument(
+        "--text-field",
+        "--text_field",
+        default="text",
+        help="the field holding the text in .jsonl lines (default: text)",
+    )
+    t.add_argument(
+        "--include",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="ID",
+        help="token ids to keep whatever their count (e.g. the generation config's eos ids)",
+    )
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_token_map)
+
+
 def _add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the server extra)")
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -186,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(func=cmd_bench)
 
     _add_serve_parser(sub)
+    _add_token_map_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

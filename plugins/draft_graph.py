@@ -1,7 +1,8 @@
 """The whole greedy draft-model propose as one CUDA graph replay: the catch-up forward (the tokens
 the draft cache misses, normally the accepted drafts and the bonus token), the gather of each
 sequence's last row, then K greedy steps (LM head, argmax, and for the first K - 1 a one-token
-forward of the chosen token). One graph per (batch bucket Bp, query bucket Q, K), captured lazily
+forward of the chosen token). The LM head is the strategy's ``draft_logits``: with a token map,
+its hot rows only. One graph per (batch bucket Bp, query bucket Q, K), captured lazily
 in the strategy's ``GraphCache``. Calls that do not fit (catch-ups longer than the largest query
 bucket, more sequences than the largest batch bucket, block tables wider than the graph's)
 return None and the caller runs its eager path.
@@ -23,6 +24,8 @@ asynchronous copy (M = Bp * Q, S = K - 1)::
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -127,13 +130,14 @@ def _catch_up(
     K: int,
     W: int,
     bs: int,
+    logits: Callable[[torch.Tensor], torch.Tensor],  # [rows, hidden] -> [rows, vocab] fp32
 ) -> torch.Tensor:  # [Bp] first greedy draft of each row (padding rows: garbage)
     """Catch-up forward, gather of each row's last position, LM head and argmax."""
     ids, pos, slots, ctx, qsl, last, *_, tables = ints.split(_sizes(Bp, Q, K, W))
     i32 = torch.int32
     fctx = _fctx(slots, tables.view(Bp, W).to(i32), ctx.to(i32), qsl.to(i32), Q, bs, kv_caches)
     hidden = model(ids, pos, fctx)  # [Bp * Q, hidden]
-    return row_argmax(model.compute_logits(hidden.index_select(0, last)))
+    return row_argmax(logits(hidden.index_select(0, last)))
 
 
 def _draft_steps(
@@ -146,6 +150,7 @@ def _draft_steps(
     K: int,
     W: int,
     bs: int,
+    logits: Callable[[torch.Tensor], torch.Tensor],  # [rows, hidden] -> [rows, vocab] fp32
 ) -> torch.Tensor:  # [Bp, K] greedy drafts (padding rows and unused steps: garbage)
     """The K - 1 further greedy steps: feed the last draft, LM head, argmax."""
     S, i32 = K - 1, torch.int32
@@ -155,15 +160,28 @@ def _draft_steps(
     out = [tok]
     for j in range(S):
         x = model(tok, spos[j], _fctx(sslots[j], tables, sctx[j], sqsl, 1, bs, kv_caches))
-        tok = row_argmax(model.compute_logits(x))  # [Bp]
+        tok = row_argmax(logits(x))  # [Bp]
         out.append(tok)
     return torch.stack(out, dim=1)
 
 
-def propose_graph(model, kv_caches: list, ints: torch.Tensor, Bp, Q, K, W, bs) -> torch.Tensor:
-    """What the graph runs: ints [n_ints] int64 -> [Bp, K] greedy drafts."""
-    tok = _catch_up(model, kv_caches, ints, Bp, Q, K, W, bs)  # [Bp]
-    return _draft_steps(model, kv_caches, ints, tok, Bp, Q, K, W, bs)
+def propose_graph(
+    model,
+    kv_caches: list,
+    ints: torch.Tensor,  # [n_ints] int64, layout above
+    Bp: int,
+    Q: int,
+    K: int,
+    W: int,
+    bs: int,
+    logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:  # [Bp, K]
+    """What the graph runs: ints [n_ints] int64 -> [Bp, K] greedy drafts. ``logits``: the LM
+    head, [rows, hidden] -> [rows, vocab] fp32 (the strategy's ``draft_logits``, which honours
+    a token map); default ``model.compute_logits``."""
+    logits = logits or model.compute_logits
+    tok = _catch_up(model, kv_caches, ints, Bp, Q, K, W, bs, logits)  # [Bp]
+    return _draft_steps(model, kv_caches, ints, tok, Bp, Q, K, W, bs, logits)
 
 
 def _stage(strat, key, buf: torch.Tensor, fill) -> None:
@@ -203,13 +221,14 @@ def fused_greedy(
         return None
     n_ints, key, dev = sum(_sizes(Bp, Q, K, W)), (Bp, Q, K), strat.device
     graphs, model, kv = strat.graphs, strat.model, strat.runner.kv_caches
+    head = strat.draft_logits  # the LM head: the hot rows only with a token map
     (buf,) = graphs.buffers(key, lambda: (torch.zeros(n_ints, dtype=torch.long, device=dev),))
     _stage(strat, key, buf, lambda h: fused_ints(h, states, feeds, ks, Bp, Q, K, W, bs))
     for st, feed, k in zip(states, feeds, ks):
         st.num_cached_tokens += len(feed) + k - 1
 
     def whole(ints: torch.Tensor) -> torch.Tensor:  # [n_ints] -> [Bp, K]
-        return propose_graph(model, kv, ints, Bp, Q, K, W, bs)
+        return propose_graph(model, kv, ints, Bp, Q, K, W, bs, head)
 
     out = graphs.replay(key, whole)
     if out is None:  # a capture failed: the same function, eagerly

@@ -13,6 +13,10 @@ preemption). That catch-up forward also yields the first draft token; ``k - 1`` 
 decode steps (one forward for all sequences per step) yield the rest. On CUDA a greedy propose with
 short catch-ups is one CUDA graph replay instead (:mod:`speculant.plugins.draft_graph`).
 
+With the option ``token_map`` (a file of hot token ids, plugins/token_map.py) the draft's LM head
+runs over a copy of its hot rows only (``draft_logits``; the other tokens get -inf), in the eager
+path and in the one-graph greedy propose alike.
+
 Greedy requests draft with the argmax. Sampling requests draft from the draft model's
 distribution after the request's temperature / top-k / top-p / min-p (drawn with the request's
 seeded generator when it has one) and return those probabilities as ``Proposal.probs``, so the
@@ -38,6 +42,8 @@ from speculant.plugins.mlp_speculator import (
     split_drafts,
     to_device_async,
 )
+from speculant.plugins.token_map import HotHead, TokenMapError, load_token_map
+from speculant.spec_registry import StrategyError
 from speculant.spec_types import Proposal, SpecBatch, SpecSequence, StrategyContext
 
 logger = logging.getLogger("speculant")
@@ -69,6 +75,11 @@ class DraftModelConfig(BaseModel):
         description="bytes for the draft's own KV cache; default: enough for "
         "max_num_seqs sequences of max_model_len (capped at 1 GiB on CPU, half the free memory "
         "on CUDA)",
+    )
+    token_map: str | None = Field(
+        None,
+        description="file of hot token ids (.pt, .json, .npy or .txt; plugins/token_map.py): "
+        "the draft's LM head runs over those rows only (FR-Spec)",
     )
 
     @field_validator("draft_tensor_parallel_size")
@@ -155,12 +166,25 @@ class DraftModelStrategy:
         if ctx.tokenizer is not None and _has_tokenizer(folder):
             self._check_tokenizers(load_tokenizer(folder), ctx.tokenizer, folder, target_src)
 
+        hot_ids = None
+        if config.token_map:  # read before the (large) draft weights: a bad file fails fast
+            try:
+                hot_ids = load_token_map(config.token_map, ctx.vocab_size)
+            except TokenMapError as e:
+                raise StrategyError(str(e)) from None
+
         self.max_len = self._draft_max_len(hf)
         self.model = load_model(folder, hf, self.dtype, self.device, self.max_len)
         rows = self.model.lm_head.weight.shape[0]
         if rows != ctx.vocab_size:
             raise ValueError(
                 self._vocab_msg(draft_src + " (LM head)", rows, target_src, ctx.vocab_size)
+            )
+        # the hot rows of the draft's LM head (a copy [N, H], also when tied to the embedding)
+        self.hot: HotHead | None = None
+        if hot_ids is not None:
+            self.hot = HotHead(
+                self.model.lm_head.weight, hot_ids, ctx.vocab_size, like=self.model.lm_head
             )
         self.block_size = ctx.block_size
         num_blocks = self._num_blocks()
@@ -362,8 +386,16 @@ class DraftModelStrategy:
         the sampler's rows): argmax for greedy requests, a sample of the processed draft
         distribution for the others (its q is kept by the sampler). Returns [len(rows)] int64 on
         the device."""
-        logits = self.runner.logits(hidden)  # [len(rows), vocab] float32
+        logits = self.draft_logits(hidden)  # [len(rows), vocab] float32
         return sampler(step, logits, None if len(rows) == len(sampler.seqs) else rows)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [rows, vocab] float32 of final hidden states [rows, hidden]: the
+        full LM head, or with a token map its hot rows only (-inf elsewhere). The eager path and
+        the one-graph greedy propose (draft_graph.py) both call this."""
+        if self.hot is not None:
+            return self.hot(hidden)
+        return self.model.compute_logits(hidden)
 
 
 @hookimpl

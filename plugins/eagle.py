@@ -10,7 +10,9 @@ EAGLE-1 (``yuhuili/EAGLE-*`` checkpoints; ``config.json`` is a Llama config with
     logits = target.lm_head(out)                      embedding and LM head are the target's
 
 where ``h_p`` is the target's final-norm hidden state at position p (the one that produced token
-p + 1). Later draft steps feed ``out`` back in place of ``h``.
+p + 1). Later draft steps feed ``out`` back in place of ``h``. With the option ``token_map`` (a file
+of hot token ids, plugins/token_map.py) the logits come from a copy of the hot rows of the target's
+LM head only, -inf elsewhere (EAGLE-3 refuses the option: it has its own draft vocabulary).
 
 EAGLE-3 (``architectures: ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``)::
 
@@ -111,6 +113,7 @@ from speculant.plugins.mlp_speculator import (
     target_hidden_size,
     to_device_async,
 )
+from speculant.plugins.token_map import HotHead, TokenMapError, load_token_map
 from speculant.spec_registry import StrategyError
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
 
@@ -317,12 +320,28 @@ class EagleOptions(BaseModel):
 
     model: str = Field(..., description="folder (or hub id) of the EAGLE checkpoint")
     num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=64)
+    token_map: str | None = Field(
+        None,
+        description="file of hot token ids (.pt, .json, .npy or .txt; plugins/token_map.py): "
+        "the draft's LM head runs over those rows of the target's head only (FR-Spec)",
+    )
 
 
 class Eagle3Options(EagleOptions):
     aux_hidden_layers: tuple[int, ...] | None = Field(
         None, description="target decoder layers whose INPUT hidden states feed fc (3 of them)"
     )
+
+    @field_validator("token_map")
+    @classmethod
+    def _no_token_map(cls, v):
+        if v is not None:
+            raise ValueError(
+                "token_map is not supported for EAGLE-3: its head already drafts over its own "
+                "reduced vocabulary (draft_vocab_size tokens mapped through d2t); remove "
+                "token_map (it applies to eagle, mlp_speculator and draft_model)"
+            )
+        return v
 
     @field_validator("aux_hidden_layers")
     @classmethod
@@ -367,6 +386,10 @@ class _EagleBase:
         self.draft = self._build(max_pos)
         self._load()
         self.draft.eval()
+        # the hot rows of the LM head (token_map, EAGLE-1 only): made once here
+        self.hot: HotHead | None = None
+        if getattr(config, "token_map", None):
+            self.hot = self._hot_head(config.token_map)
         nkv, hd = self.draft.kv_shape
         self.cache = DraftKVCache(
             self.draft.num_layers,
@@ -466,7 +489,28 @@ class _EagleBase:
     def _features(self, batch: SpecBatch) -> torch.Tensor | None:
         return batch.hidden_states
 
+    def _hot_head(self, path: str) -> HotHead:
+        """The target's LM head restricted to the token map at ``path``."""
+        head = getattr(self.target, "lm_head", None)
+        weight = getattr(head, "weight", None)
+        V = self.ctx.vocab_size
+        if weight is None or weight.dim() != 2 or tuple(weight.shape) != (V, self.H_target):
+            raise StrategyError(
+                f"token_map: the target model's LM head (lm_head.weight "
+                f"{None if weight is None else tuple(weight.shape)}) is not a [{V}, "
+                f"{self.H_target}] matrix; use this target without token_map"
+            )
+        try:
+            ids = load_token_map(path, V)
+        except TokenMapError as e:
+            raise StrategyError(str(e)) from None
+        return HotHead(weight, ids, V, like=head)
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:  # [rows, H] -> [rows, vocab] fp32
+        # EAGLE-1's draft output goes into the target's LM head as is (no final norm: the
+        # target's compute_logits is a bare product with lm_head.weight)
+        if self.hot is not None:  # the hot rows only, -inf elsewhere
+            return self.hot(x)
         return self.target.compute_logits(x)
 
     # ----------------------------------------------------------------- hooks

@@ -29,6 +29,9 @@ Greedy requests take the argmax of each stage; sampled requests draw from the st
 after the request's temperature / top-k / top-p / min-p and pass those probabilities as ``q`` to
 the rejection sampler, so the output distribution stays exactly the target's.
 
+With the option ``token_map`` (a file of hot token ids, plugins/token_map.py) every head keeps
+only the hot rows and the other tokens get logit -inf (q = 0 for them).
+
 ``num_speculative_tokens`` defaults to ``n_predict``. Larger values must be multiples of
 ``n_predict``: with ``tie_weights`` the recurrence simply continues with the shared stage (the
 model is recurrent by construction, as in vLLM); without it stage ``j`` reuses head
@@ -60,6 +63,7 @@ from torch import nn
 from speculant import hookimpl
 from speculant.kernels.logprobs import row_argmax
 from speculant.models import fused
+from speculant.plugins.token_map import TokenMapError, load_token_map, scatter_hot
 from speculant.spec_registry import StrategyError
 from speculant.spec_types import Proposal, SpecBatch, SpecSequence, StrategyContext
 
@@ -393,6 +397,19 @@ class MLPSpeculatorModel(nn.Module):
         self.ln0 = MLPSpeculatorNorm(emb_dim, affine=False) if scale_input else None
         self.state_weight = 0.5 ** (0.5 / n_predict)
         self.emb_scale = math.sqrt(1.0 - self.state_weight**2) * math.sqrt(inner_dim / 2)
+        self.vocab_size = vocab_size
+        self.hot_ids: torch.Tensor | None = None  # [N] int64: the token map (restrict_heads)
+
+    def restrict_heads(self, ids: torch.Tensor) -> None:
+        """Keep only the rows ``ids`` [N] (a token map, sorted) of every stage's head, as
+        contiguous copies [N, inner] that replace the full heads (which are freed); ``stage``
+        then scatters the N logits into full-vocabulary rows of -inf."""
+        self.hot_ids = ids.to(device=self.head[0].weight.device, dtype=torch.long)
+        with torch.no_grad():
+            for head in self.head:
+                w = head.weight.detach().index_select(0, self.hot_ids).contiguous()  # [N, inner]
+                head.weight = nn.Parameter(w, requires_grad=False)
+                head.out_features = w.shape[0]
 
     def stage_modules(self, j: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
         """(emb, proj, ln, head) of draft position j (0-based)."""
@@ -414,11 +431,15 @@ class MLPSpeculatorModel(nn.Module):
     def stage(
         self, j: int, state: torch.Tensor, tokens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """state [rows, emb_dim or inner], tokens [rows] -> (new state [rows, inner], logits fp32)."""
+        """state [rows, emb_dim or inner], tokens [rows] -> (new state [rows, inner], logits
+        [rows, vocab] fp32; with a token map -inf outside the hot ids)."""
         emb, proj, ln, head = self.stage_modules(j)
         z = emb(tokens) * self.emb_scale
         state = F.gelu(ln(fused.linear(state, proj.weight, proj.bias) * self.state_weight + z))
-        return state, fused.linear(state, head.weight, head.bias).float()
+        logits = fused.linear(state, head.weight, head.bias).float()  # [rows, vocab or N]
+        if self.hot_ids is None:
+            return state, logits
+        return state, scatter_hot(logits, self.hot_ids, self.vocab_size)
 
 
 _KEY = re.compile(r"^(emb|proj|head|ln)\.(\d+)\.(weight|bias)$")
@@ -491,6 +512,11 @@ class MLPSpeculatorOptions(BaseModel):
 
     model: str = Field(..., description="folder (or hub id) of the MLPSpeculator checkpoint")
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
+    token_map: str | None = Field(
+        None,
+        description="file of hot token ids (.pt, .json, .npy or .txt; plugins/token_map.py): "
+        "every stage's head keeps only those rows (FR-Spec)",
+    )
 
 
 class MLPSpeculatorStrategy:
@@ -555,6 +581,11 @@ class MLPSpeculatorStrategy:
         self.n_predict = n
         self.folder = folder
         self.model = load_mlp_speculator(folder, cfg, ctx.device, ctx.dtype)
+        if config.token_map:  # the heads' hot rows, once here (the full heads are freed)
+            try:
+                self.model.restrict_heads(load_token_map(config.token_map, ctx.vocab_size))
+            except TokenMapError as e:
+                raise StrategyError(str(e)) from None
         self.generator = torch.Generator().manual_seed(ctx.seed + 104729)
         self.graphs = GraphCache(ctx.device, f"mlp_speculator {folder}")
 
