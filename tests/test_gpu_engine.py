@@ -200,8 +200,16 @@ def mlp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def heads(draft, eagle1, eagle3, mlp) -> dict[str, Path]:
-    return {"draft_model": draft, "eagle": eagle1, "eagle3": eagle3, "mlp_speculator": mlp}
+def heads(draft, eagle1, eagle3, mlp, tmp_path_factory) -> dict[str, Path]:
+    token_map = tmp_path_factory.mktemp("token_map") / "hot.json"
+    token_map.write_text(json.dumps(list(range(0, VOCAB, 2))))
+    return {
+        "draft_model": draft,
+        "eagle": eagle1,
+        "eagle3": eagle3,
+        "mlp_speculator": mlp,
+        "token_map": token_map,
+    }
 
 
 def _spec(kind: str, heads: dict[str, Path]) -> dict | None:
@@ -209,7 +217,10 @@ def _spec(kind: str, heads: dict[str, Path]) -> dict | None:
         return None
     if kind == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 4}
+    kind, _, tm = kind.partition("+")
     spec = {"method": kind, "model": str(heads[kind]), "num_speculative_tokens": 3}
+    if tm:  # a token map of every other id: the draft's head over 500 of the 1000 rows
+        spec["token_map"] = str(heads["token_map"])
     if kind == "eagle3":
         spec["aux_hidden_layers"] = [0, 1, 2]
     return spec
@@ -227,6 +238,10 @@ def _spec(kind: str, heads: dict[str, Path]) -> dict | None:
         ("eagle", True),
         ("mlp_speculator", False),
         ("mlp_speculator", True),
+        ("draft_model+tm", False),
+        ("eagle+tm", False),
+        ("eagle+tm", True),
+        ("mlp_speculator+tm", False),
     ],
 )
 def test_triton_greedy_equals_torch_path(
