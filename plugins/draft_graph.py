@@ -121,53 +121,9 @@ def _fctx(
     return ForwardContext(meta=meta, kv_caches=kv_caches)
 
 
-def _catch_up(
-    model,
-    kv_caches: list,  # per layer (k_cache, v_cache) [num_blocks, bs, nkv, d] each
-    ints: torch.Tensor,  # [n_ints] int64, layout above
-    Bp: int,
-    Q: int,
-    K: int,
-    W: int,
-    bs: int,
-    logits: Callable[[torch.Tensor], torch.Tensor],  # [rows, hidden] -> [rows, vocab] fp32
-) -> torch.Tensor:  # [Bp] first greedy draft of each row (padding rows: garbage)
-    """Catch-up forward, gather of each row's last position, LM head and argmax."""
-    ids, pos, slots, ctx, qsl, last, *_, tables = ints.split(_sizes(Bp, Q, K, W))
-    i32 = torch.int32
-    fctx = _fctx(slots, tables.view(Bp, W).to(i32), ctx.to(i32), qsl.to(i32), Q, bs, kv_caches)
-    hidden = model(ids, pos, fctx)  # [Bp * Q, hidden]
-    return row_argmax(logits(hidden.index_select(0, last)))
-
-
-def _draft_steps(
-    model,
-    kv_caches: list,  # per layer (k_cache, v_cache) [num_blocks, bs, nkv, d] each
-    ints: torch.Tensor,  # [n_ints] int64, layout above
-    tok: torch.Tensor,  # [Bp] the first drafts (_catch_up)
-    Bp: int,
-    Q: int,
-    K: int,
-    W: int,
-    bs: int,
-    logits: Callable[[torch.Tensor], torch.Tensor],  # [rows, hidden] -> [rows, vocab] fp32
-) -> torch.Tensor:  # [Bp, K] greedy drafts (padding rows and unused steps: garbage)
-    """The K - 1 further greedy steps: feed the last draft, LM head, argmax."""
-    S, i32 = K - 1, torch.int32
-    *_, spos, sslots, sctx, sqsl, tables = ints.split(_sizes(Bp, Q, K, W))
-    tables, sqsl = tables.view(Bp, W).to(i32), sqsl.to(i32)
-    spos, sslots, sctx = spos.view(S, Bp), sslots.view(S, Bp), sctx.view(S, Bp).to(i32)
-    out = [tok]
-    for j in range(S):
-        x = model(tok, spos[j], _fctx(sslots[j], tables, sctx[j], sqsl, 1, bs, kv_caches))
-        tok = row_argmax(logits(x))  # [Bp]
-        out.append(tok)
-    return torch.stack(out, dim=1)
-
-
 def propose_graph(
     model,
-    kv_caches: list,
+    kv_caches: list,  # per layer (k_cache, v_cache) [num_blocks, bs, nkv, d] each
     ints: torch.Tensor,  # [n_ints] int64, layout above
     Bp: int,
     Q: int,
@@ -175,13 +131,28 @@ def propose_graph(
     W: int,
     bs: int,
     logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:  # [Bp, K]
-    """What the graph runs: ints [n_ints] int64 -> [Bp, K] greedy drafts. ``logits``: the LM
-    head, [rows, hidden] -> [rows, vocab] fp32 (the strategy's ``draft_logits``, which honours
-    a token map); default ``model.compute_logits``."""
+) -> torch.Tensor:  # [Bp, K] greedy drafts (padding rows and unused steps: garbage)
+    """What the graph runs: the catch-up forward, the gather of each row's last position, LM head
+    and argmax (the first draft), then the K - 1 further greedy steps (feed the last draft, LM
+    head, argmax). ``logits``: the LM head, [rows, hidden] -> [rows, vocab] fp32 (the strategy's
+    ``draft_logits``, which honours a token map); default ``model.compute_logits``."""
     logits = logits or model.compute_logits
-    tok = _catch_up(model, kv_caches, ints, Bp, Q, K, W, bs, logits)  # [Bp]
-    return _draft_steps(model, kv_caches, ints, tok, Bp, Q, K, W, bs, logits)
+    S, i32 = K - 1, torch.int32
+    ids, pos, slots, ctx, qsl, last, spos, sslots, sctx, sqsl, tables = ints.split(
+        _sizes(Bp, Q, K, W)
+    )
+    tables = tables.view(Bp, W).to(i32)
+    fctx = _fctx(slots, tables, ctx.to(i32), qsl.to(i32), Q, bs, kv_caches)
+    hidden = model(ids, pos, fctx)  # [Bp * Q, hidden]
+    tok = row_argmax(logits(hidden.index_select(0, last)))  # [Bp]
+    sqsl = sqsl.to(i32)
+    spos, sslots, sctx = spos.view(S, Bp), sslots.view(S, Bp), sctx.view(S, Bp).to(i32)
+    out = [tok]
+    for j in range(S):
+        x = model(tok, spos[j], _fctx(sslots[j], tables, sctx[j], sqsl, 1, bs, kv_caches))
+        tok = row_argmax(logits(x))  # [Bp]
+        out.append(tok)
+    return torch.stack(out, dim=1)
 
 
 def _stage(strat, key, buf: torch.Tensor, fill) -> None:
