@@ -920,7 +920,8 @@ def main():
         cases = cases or [(1, 8192, 1), (1, 16384, 1), (1, 32768, 1), (8, 8192, 1)]
         if SMOKE:
             cases = [(1, 300, 1), (2, 100, 6)]
-        attention_steady_sweep(hbm, cases, steady_sweep_variants(args.steady_sweep))
+        variants = steady_sweep_variants(args.steady_sweep)
+        attention_steady_sweep(hbm, cases, variants[:3] if SMOKE else variants)
         save()
         return
     if args.sweep_only:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +62,20 @@ def test_bench_cli_writes_json_and_png(tiny_factory, tmp_path, capsys):
     never = runs[("oracle a=0.0 k=2", 2)]
     assert never["acceptance"] == 0.0 and never["mean_accepted_length"] == 1.0
     assert never["theoretical_speedup"] < 1.0
+
+
+def test_bench_kernels_steady_sweep_smoke(tmp_path):
+    """bench/bench_kernels.py's steady-state sweep on the Triton interpreter (tiny shapes): each
+    override set gives the default launch's attention, with sequential block tables."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "bench_kernels.py"
+    out = tmp_path / "k.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, str(script), "--smoke", "--steady-sweep", "splits",
+           "--graph-copies", "1", "--block-order", "sequential", "--out", str(out)]
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    assert result["block_order"] == "sequential"
+    rows = result["attention_steady_sweep"]
+    assert len(rows) == 6 and not any("error" in r for r in rows)  # 3 override sets x 2 cases
+    assert {r.get("num_splits") for r in rows} == {None, 16, 24}
+    assert all(r["ms_graphN"] > 0 and r["rel_diff_vs_first"] < 1e-2 for r in rows)
