@@ -55,6 +55,7 @@ def _run(target: Path, draft: Path, fused: bool, monkeypatch) -> tuple:
     llm = LLM(
         model=str(target),
         skip_tokenizer_init=True,
+        device="cpu",  # the graph code run eagerly on the CPU, on any machine
         max_num_seqs=4,
         speculative_config={"model": str(draft), "num_speculative_tokens": 3},
     )

@@ -51,6 +51,7 @@ def _run(target: Path, head: Path, fused: bool, monkeypatch) -> tuple[list, list
     llm = LLM(
         model=str(target),
         skip_tokenizer_init=True,
+        device="cpu",  # the graph code run eagerly on the CPU, on any machine
         max_num_seqs=8,
         speculative_config={"model": str(head), "num_speculative_tokens": 3},
     )

@@ -241,7 +241,7 @@ def target(tiny_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def plain(target) -> list[list[int]]:
-    llm = LLM(model=str(target), skip_tokenizer_init=True, max_num_seqs=4)
+    llm = LLM(model=str(target), skip_tokenizer_init=True, device="cpu", max_num_seqs=4)
     return _ids(llm, _greedy())
 
 
@@ -266,7 +266,7 @@ def _llm(target: Path, heads: dict, method: str, token_map: Path | None, **kw) -
     spec = {"method": method, **heads[method], "num_speculative_tokens": K}
     if token_map is not None:
         spec["token_map"] = str(token_map)
-    return LLM(model=str(target), skip_tokenizer_init=True, max_num_seqs=4,
+    return LLM(model=str(target), skip_tokenizer_init=True, device="cpu", max_num_seqs=4,
                speculative_config=spec, **kw)  # fmt: skip
 
 
@@ -320,7 +320,7 @@ def test_one_graph_greedy_propose_uses_the_token_map(target, heads, hot_file, me
     MLPSpeculatorStrategy._greedy_graph), here run eagerly on the CPU: they draft hot tokens only
     and the output stays the plain greedy output."""
     monkeypatch.setattr(attention_mod, "attention", _kernel_attention)
-    ref = _ids(LLM(model=str(target), skip_tokenizer_init=True, max_num_seqs=4), _greedy())
+    ref = _ids(LLM(model=str(target), skip_tokenizer_init=True, device="cpu", max_num_seqs=4), _greedy())
     llm = _llm(target, heads, method, hot_file)
     strat = llm.engine.spec.strategy
     if method == "draft_model":
@@ -388,5 +388,5 @@ def test_eagle3_refuses_a_token_map(target, tmp_path, hot_file):
 
     e3 = make_eagle3(tmp_path / "e3", V, 40, "safetensors", seed=3)
     with pytest.raises(StrategyError, match=r"token_map is not supported for EAGLE-3: .* d2t"):
-        LLM(model=str(target), skip_tokenizer_init=True,
+        LLM(model=str(target), skip_tokenizer_init=True, device="cpu",
             speculative_config={"model": str(e3), "token_map": str(hot_file)})  # fmt: skip
