@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from speculant.bench import parse_strategies, step_stats, theoretical_speedup
 from speculant.cli import main
@@ -64,6 +65,10 @@ def test_bench_cli_writes_json_and_png(tiny_factory, tmp_path, capsys):
     assert never["theoretical_speedup"] < 1.0
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a Triton-interpreter run for CPU machines; on a GPU run "
+    "bench/bench_kernels.py itself"
+)
 def test_bench_kernels_steady_sweep_smoke(tmp_path):
     """bench/bench_kernels.py's steady-state sweep on the Triton interpreter (tiny shapes): each
     override set gives the default launch's attention, with sequential block tables."""
