@@ -202,7 +202,6 @@ def _add_token_map_parser(sub) -> None:
     )
     t.add_argument(
         "--text-field",
-        "--text_field",
         default="text",
         help="the field holding the text in .jsonl lines (default: text)",
     )
