@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 import torch
@@ -54,9 +55,21 @@ class EngineConfig(BaseModel):
         return v
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dev = torch.device(self.device)
+        """``device``; "auto" is ``SPECULANT_DEVICE`` when set (e.g. ``cpu`` to keep a GPU
+        machine's engines on the CPU, as the test suite does), else CUDA when available."""
+        name = self.device
+        if name == "auto":
+            name = os.environ.get("SPECULANT_DEVICE", "").strip() or "auto"
+            if name == "auto":
+                return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            try:
+                torch.device(name)
+            except (RuntimeError, ValueError):
+                raise ValueError(
+                    f"SPECULANT_DEVICE={name!r} is not a device; use cpu, cuda or cuda:N, or "
+                    "unset it"
+                ) from None
+        dev = torch.device(name)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available; use device='cpu'")
         return dev

@@ -12,6 +12,9 @@ from checkpoints import make_tiny_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# engines with device="auto" run on the CPU even on a GPU machine (the CPU suite's assumptions,
+# and one process holding dozens of engines); the GPU tests ask for device="cuda"
+os.environ.setdefault("SPECULANT_DEVICE", "cpu")
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:

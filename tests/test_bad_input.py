@@ -195,3 +195,18 @@ def test_cli_reports_without_traceback(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "speculant: error:" in r.stderr and "x.gguf" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_speculant_device_env(monkeypatch):
+    """device="auto" follows SPECULANT_DEVICE (the test suite sets cpu); a bad value is named."""
+    from speculant.config import EngineConfig
+
+    monkeypatch.setenv("SPECULANT_DEVICE", "cpu")
+    assert EngineConfig(device="auto").torch_device() == torch.device("cpu")
+    monkeypatch.setenv("SPECULANT_DEVICE", "bogus")
+    with pytest.raises(ValueError, match="SPECULANT_DEVICE='bogus' is not a device"):
+        EngineConfig(device="auto").torch_device()
+    assert EngineConfig(device="cpu").torch_device() == torch.device("cpu")  # explicit wins
+    monkeypatch.delenv("SPECULANT_DEVICE")
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert EngineConfig(device="auto").torch_device().type == want

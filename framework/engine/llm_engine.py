@@ -110,6 +110,7 @@ class LLMEngine:
             return self.config.num_gpu_blocks_override
         per_block = kv_bytes_per_block(self.model, self.block_size, self.dtype)
         budget = self.config.kv_cache_memory
+        free = None
         if budget is None:
             if self.device.type == "cuda":
                 free, _total = torch.cuda.mem_get_info(self.device)
@@ -125,6 +126,13 @@ class LLMEngine:
                 f"{self.block_size} tokens, fewer than one sequence of max_model_len="
                 f"{self.max_model_len} needs ({min_blocks}); raise kv_cache_memory / "
                 "gpu_memory_utilization or lower max_model_len"
+                + (
+                    f" ({free / 2**20:.0f} MiB of {self.device} were free after loading the "
+                    "weights, less 1 GiB of headroom: another LLM instance or process may hold "
+                    "the rest; delete it or set kv_cache_memory)"
+                    if free is not None
+                    else ""
+                )
             )
         return int(num)
 
