@@ -411,14 +411,21 @@ def attention_bench(hbm_gbps, contexts, batches, q_lens, with_sdpa=True):
     RESULTS.setdefault("attention", []).extend(rows)
 
 
-def paged_graphn(q, kc, vc, bt, cl, qsl, q_len, scale, out, n):
-    """Steady-state ms of one paged_attention call: ``n`` distinct K/V caches (plus q / out)
-    sharing one block table, as the layers of the engine's decode graph, in one CUDA graph."""
+def kv_copies(q, kc, vc, out, n) -> list[tuple]:
+    """(q, k_cache, v_cache, out) and ``n - 1`` distinct random copies of them: the inputs of a
+    steady-state (graphN) timing."""
     sets = [(q, kc, vc, out)]
     for _ in range(n - 1):
         sets.append(
             (torch.randn_like(q), torch.randn_like(kc), torch.randn_like(vc), torch.empty_like(out))
         )
+    return sets
+
+
+def paged_graphn(q, kc, vc, bt, cl, qsl, q_len, scale, out, n):
+    """Steady-state ms of one paged_attention call: ``n`` distinct K/V caches (plus q / out)
+    sharing one block table, as the layers of the engine's decode graph, in one CUDA graph."""
+    sets = kv_copies(q, kc, vc, out, n)
     fns = []
     for q_, kc_, vc_, out_ in sets:
 
@@ -600,11 +607,7 @@ def attention_steady_sweep(hbm_gbps, cases, variants):
         q, kc, vc, bt, cl, qsl = make_paged(batch, ctx, q_len)
         nbytes = kv_bytes(batch, ctx)
         n = graph_copies(nbytes)
-        sets = [(q, kc, vc, torch.empty_like(q))]
-        for _ in range(n - 1):
-            sets.append(
-                (torch.randn_like(q), torch.randn_like(kc), torch.randn_like(vc), torch.empty_like(q))
-            )
+        sets = kv_copies(q, kc, vc, torch.empty_like(q), n)
         ref = None
         for ov in variants:
             fns = []

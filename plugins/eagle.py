@@ -80,7 +80,6 @@ sequence's draft context restart at the first position it has features for.
 from __future__ import annotations
 
 import itertools
-import math
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +112,7 @@ from speculant.plugins.mlp_speculator import (
     target_hidden_size,
     to_device_async,
 )
-from speculant.plugins.token_map import HotHead, TokenMapError, load_token_map
+from speculant.plugins.token_map import HotHead, TokenMapError, load_token_map, scatter_hot
 from speculant.spec_registry import StrategyError
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
 
@@ -873,8 +872,7 @@ class Eagle3Strategy(_EagleBase):
             small = d.lm_head(d.norm(x)).float()  # [rows, draft_vocab]
         if self.identity_vocab:
             return small
-        full = small.new_full((x.shape[0], self.ctx.vocab_size), -math.inf)  # [rows, vocab]
-        return full.scatter_(1, self.targets.expand(x.shape[0], -1), small)
+        return scatter_hot(small, self.targets, self.ctx.vocab_size)  # [rows, vocab]
 
 
 @hookimpl
