@@ -465,6 +465,9 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
       understood yet); 16-row masked x tiles, 64 x 256 (lm_head 64 x 128, 8 warps) measured
       qkv 0.84x, gate_up 0.87x, lm_head 1.05x: for qkv / gate_up the separate kernels are faster.
 
+    * Sixth sweep (2026-11-24, PDL, 4 and 6 rows; ``bench/results/gemv_h100_verify_rows_2.json``):
+      down (silu_mul) at 5-8 rows on 16-row masked x tiles, 49.06 -> 45.56 us at 6 rows; o_proj
+      (N = 4096: 64 output blocks) with K in two, 14.86 -> 14.31 us at 6 rows.
     * 3-8 rows, no prologue (verification steps: o_proj, and qkv / gate_up whose input arrives
       normed), N >= 4096: dots with the weight first, 64 x 256 tiles, 16-row masked x tiles, 4
       warps, no split (smaller N keep the split-K config below: 64 programs or fewer otherwise).
@@ -489,7 +492,10 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
             return GemvConfig(block_n=64, block_k=128, num_warps=8, use_dot=True, pad_rows=False)
         return GemvConfig(block_n=64, block_k=256, num_warps=4, use_dot=True, pad_rows=False)
     if prologue == "none" and 3 <= M <= 8 and 4096 <= N:  # the measured shapes
-        return GemvConfig(block_n=64, block_k=256, num_warps=4, split_k=1, use_dot=True,
+        # K in two where the output blocks alone fill at most half the multiprocessors (o_proj
+        # 4096 x 4096: 64 blocks; sixth sweep at 4 / 6 rows 14.89 / 14.86 -> 14.24 / 14.31 us)
+        split = 2 if 2 * cdiv(N, 64) <= num_sms(device) and K >= 2048 else 1
+        return GemvConfig(block_n=64, block_k=256, num_warps=4, split_k=split, use_dot=True,
                           swap_ab=True, pad_rows=False)
     block_n, block_k = 64, 128
     n_blocks = cdiv(N, block_n)
@@ -504,6 +510,10 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
         split_k=split,
         use_dot=True,
         swap_ab=True,
+        # 5-8 rows: SiLU * up on 16-row masked x tiles, not on 8 rows interleaved with zero rows
+        # (sixth sweep, down 4096 x 14336 at 6 rows: 49.06 -> 45.56 us; at 4 rows the
+        # interleaved 4 rows stay ahead, 44.24 against 44.93 us)
+        pad_rows=not (prologue == "silu_mul" and M > 4),
     )
 
 
