@@ -1,8 +1,9 @@
 """The whole greedy draft-model propose as one CUDA graph replay: the catch-up forward (the tokens
 the draft cache misses, normally the accepted drafts and the bonus token), the gather of each
-sequence's last row, then K greedy steps (LM head, argmax, and for the first K - 1 a one-token
-forward of the chosen token). The LM head is the strategy's ``draft_logits``: with a token map,
-its hot rows only. One graph per (batch bucket Bp, query bucket Q, K), captured lazily
+sequence's last row, then K greedy steps (LM head and argmax, and for the first K - 1 a one-token
+forward of the chosen token). The LM head and argmax are the strategy's ``draft_greedy``: with a
+token map, the argmax over its hot rows' logits only, mapped through the hot ids (no
+full-vocabulary row). One graph per (batch bucket Bp, query bucket Q, K), captured lazily
 in the strategy's ``GraphCache``. Calls that do not fit (catch-ups longer than the largest query
 bucket, more sequences than the largest batch bucket, block tables wider than the graph's)
 return None and the caller runs its eager path.
@@ -130,13 +131,18 @@ def propose_graph(
     K: int,
     W: int,
     bs: int,
-    logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    greedy: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [Bp, K] greedy drafts (padding rows and unused steps: garbage)
     """What the graph runs: the catch-up forward, the gather of each row's last position, LM head
     and argmax (the first draft), then the K - 1 further greedy steps (feed the last draft, LM
-    head, argmax). ``logits``: the LM head, [rows, hidden] -> [rows, vocab] fp32 (the strategy's
-    ``draft_logits``, which honours a token map); default ``model.compute_logits``."""
-    logits = logits or model.compute_logits
+    head, argmax). ``greedy``: LM head and argmax, final hidden states [rows, hidden] -> tokens
+    [rows] int64 (the strategy's ``draft_greedy``, which honours a token map); default
+    ``row_argmax(model.compute_logits(hidden))``."""
+    if greedy is None:
+
+        def greedy(h: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows]
+            return row_argmax(model.compute_logits(h))
+
     S, i32 = K - 1, torch.int32
     ids, pos, slots, ctx, qsl, last, spos, sslots, sctx, sqsl, tables = ints.split(
         _sizes(Bp, Q, K, W)
@@ -144,13 +150,13 @@ def propose_graph(
     tables = tables.view(Bp, W).to(i32)
     fctx = _fctx(slots, tables, ctx.to(i32), qsl.to(i32), Q, bs, kv_caches)
     hidden = model(ids, pos, fctx)  # [Bp * Q, hidden]
-    tok = row_argmax(logits(hidden.index_select(0, last)))  # [Bp]
+    tok = greedy(hidden.index_select(0, last))  # [Bp]
     sqsl = sqsl.to(i32)
     spos, sslots, sctx = spos.view(S, Bp), sslots.view(S, Bp), sctx.view(S, Bp).to(i32)
     out = [tok]
     for j in range(S):
         x = model(tok, spos[j], _fctx(sslots[j], tables, sctx[j], sqsl, 1, bs, kv_caches))
-        tok = row_argmax(logits(x))  # [Bp]
+        tok = greedy(x)  # [Bp]
         out.append(tok)
     return torch.stack(out, dim=1)
 
@@ -192,14 +198,14 @@ def fused_greedy(
         return None
     n_ints, key, dev = sum(_sizes(Bp, Q, K, W)), (Bp, Q, K), strat.device
     graphs, model, kv = strat.graphs, strat.model, strat.runner.kv_caches
-    head = strat.draft_logits  # the LM head: the hot rows only with a token map
+    greedy = strat.draft_greedy  # LM head and argmax: over the hot rows only with a token map
     (buf,) = graphs.buffers(key, lambda: (torch.zeros(n_ints, dtype=torch.long, device=dev),))
     _stage(strat, key, buf, lambda h: fused_ints(h, states, feeds, ks, Bp, Q, K, W, bs))
     for st, feed, k in zip(states, feeds, ks):
         st.num_cached_tokens += len(feed) + k - 1
 
     def whole(ints: torch.Tensor) -> torch.Tensor:  # [n_ints] -> [Bp, K]
-        return propose_graph(model, kv, ints, Bp, Q, K, W, bs, head)
+        return propose_graph(model, kv, ints, Bp, Q, K, W, bs, greedy)
 
     out = graphs.replay(key, whole)
     if out is None:  # a capture failed: the same function, eagerly

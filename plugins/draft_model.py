@@ -14,8 +14,9 @@ decode steps (one forward for all sequences per step) yield the rest. On CUDA a 
 short catch-ups is one CUDA graph replay instead (:mod:`speculant.plugins.draft_graph`).
 
 With the option ``token_map`` (a file of hot token ids, plugins/token_map.py) the draft's LM head
-runs over a copy of its hot rows only (``draft_logits``; the other tokens get -inf), in the eager
-path and in the one-graph greedy propose alike.
+runs over a copy of its hot rows only, in the eager path and in the one-graph greedy propose alike:
+greedy drafts are the argmax over the hot logits mapped through the hot ids (``draft_greedy``),
+sampled drafts come from full-vocabulary rows with -inf outside the hot ids (``draft_logits``).
 
 Greedy requests draft with the argmax. Sampling requests draft from the draft model's
 distribution after the request's temperature / top-k / top-p / min-p (drawn with the request's
@@ -35,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from speculant import hookimpl
 from speculant.engine.block_manager import BlockManager
 from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
+from speculant.kernels.logprobs import row_argmax
 from speculant.plugins.draft_graph import fused_greedy
 from speculant.plugins.mlp_speculator import (
     DraftSampler,
@@ -386,16 +388,28 @@ class DraftModelStrategy:
         the sampler's rows): argmax for greedy requests, a sample of the processed draft
         distribution for the others (its q is kept by the sampler). Returns [len(rows)] int64 on
         the device."""
+        if sampler.all_greedy:  # no q to keep: the argmax, without full-vocabulary rows
+            return self.draft_greedy(hidden)  # [len(rows)]
         logits = self.draft_logits(hidden)  # [len(rows), vocab] float32
         return sampler(step, logits, None if len(rows) == len(sampler.seqs) else rows)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The draft's logits [rows, vocab] float32 of final hidden states [rows, hidden]: the
-        full LM head, or with a token map its hot rows only (-inf elsewhere). The eager path and
-        the one-graph greedy propose (draft_graph.py) both call this."""
+        full LM head, or with a token map its hot rows only (-inf elsewhere). For the draft
+        probabilities of sampled requests; greedy drafting uses ``draft_greedy``."""
         if self.hot is not None:
             return self.hot(hidden)
         return self.model.compute_logits(hidden)
+
+    def draft_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The greedy draft tokens [rows] int64 of final hidden states [rows, hidden]:
+        ``row_argmax(draft_logits(hidden))``, with a token map taken over the N hot logits and
+        mapped through the hot ids (``HotHead.greedy``: no [rows, vocab] row). The eager path and
+        the one-graph greedy propose (draft_graph.py) both call this; nothing here reads the
+        device, so it can be captured in a CUDA graph."""
+        if self.hot is not None:
+            return self.hot.greedy(hidden)  # [rows, N] -> [rows]
+        return row_argmax(self.model.compute_logits(hidden))  # [rows, vocab] -> [rows]
 
 
 @hookimpl

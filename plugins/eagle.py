@@ -12,7 +12,9 @@ EAGLE-1 (``yuhuili/EAGLE-*`` checkpoints; ``config.json`` is a Llama config with
 where ``h_p`` is the target's final-norm hidden state at position p (the one that produced token
 p + 1). Later draft steps feed ``out`` back in place of ``h``. With the option ``token_map`` (a file
 of hot token ids, plugins/token_map.py) the logits come from a copy of the hot rows of the target's
-LM head only, -inf elsewhere (EAGLE-3 refuses the option: it has its own draft vocabulary).
+LM head only: greedy drafts are the argmax over those hot logits mapped through the hot ids,
+sampled drafts use full-vocabulary rows with -inf elsewhere (EAGLE-3 refuses the option: it has
+its own draft vocabulary, handled the same way).
 
 EAGLE-3 (``architectures: ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``)::
 
@@ -25,6 +27,10 @@ EAGLE-3 (``architectures: ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``)::
 ``a, b, c`` are the target's residual stream entering decoder layers ``aux_hidden_layers``
 (default ``(2, L // 2, L - 3)`` as in the EAGLE repo and vLLM, which both capture the hidden state
 *entering* those layers). Later draft steps feed the pre-norm ``x`` back in place of ``g``.
+Greedy drafts are the argmax over the draft vocabulary mapped to a target id (the token the
+argmax of the full-vocabulary row gives, ties included, when the target ids ascend with the draft
+ids, as the EAGLE-3 scripts write d2t; otherwise through the full row); sampled drafts use
+full-vocabulary rows, -inf outside the draft vocabulary.
 
 Checkpoint keys (one folder: ``config.json`` plus ``model.safetensors``, ``pytorch_model.bin``
 or their sharded ``*.index.json`` forms; a ``model.`` prefix on any key is ignored, and
@@ -112,7 +118,13 @@ from speculant.plugins.mlp_speculator import (
     target_hidden_size,
     to_device_async,
 )
-from speculant.plugins.token_map import HotHead, TokenMapError, load_token_map, scatter_hot
+from speculant.plugins.token_map import (
+    HotHead,
+    TokenMapError,
+    hot_argmax,
+    load_token_map,
+    scatter_hot,
+)
 from speculant.spec_registry import StrategyError
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
 
@@ -512,6 +524,14 @@ class _EagleBase:
             return self.hot(x)
         return self.target.compute_logits(x)
 
+    def _greedy(self, x: torch.Tensor) -> torch.Tensor:  # [rows, H] -> [rows] int64 token ids
+        """``row_argmax(self._logits(x))``; with a token map the argmax over the hot logits
+        mapped through the hot ids (``HotHead.greedy``: no [rows, vocab] row). Device-side only:
+        the captured greedy loops run it."""
+        if self.hot is not None:
+            return self.hot.greedy(x)  # [rows, N] -> [rows]
+        return row_argmax(self.target.compute_logits(x))  # [rows, vocab] -> [rows]
+
     # ----------------------------------------------------------------- hooks
     @hookimpl
     def on_requests_finished(self, seq_ids: list[int]) -> None:
@@ -610,7 +630,8 @@ class _EagleBase:
         else:
             ints = _stage_ints([self._chain_ints(rows, K, len(rows), W)], feats.device)[0]
             ctx_lists = [[p.n - p.st.offset + j for p in rows] for j in range(K - 1)]
-            toks = self._chain(ints, x, K, W, sampler, ctx_lists)  # [len(active), K]
+            choose = None if sampler.all_greedy else sampler  # all greedy: no q to keep
+            toks = self._chain(ints, x, K, W, choose, ctx_lists)  # [len(active), K]
         row_ids = [p.i for p in rows]
         drafts = split_drafts(toks, row_ids, [p.k for p in rows], B)
         return Proposal(token_ids=drafts, probs=sampler.probs(row_ids, B, self.ctx.vocab_size))
@@ -641,9 +662,12 @@ class _EagleBase:
         x: torch.Tensor,  # [Bp, H] the draft state that predicts each row's first draft
         K: int,
         W: int,
-        choose,  # (step, logits [Bp, vocab] float32) -> tokens [Bp] int64
+        sampler: DraftSampler | None,  # the draft sampler; None: every row greedy
         ctx_lists: list[list[int]] | None = None,  # context lengths per step (torch path)
     ) -> torch.Tensor:  # [Bp, K] draft tokens
+        """K draft steps from the draft states ``x``: each step's tokens are ``sampler``'s choice
+        from full-vocabulary logits, or with no sampler (every row greedy) ``_greedy``'s argmax,
+        which needs no full-vocabulary row with a token map or a draft vocabulary."""
         Bp, S, bs = x.shape[0], K - 1, self.cache.block_size
         o = 3 * S * Bp
         pos = ints[: S * Bp].view(S, Bp)
@@ -653,7 +677,10 @@ class _EagleBase:
         tables = ints[o + Bp + 1 : o + Bp + 1 + Bp * W].view(Bp, W).to(torch.int32)
         out = []
         for j in range(K):
-            tok = choose(j, self._logits(x))  # [Bp]
+            if sampler is None:
+                tok = self._greedy(x)  # [Bp]
+            else:
+                tok = sampler(j, self._logits(x))  # [Bp]
             out.append(tok)
             if j + 1 == K:
                 break
@@ -690,11 +717,8 @@ class _EagleBase:
         ints_buf.copy_(_stage_ints([self._chain_ints(rows, K, Bp, W)], dev)[0])
         x_buf[:A].copy_(x)
 
-        def greedy(j: int, logits: torch.Tensor) -> torch.Tensor:
-            return row_argmax(logits)
-
         def fn(ints, xs):
-            return self._chain(ints, xs, K, W, greedy)
+            return self._chain(ints, xs, K, W, None)  # greedy
 
         out = self.graphs.replay(key, fn)
         if out is None:  # the capture failed: eagerly
@@ -849,11 +873,16 @@ class Eagle3Strategy(_EagleBase):
         if t2d is not None and tuple(t2d[1].shape) != (V,):
             raise StrategyError(f"{t2d[0]}: t2d has shape {tuple(t2d[1].shape)}, expected ({V},)")
         self.draft.d2t = offsets.to(self.ctx.device)
-        self.targets = torch.arange(Vd, device=self.ctx.device) + self.draft.d2t
-        if len(set(self.targets.tolist())) != Vd:
+        targets = torch.arange(Vd) + offsets  # [Vd] on the CPU
+        self.targets = targets.to(self.ctx.device)
+        if len(set(targets.tolist())) != Vd:
             raise StrategyError(f"{self.folder}: d2t maps two draft ids to the same target id")
         # decided once here: a device read per draft step would stall the draft loop
         self.identity_vocab = Vd == V and not bool(offsets.any())
+        # greedy drafts map the draft argmax through the targets (hot_argmax) when they ascend,
+        # as the EAGLE-3 scripts write d2t: then ties resolve to the lowest target id, as the
+        # full row's argmax does
+        self.ascending_targets = bool((targets[1:] > targets[:-1]).all())
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.draft.embed_tokens is not None:
@@ -863,16 +892,29 @@ class Eagle3Strategy(_EagleBase):
     def _features(self, batch: SpecBatch) -> torch.Tensor | None:
         return batch.aux_hidden_states
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _draft_logits(self, x: torch.Tensor) -> torch.Tensor:  # [rows, H] -> [rows, Vd] fp32
         d = self.draft
         if fused.gemv_enabled(x) and x.stride(-1) == 1:  # one row on CUDA: the norm fused
-            small = gemv(x, d.lm_head.weight, prologue="rmsnorm", norm_weight=d.norm.weight,
-                         eps=d.norm.eps).float()  # [1, draft_vocab]
-        else:
-            small = d.lm_head(d.norm(x)).float()  # [rows, draft_vocab]
+            return gemv(
+                x, d.lm_head.weight, prologue="rmsnorm", norm_weight=d.norm.weight, eps=d.norm.eps
+            ).float()  # [1, draft_vocab]
+        return d.lm_head(d.norm(x)).float()  # [rows, draft_vocab]
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:  # [rows, H] -> [rows, vocab] fp32
+        small = self._draft_logits(x)  # [rows, draft_vocab]
         if self.identity_vocab:
             return small
         return scatter_hot(small, self.targets, self.ctx.vocab_size)  # [rows, vocab]
+
+    def _greedy(self, x: torch.Tensor) -> torch.Tensor:  # [rows, H] -> [rows] int64 token ids
+        """``row_argmax(self._logits(x))`` over the draft vocabulary only, mapped to target ids
+        (``hot_argmax``), when the target ids ascend; else through the full row."""
+        small = self._draft_logits(x)  # [rows, draft_vocab]
+        if self.identity_vocab:
+            return row_argmax(small)
+        if self.ascending_targets:
+            return hot_argmax(small, self.targets)
+        return row_argmax(scatter_hot(small, self.targets, self.ctx.vocab_size))
 
 
 @hookimpl

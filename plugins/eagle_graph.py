@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from speculant.engine.attention import AttentionMetadata, ForwardContext
-from speculant.kernels.logprobs import row_argmax
 from speculant.plugins.mlp_speculator import bucket, to_device_async
 
 QUERY_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)  # catch-up rows per sequence: 1..k+1 normally
@@ -160,8 +159,6 @@ def propose_graph(
     fctx = ForwardContext(meta=meta, kv_caches=strat.cache.kv_caches)
     out = strat.draft(strat._embed(ids), feats, pos, fctx, True)  # [M, H]
     x = out.index_select(0, last)  # [Bp, H] the draft state of each row's last position
-
-    def greedy(j: int, logits: torch.Tensor) -> torch.Tensor:  # [Bp, vocab] -> [Bp]
-        return row_argmax(logits)
-
-    return strat._chain(chain, x, K, W, greedy)
+    # greedy steps (no sampler): the argmax over the hot / draft-vocabulary logits when the
+    # strategy has a token map or a draft vocabulary (_greedy), no full-vocabulary rows
+    return strat._chain(chain, x, K, W, None)

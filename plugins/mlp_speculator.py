@@ -30,7 +30,8 @@ after the request's temperature / top-k / top-p / min-p and pass those probabili
 the rejection sampler, so the output distribution stays exactly the target's.
 
 With the option ``token_map`` (a file of hot token ids, plugins/token_map.py) every head keeps
-only the hot rows and the other tokens get logit -inf (q = 0 for them).
+only the hot rows: greedy drafts are the argmax over the hot logits mapped through the hot ids,
+sampled drafts use full-vocabulary rows where the other tokens get logit -inf (q = 0 for them).
 
 ``num_speculative_tokens`` defaults to ``n_predict``. Larger values must be multiples of
 ``n_predict``: with ``tie_weights`` the recurrence simply continues with the shared stage (the
@@ -63,7 +64,7 @@ from torch import nn
 from speculant import hookimpl
 from speculant.kernels.logprobs import row_argmax
 from speculant.models import fused
-from speculant.plugins.token_map import TokenMapError, load_token_map, scatter_hot
+from speculant.plugins.token_map import TokenMapError, hot_argmax, load_token_map, scatter_hot
 from speculant.spec_registry import StrategyError
 from speculant.spec_types import Proposal, SpecBatch, SpecSequence, StrategyContext
 
@@ -401,10 +402,12 @@ class MLPSpeculatorModel(nn.Module):
         self.hot_ids: torch.Tensor | None = None  # [N] int64: the token map (restrict_heads)
 
     def restrict_heads(self, ids: torch.Tensor) -> None:
-        """Keep only the rows ``ids`` [N] (a token map, sorted) of every stage's head, as
-        contiguous copies [N, inner] that replace the full heads (which are freed); ``stage``
-        then scatters the N logits into full-vocabulary rows of -inf."""
-        self.hot_ids = ids.to(device=self.head[0].weight.device, dtype=torch.long)
+        """Keep only the rows ``ids`` [N] (a token map; sorted here if not) of every stage's
+        head, as contiguous copies [N, inner] that replace the full heads (which are freed);
+        ``stage_head`` then gives the N hot logits, ``greedy`` maps their argmax through the hot
+        ids and ``expand`` (``stage``) scatters them into full-vocabulary rows of -inf."""
+        ids = torch.unique(ids.detach().to(device="cpu", dtype=torch.long))  # [N] ascending
+        self.hot_ids = ids.to(device=self.head[0].weight.device)
         with torch.no_grad():
             for head in self.head:
                 w = head.weight.detach().index_select(0, self.hot_ids).contiguous()  # [N, inner]
@@ -428,18 +431,37 @@ class MLPSpeculatorModel(nn.Module):
             state = self.ln0(state) / math.sqrt(2.0)
         return state
 
+    def stage_head(
+        self, j: int, state: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """state [rows, emb_dim or inner], tokens [rows] -> (new state [rows, inner], the head's
+        logits fp32: [rows, vocab], or with a token map [rows, N] over the hot ids)."""
+        emb, proj, ln, head = self.stage_modules(j)
+        z = emb(tokens) * self.emb_scale
+        state = F.gelu(ln(fused.linear(state, proj.weight, proj.bias) * self.state_weight + z))
+        return state, fused.linear(state, head.weight, head.bias).float()  # [rows, vocab or N]
+
+    def expand(self, logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab or N] -> [rows, vocab]
+        """The head's logits as full-vocabulary rows (with a token map: -inf outside the hot
+        ids), for the draft probabilities of sampled requests."""
+        if self.hot_ids is None:
+            return logits
+        return scatter_hot(logits, self.hot_ids, self.vocab_size)
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab or N] -> [rows] int64
+        """``row_argmax(expand(logits))``: with a token map the argmax over the N hot logits
+        mapped through the hot ids (``hot_argmax``: no full-vocabulary row). Device-side only."""
+        if self.hot_ids is None:
+            return row_argmax(logits)
+        return hot_argmax(logits, self.hot_ids)
+
     def stage(
         self, j: int, state: torch.Tensor, tokens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """state [rows, emb_dim or inner], tokens [rows] -> (new state [rows, inner], logits
         [rows, vocab] fp32; with a token map -inf outside the hot ids)."""
-        emb, proj, ln, head = self.stage_modules(j)
-        z = emb(tokens) * self.emb_scale
-        state = F.gelu(ln(fused.linear(state, proj.weight, proj.bias) * self.state_weight + z))
-        logits = fused.linear(state, head.weight, head.bias).float()  # [rows, vocab or N]
-        if self.hot_ids is None:
-            return state, logits
-        return state, scatter_hot(logits, self.hot_ids, self.vocab_size)
+        state, logits = self.stage_head(j, state, tokens)
+        return state, self.expand(logits)
 
 
 _KEY = re.compile(r"^(emb|proj|head|ln)\.(\d+)\.(weight|bias)$")
@@ -619,7 +641,8 @@ class MLPSpeculatorStrategy:
             out = self._greedy_graph(state, tokens, K)  # [rows, K]
         else:
             tok_t = to_device_async(tokens, torch.long, dev)  # [rows]
-            out = self._stages(state, tok_t, K, sampler)  # [rows, K]
+            choose = None if sampler.all_greedy else sampler  # all greedy: no q to keep
+            out = self._stages(state, tok_t, K, choose)  # [rows, K]
         drafts = split_drafts(out, rows, want, B)
         return Proposal(token_ids=drafts, probs=sampler.probs(rows, B, self.ctx.vocab_size))
 
@@ -628,15 +651,21 @@ class MLPSpeculatorStrategy:
         state: torch.Tensor,
         tokens: torch.Tensor,
         K: int,
-        choose: Callable[[int, torch.Tensor], torch.Tensor],
+        sampler: DraftSampler | None,
     ) -> torch.Tensor:
         """state [rows, emb_dim] (the target's state that produced ``tokens`` [rows]) -> the
-        draft tokens of K stages [rows, K]; ``choose(j, logits)`` picks stage j's tokens."""
-        state = self.model.prepare_state(state.to(self.ctx.dtype))
+        draft tokens of K stages [rows, K]; ``sampler(j, logits [rows, vocab])`` picks stage j's
+        tokens, or with no sampler (every row greedy) the model's ``greedy`` argmax, which with
+        a token map needs no full-vocabulary row."""
+        model = self.model
+        state = model.prepare_state(state.to(self.ctx.dtype))
         out = []
         for j in range(K):
-            state, logits = self.model.stage(j, state, tokens)  # logits [rows, vocab] float32
-            tokens = choose(j, logits)  # [rows]
+            state, logits = model.stage_head(j, state, tokens)  # [rows, vocab or N] float32
+            if sampler is None:
+                tokens = model.greedy(logits)  # [rows]
+            else:
+                tokens = sampler(j, model.expand(logits))  # [rows]
             out.append(tokens)
         return torch.stack(out, dim=1)  # [rows, K]
 
@@ -656,11 +685,8 @@ class MLPSpeculatorStrategy:
         st_buf[:n].copy_(state)
         tok_buf[:n].copy_(to_device_async(tokens, torch.long, dev))
 
-        def greedy(j: int, logits: torch.Tensor) -> torch.Tensor:
-            return row_argmax(logits)
-
         def fn(st, tok):
-            return self._stages(st, tok, K, greedy)
+            return self._stages(st, tok, K, None)  # greedy
 
         out = self.graphs.replay(key, fn)
         if out is None:  # the capture failed: eagerly

@@ -3,9 +3,12 @@ SGLang's ``--speculative-token-map``).
 
 A token map is the set of the N most frequent token ids of a corpus ("hot" tokens). A proposer
 with the option ``token_map`` (EAGLE-1, MLPSpeculator, draft model) computes its LM head over
-those N rows only, a contiguous copy ``[N, H]`` of the head's hot rows made once at load time,
-and scatters the N logits into a full-vocabulary row of -inf. At Llama-3 scale (vocab 128256,
-N = 32768) that reads a quarter of the head per draft token. Speculation stays lossless: the
+those N rows only, a contiguous copy ``[N, H]`` of the head's hot rows made once at load time.
+Greedy drafting takes the argmax over the N hot logits and maps it through the hot ids
+(``hot_argmax``: the token the full-row argmax would give, ties included); where draft
+probabilities are needed (sampled requests) the N logits are scattered into a full-vocabulary
+row of -inf (``scatter_hot``). At Llama-3 scale (vocab 128256, N = 32768) that reads a quarter of
+the head per draft token. Speculation stays lossless: the
 target verifies every draft; greedy output is unchanged token for token, and sampled output
 follows the target distribution (the draft distribution q is simply 0 outside the hot set,
 which rejection sampling handles). Only acceptance can drop, for tokens outside the hot set.
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculant.kernels.gemv import gemv
+from speculant.kernels.logprobs import row_argmax
 from speculant.models import fused
 from speculant.models.layers import CpuLinear
 
@@ -396,15 +400,32 @@ def scatter_hot(
     vocab_size: int,
 ) -> torch.Tensor:  # [rows, vocab] float32, -inf outside the hot ids
     """Hot logits into full-vocabulary rows of -inf (as EAGLE-3 maps its draft vocabulary), so
-    argmax and the draft sampler work unchanged and give the other tokens probability 0."""
+    the draft sampler works unchanged and gives the other tokens probability 0. Greedy drafting
+    needs no full row: ``hot_argmax``."""
     full = small.new_full((small.shape[0], vocab_size), -math.inf)
     return full.scatter_(1, ids.expand(small.shape[0], -1), small)
+
+
+def hot_argmax(
+    small: torch.Tensor,  # [rows, N] float32: logits of the hot ids
+    ids: torch.Tensor,  # [N] int64 on small's device: the hot ids, strictly ascending
+) -> torch.Tensor:  # [rows] int64: token ids in [0, vocab)
+    """The greedy draft token of each row: ``ids[argmax(small)]``, which is
+    ``row_argmax(scatter_hot(small, ids, vocab))`` without the [rows, vocab] fill, scatter and
+    vocab-wide argmax. Equal on ties too: the argmax returns the first (lowest) index among the
+    maxima, and with ascending ids the lowest hot index is the lowest token id, which is what
+    the full row's argmax returns (the -inf outside the hot ids never wins against a hot logit).
+    The one difference: a row whose hot logits are all -inf gives ``ids[0]`` instead of token 0.
+    Device-side only (no host sync, fixed shapes): safe inside a captured CUDA graph."""
+    return ids.index_select(0, row_argmax(small))
 
 
 class HotHead:
     """An LM head restricted to a token map: a contiguous copy of the hot rows ``[N, H]`` of
     ``weight`` ``[vocab, H]`` (made once, in the weight's dtype and device) and the logits
-    scatter. ``__call__(x)`` equals ``F.linear(x, weight)`` on the hot ids and -inf elsewhere.
+    scatter. ``__call__(x)`` equals ``F.linear(x, weight)`` on the hot ids and -inf elsewhere (for
+    draft probabilities); ``greedy(x)`` is the argmax token of that row, taken over the N hot
+    logits only (``hot_argmax``).
 
     One row on CUDA runs the GEMV kernel (as ``Eagle3Strategy._logits``), else a matmul; on the
     CPU, when ``like`` (the full head) was prepared for the CPU products (a ``CpuLinear``), the
@@ -413,7 +434,7 @@ class HotHead:
     def __init__(
         self,
         weight: torch.Tensor,  # [vocab, H]: the full head's weight
-        ids: torch.Tensor,  # [N] int64: the hot ids (load_token_map)
+        ids: torch.Tensor,  # [N] int64: the hot ids (load_token_map; sorted here if not)
         vocab_size: int,
         like: nn.Module | None = None,
     ) -> None:
@@ -422,7 +443,9 @@ class HotHead:
                 f"the LM head has shape {tuple(weight.shape)}, expected [{vocab_size}, hidden]"
             )
         self.vocab_size = vocab_size
-        self.ids = ids.to(device=weight.device, dtype=torch.long)  # [N]
+        # ascending and distinct (hot_argmax's tie order relies on it): sorted here, once
+        ids = torch.unique(ids.detach().to(device="cpu", dtype=torch.long))  # [N]
+        self.ids = ids.to(device=weight.device)  # [N]
         with torch.no_grad():
             w = weight.detach().index_select(0, self.ids).contiguous()  # [N, H]
         self.linear: nn.Linear | None = None
@@ -449,3 +472,7 @@ class HotHead:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [rows, H] -> [rows, vocab] float32
         return scatter_hot(self.small(x), self.ids, self.vocab_size)
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:  # [rows, H] -> [rows] int64 token ids
+        """``row_argmax(self(x))`` without the full-vocabulary row (``hot_argmax``)."""
+        return hot_argmax(self.small(x), self.ids)  # [rows, N] -> [rows]

@@ -3,28 +3,50 @@ and its errors, the builder and the ``speculant token-map`` command, and the ``t
 EAGLE-1, MLPSpeculator and draft_model on tiny random checkpoints (tests/checkpoints.py): greedy
 output identical to plain decoding, every draft inside the hot set (in the eager path and in the
 one-graph greedy propose run eagerly on the CPU), sampled runs with q = 0 outside the hot set,
-and hot logits equal to the full head's logits restricted to the hot ids."""
+and hot logits equal to the full head's logits restricted to the hot ids. Greedy drafting takes
+the argmax over the hot logits and maps it through the hot ids (``hot_argmax``): the token the
+argmax of the -inf-filled full-vocabulary row gives, ties included, checked on tie-laden logits,
+in every strategy (EAGLE-3's draft vocabulary too) and against runs that draft with the full
+rows."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from checkpoints import H, make_eagle1, make_mlp
+from checkpoints import (
+    H,
+    eagle3_tensors,
+    llama_config,
+    make_eagle1,
+    make_eagle3,
+    make_mlp,
+    target_embedding,
+    write_checkpoint,
+)
 from test_eagle_graph import _kernel_attention
+from torch import nn
 
 import speculant.engine.attention as attention_mod
+import speculant.plugins.eagle as eagle_mod
+import speculant.plugins.mlp_speculator as mlp_mod
+import speculant.plugins.token_map as token_map_mod
 from speculant import LLM, SamplingParams
 from speculant.cli import main
+from speculant.kernels.logprobs import row_argmax
 from speculant.plugins.token_map import (
+    HotHead,
     TokenMapError,
     build_token_map,
     count_tokens,
+    hot_argmax,
     load_token_map,
+    scatter_hot,
     special_token_ids,
 )
 from speculant.spec_registry import StrategyError
@@ -259,6 +281,8 @@ def heads(target, tmp_path_factory) -> dict[str, dict]:
         "eagle": {"model": str(make_eagle1(d / "e1", target, V, "safetensors", seed=2, copy=True))},
         "mlp_speculator": {"model": str(make_mlp(d / "mlp", emb_dim=H, vocab=V, seed=3))},
         "draft_model": {"model": str(target)},  # the target as its own draft
+        # no token_map: its own draft vocabulary (40 of the 64 ids, ascending, mapped by d2t)
+        "eagle3": {"model": str(make_eagle3(d / "e3", V, 40, seed=3, target=target))},
     }
 
 
@@ -384,9 +408,265 @@ def test_bad_token_map_options(target, heads, tmp_path):
 
 
 def test_eagle3_refuses_a_token_map(target, tmp_path, hot_file):
-    from checkpoints import make_eagle3
-
     e3 = make_eagle3(tmp_path / "e3", V, 40, "safetensors", seed=3)
     with pytest.raises(StrategyError, match=r"token_map is not supported for EAGLE-3: .* d2t"):
         LLM(model=str(target), skip_tokenizer_init=True, device="cpu",
             speculative_config={"model": str(e3), "token_map": str(hot_file)})  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# greedy drafting over the hot logits: hot_argmax is the argmax of the full -inf-filled row
+# --------------------------------------------------------------------------------------------
+def _full_row_argmax(small: torch.Tensor, ids: torch.Tensor, vocab: int = V) -> torch.Tensor:
+    """What greedy drafting computed before hot_argmax: [rows, N] -> [rows] via [rows, vocab]."""
+    return row_argmax(scatter_hot(small, ids, vocab))
+
+
+def test_hot_argmax_by_hand():
+    ids = torch.tensor([3, 7, 9, 20])  # [N] ascending
+    small = torch.tensor(
+        [
+            [1.0, 5.0, 5.0, 2.0],  # 7 and 9 tie: the lower id
+            [4.0, 4.0, 4.0, 4.0],  # all tie: 3
+            [0.0, 1.0, 2.0, 2.0],  # 9 and 20 tie: 9
+            [-1.0, -3.0, -2.0, -1.0],  # 3 and 20 tie: 3
+            [0.0, 0.0, 1.0, 0.0],  # 9 alone (hot index 2: the token id, not the index)
+        ]
+    )  # [rows, N]
+    want = [7, 3, 9, 3, 9]
+    got = hot_argmax(small, ids)
+    assert got.dtype == torch.int64 and got.tolist() == want
+    assert _full_row_argmax(small, ids, 32).tolist() == want
+    # a map without the full head's argmax (11): the best hot token, as the -inf row gives
+    full = torch.full((1, 32), -5.0)
+    full[0, 11] = 9.0
+    full[0, ids] = torch.tensor([1.0, 2.0, 2.0, 0.0])
+    assert row_argmax(full).tolist() == [11]
+    assert hot_argmax(full[:, ids], ids).tolist() == [7]
+    assert _full_row_argmax(full[:, ids], ids, 32).tolist() == [7]
+    # the one documented difference: hot logits all -inf (the full row's argmax is token 0)
+    assert hot_argmax(torch.full((1, 4), -math.inf), ids).tolist() == [3]
+
+
+@pytest.mark.parametrize("n", [1, 5, 32, 63])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_hot_argmax_is_the_full_row_argmax_with_ties(n, seed):
+    g = torch.Generator().manual_seed(100 * seed + n)
+    ids = torch.randperm(V, generator=g)[:n].sort().values  # [n] ascending
+    cold = next(i for i in range(V) if i not in set(ids.tolist()))
+    full = torch.randint(-3, 3, (300, V), generator=g).float()  # [rows, V]: 6 values, many ties
+    full[:, cold] = 9.0  # the full head's argmax, outside the map
+    small = full[:, ids].contiguous()  # [rows, n]
+    got = hot_argmax(small, ids)
+    assert got.shape == (300,) and got.dtype == torch.int64
+    assert torch.equal(got, _full_row_argmax(small, ids))
+    top = small == small.max(-1, keepdim=True).values  # [rows, n]: the maxima of each row
+    if n > 1:
+        assert int((top.sum(-1) > 1).sum()) > 50  # the premise: plenty of tied rows
+    assert got.tolist() == [int(ids[t].min()) for t in top]  # the lowest tied id
+    assert cold not in got.tolist()
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["plain", "cpu_linear"])
+@torch.inference_mode()
+def test_hot_head_greedy_is_the_argmax_of_its_full_rows(prepared):
+    """HotHead.greedy == row_argmax(HotHead(x)) on integer weights and states (exact products:
+    ties are exact whatever the summation order), with duplicated hot rows and cold rows that
+    hold most rows' full-head argmax; the ids are sorted whatever order they come in."""
+    g = torch.Generator().manual_seed(7)
+    hd, rows = 16, 64
+    w = torch.randint(-2, 3, (V, hd), generator=g).float()  # [V, hd]
+    w[HOT[4]] = w[HOT[9]] = w[HOT[2]]  # duplicated hot rows: exact ties
+    w[HOT[30]] = w[HOT[11]]
+    w[COLD] *= 4
+    x = torch.randint(-2, 3, (rows, hd), generator=g).float()  # [rows, hd]
+    like = None
+    if prepared:  # the CPU-prepared copy (as a loaded target's lm_head)
+        from speculant.models.loader import prepare_cpu_linears
+
+        like = nn.Linear(hd, V, bias=False)
+        like.weight = nn.Parameter(w.clone(), requires_grad=False)
+        prepare_cpu_linears(like)
+    head = HotHead(w, torch.tensor(HOT[::-1]), V, like=like)
+    assert head.ids.tolist() == HOT
+    small = head.small(x)  # [rows, N]
+    got = head.greedy(x)  # [rows]
+    assert torch.equal(got, row_argmax(head(x)))
+    top = small == small.max(-1, keepdim=True).values
+    assert int((top.sum(-1) > 1).sum()) >= 5  # tied rows
+    assert got.tolist() == [HOT[int(t.nonzero()[0])] for t in top]
+    outside = torch.isin(row_argmax(x @ w.T), torch.tensor(COLD))  # the map misses the argmax
+    assert int(outside.sum()) > rows // 2
+    assert not bool(torch.isin(got, torch.tensor(COLD)).any())
+
+
+STRATEGIES = [*METHODS, "eagle3"]
+LIVE = [0, 1, 7]  # the head rows (hot / draft-vocabulary index) left random by _tie_heads
+
+
+def _tie_pattern(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """[rows, cols] head rows, zero but ``LIVE`` (random). A zero row's logit is exactly 0 for
+    any input, so wherever the live rows' logits are all negative the argmax is an exact tie of
+    every zero row, whose lowest id (index 2, not 0) must win."""
+    w = torch.zeros(rows, cols)
+    w[LIVE] = torch.randn(len(LIVE), cols, generator=g)
+    return w
+
+
+@torch.no_grad()
+def _tie_heads(strat, method: str, seed: int = 11) -> torch.Tensor | None:
+    """Give the strategy's drafting head tie-laden hot rows (``_tie_pattern``). EAGLE-1 and the
+    draft model: a new HotHead over a full head [V, H] whose cold rows are large (returned: the
+    full head's argmax is mostly outside the map); MLPSpeculator: every stage's hot head;
+    EAGLE-3: its draft-vocabulary head."""
+    g = torch.Generator().manual_seed(seed)
+    if method in ("eagle", "draft_model"):
+        w = torch.randn(V, H, generator=g) * 4  # [V, H]
+        w[HOT] = _tie_pattern(len(HOT), H, g)
+        like = strat.model.lm_head if method == "draft_model" else strat.target.lm_head
+        strat.hot = HotHead(w.to(like.weight.dtype), torch.tensor(HOT), V, like=like)
+        return w
+    heads = strat.model.head if method == "mlp_speculator" else [strat.draft.lm_head]
+    for head in heads:
+        head.weight.copy_(_tie_pattern(*head.weight.shape, g))  # [N or draft vocab, inner]
+    return None
+
+
+def _lowest_zero_row(strat, method: str) -> int:
+    return int(strat.targets[2]) if method == "eagle3" else HOT[2]
+
+
+def _strategy(target, heads, hot_file, method: str):
+    token_map = None if method == "eagle3" else hot_file
+    return _llm(target, heads, method, token_map).engine.spec.strategy
+
+
+@pytest.mark.parametrize("method", STRATEGIES)
+@torch.inference_mode()
+def test_greedy_choice_is_the_full_row_argmax_with_ties(target, heads, hot_file, method):
+    """Each strategy's greedy choice (draft_greedy, _greedy, MLPSpeculatorModel.greedy) on
+    tie-laden heads equals the argmax of the full-vocabulary rows its sampled path uses."""
+    strat = _strategy(target, heads, hot_file, method)
+    w = _tie_heads(strat, method)
+    rows = 96
+    g = torch.Generator().manual_seed(5)
+    if method == "draft_model":
+        x = torch.randn(rows, H, generator=g)  # [rows, H] final hidden states
+        got, full = strat.draft_greedy(x), strat.draft_logits(x)
+    elif method == "mlp_speculator":
+        model = strat.model
+        state = model.prepare_state(torch.randn(rows, H, generator=g))
+        toks = torch.randint(0, V, (rows,), generator=g)  # [rows]
+        got, full = [], []
+        for j in range(3):  # every stage's head
+            state, small = model.stage_head(j, state, toks)  # [rows, N]
+            assert small.shape == (rows, len(HOT))
+            got.append(model.greedy(small))
+            full.append(model.expand(small))  # [rows, V]
+            toks = got[-1]
+        got, full = torch.cat(got), torch.cat(full)
+    else:
+        x = torch.randn(rows, strat.draft.lm_head.weight.shape[1] if method == "eagle3" else H,
+                        generator=g)  # fmt: skip
+        got, full = strat._greedy(x), strat._logits(x)
+    assert full.shape[1] == V and got.dtype == torch.int64 and got.shape == full.shape[:1]
+    assert torch.equal(got, row_argmax(full))
+    tied = (full == full.max(-1, keepdim=True).values).sum(-1) > 1  # the premise: exact ties
+    assert int(tied.sum()) >= 3, int(tied.sum())
+    assert set(got[tied].tolist()) == {_lowest_zero_row(strat, method)}
+    if w is not None:  # the map leaves out the full head's argmax of most rows
+        outside = torch.isin(row_argmax(x @ w.T), torch.tensor(COLD))
+        assert int(outside.sum()) > rows // 2
+        assert not bool(torch.isin(got, torch.tensor(COLD)).any())
+
+
+def _full_row_greedy(strat, method: str) -> list[int]:
+    """Make ``strat`` draft greedily as before hot_argmax (row_argmax over full-vocabulary
+    rows). Returns a list that counts the tied rows it sees."""
+    ties = [0]
+
+    def choose(full: torch.Tensor) -> torch.Tensor:  # [rows, V] -> [rows]
+        ties[0] += int(((full == full.max(-1, keepdim=True).values).sum(-1) > 1).sum())
+        return row_argmax(full)
+
+    if method == "draft_model":
+        strat.draft_greedy = lambda h: choose(strat.draft_logits(h))
+    elif method == "mlp_speculator":
+        strat.model.greedy = lambda logits: choose(strat.model.expand(logits))
+    else:
+        strat._greedy = lambda x: choose(strat._logits(x))
+    return ties
+
+
+def _no_full_rows(*args, **kw):
+    raise AssertionError("greedy drafting built a full-vocabulary row (scatter_hot)")
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "one_graph"])
+@pytest.mark.parametrize("method", STRATEGIES)
+def test_greedy_drafts_equal_full_row_argmax_drafts(target, heads, hot_file, plain, method, graph,
+                                                     monkeypatch):  # fmt: skip
+    """Whole greedy runs on tie-laden heads, in the eager path and in the one-graph greedy
+    propose (draft_graph.py, eagle_graph.py, the MLPSpeculator's and EAGLE's greedy graphs, run
+    eagerly on the CPU): every draft of every step equals that of a run taking the argmax of
+    full-vocabulary rows, and the greedy run builds no full-vocabulary row at all."""
+    if graph:
+        monkeypatch.setattr(attention_mod, "attention", _kernel_attention)
+    runs = []
+    for old in (False, True):
+        llm = _llm(target, heads, method, None if method == "eagle3" else hot_file)
+        strat = llm.engine.spec.strategy
+        _tie_heads(strat, method)
+        calls: list = []
+        if graph:
+            if method == "draft_model":
+                strat.model._cpu_plan = False  # the layers' path, attention through attend()
+            graphs = strat.graphs
+            graphs.enabled = True
+
+            def replay(key, fn, graphs=graphs, calls=calls):  # "capture": run fn on the inputs
+                calls.append(key)
+                return fn(*graphs.inputs[key])
+
+            monkeypatch.setattr(graphs, "replay", replay)
+        ties = _full_row_greedy(strat, method) if old else None
+        seen = _spy(llm)
+        with monkeypatch.context() as m:
+            if not old:
+                for mod in (token_map_mod, mlp_mod, eagle_mod):
+                    m.setattr(mod, "scatter_hot", _no_full_rows)
+            out = _ids(llm, _greedy())
+        assert bool(calls) == graph
+        runs.append((out, [p.token_ids for p in seen], ties))
+    (new, new_drafts, _), (ref, ref_drafts, ties) = runs
+    assert new == ref
+    if not graph:
+        assert new == plain  # lossless
+    assert new_drafts == ref_drafts  # draft for draft
+    assert any(t for step in new_drafts for t in step)
+    assert ties[0] > 0, "no tied row in the reference run: the ties went untested"
+
+
+@torch.inference_mode()
+def test_eagle3_draft_vocabulary_out_of_order(target, tmp_path):
+    """An EAGLE-3 d2t whose target ids do not ascend with the draft ids (the EAGLE-3 scripts
+    write them ascending): mapping the first maximum's draft index would not give the lowest
+    target id, so greedy drafting goes through the full row there and still equals its argmax."""
+    t = eagle3_tensors(V, 40, 3, embedding=target_embedding(target))
+    sel = torch.arange(40) + t["d2t"]
+    t["d2t"] = sel.flip(0) - torch.arange(40)  # descending target ids
+    cfg = llama_config(V, 1, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=40)
+    e3 = write_checkpoint(tmp_path / "e3", cfg, t, "safetensors")
+    llm = LLM(model=str(target), skip_tokenizer_init=True, device="cpu", max_num_seqs=4,
+              speculative_config={"model": str(e3), "num_speculative_tokens": K})  # fmt: skip
+    strat = llm.engine.spec.strategy
+    assert strat.name == "eagle3" and not strat.ascending_targets
+    _tie_heads(strat, "eagle3")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(96, strat.draft.lm_head.weight.shape[1], generator=g)  # [rows, H]
+    got, full = strat._greedy(x), strat._logits(x)
+    assert torch.equal(got, row_argmax(full))
+    tied = (full == full.max(-1, keepdim=True).values).sum(-1) > 1
+    assert int(tied.sum()) >= 3
+    # hot_argmax's premise fails here: it would pick the highest target id of the tie
+    assert not torch.equal(hot_argmax(strat._draft_logits(x), strat.targets)[tied], got[tied])
