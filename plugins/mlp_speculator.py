@@ -64,7 +64,13 @@ from torch import nn
 from speculant import hookimpl
 from speculant.kernels.logprobs import row_argmax
 from speculant.models import fused
-from speculant.plugins.token_map import TokenMapError, hot_argmax, load_token_map, scatter_hot
+from speculant.plugins.token_map import (
+    TokenMapError,
+    ascending_ids,
+    hot_argmax,
+    load_token_map,
+    scatter_hot,
+)
 from speculant.spec_registry import StrategyError
 from speculant.spec_types import Proposal, SpecBatch, SpecSequence, StrategyContext
 
@@ -406,8 +412,7 @@ class MLPSpeculatorModel(nn.Module):
         head, as contiguous copies [N, inner] that replace the full heads (which are freed);
         ``stage_head`` then gives the N hot logits, ``greedy`` maps their argmax through the hot
         ids and ``expand`` (``stage``) scatters them into full-vocabulary rows of -inf."""
-        ids = torch.unique(ids.detach().to(device="cpu", dtype=torch.long))  # [N] ascending
-        self.hot_ids = ids.to(device=self.head[0].weight.device)
+        self.hot_ids = ascending_ids(ids, self.head[0].weight.device)  # [N]
         with torch.no_grad():
             for head in self.head:
                 w = head.weight.detach().index_select(0, self.hot_ids).contiguous()  # [N, inner]

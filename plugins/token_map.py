@@ -406,6 +406,15 @@ def scatter_hot(
     return full.scatter_(1, ids.expand(small.shape[0], -1), small)
 
 
+def ascending_ids(
+    ids: torch.Tensor,  # [N] integer token ids, any order, duplicates allowed
+    device: torch.device,
+) -> torch.Tensor:  # [N'] int64 on ``device``, distinct and ascending
+    """The hot ids as ``hot_argmax`` needs them (its tie order relies on ascending ids): sorted
+    and de-duplicated once, at load time (``load_token_map`` already returns them so)."""
+    return torch.unique(ids.detach().to(device="cpu", dtype=torch.long)).to(device)
+
+
 def hot_argmax(
     small: torch.Tensor,  # [rows, N] float32: logits of the hot ids
     ids: torch.Tensor,  # [N] int64 on small's device: the hot ids, strictly ascending
@@ -443,9 +452,7 @@ class HotHead:
                 f"the LM head has shape {tuple(weight.shape)}, expected [{vocab_size}, hidden]"
             )
         self.vocab_size = vocab_size
-        # ascending and distinct (hot_argmax's tie order relies on it): sorted here, once
-        ids = torch.unique(ids.detach().to(device="cpu", dtype=torch.long))  # [N]
-        self.ids = ids.to(device=weight.device)  # [N]
+        self.ids = ascending_ids(ids, weight.device)  # [N]
         with torch.no_grad():
             w = weight.detach().index_select(0, self.ids).contiguous()  # [N, H]
         self.linear: nn.Linear | None = None
