@@ -179,7 +179,7 @@ def _stage(strat, key, buf: torch.Tensor, fill) -> None:
     copied.synchronize()
     fill(host.numpy())
     buf.copy_(host, non_blocking=True)
-    copied.record()
+    copied.record(torch.cuda.current_stream(buf.device))  # a device: no current-device lookup
 
 
 def fused_greedy(

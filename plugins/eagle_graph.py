@@ -88,7 +88,7 @@ def _stage_into(strat, key, buf: torch.Tensor, values: list[int]) -> None:
     copied.synchronize()
     host.numpy()[:] = values
     buf.copy_(host, non_blocking=True)
-    copied.record()
+    copied.record(torch.cuda.current_stream(buf.device))  # a device: no current-device lookup
 
 
 def fused_greedy(

@@ -62,6 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from speculant import hookimpl
+from speculant.engine.staging import read_back
 from speculant.kernels.logprobs import row_argmax
 from speculant.models import fused
 from speculant.plugins.token_map import (
@@ -337,7 +338,9 @@ def split_drafts(
     """tokens [rows, max_steps] on the device -> per batch index the first ``steps[r]`` tokens of
     its row (one device read for the whole call)."""
     drafts: list[list[int]] = [[] for _ in range(batch)]
-    for r, toks in enumerate(tokens.tolist()):
+    # read_back: waits by polling, not in the driver's blocking copy (the host work right after a
+    # blocking wait of milliseconds runs slower; engine/staging.py)
+    for r, toks in enumerate(read_back(tokens)):
         drafts[rows[r]] = toks[: steps[r]]
     return drafts
 

@@ -69,6 +69,26 @@ def test_common_prefix():
     assert _common_prefix(a, b) == 617
 
 
+def test_common_prefix_matches_a_plain_scan():
+    """Every mismatch position (the short scan near the end, the bisection before it), and
+    lists of different lengths, against an element-by-element scan."""
+
+    def scan(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    base = list(range(40))
+    for la in (0, 1, 7, 8, 9, 39, 40):
+        for lb in (0, 5, 8, 33, 40):
+            for cut in range(-1, 41):
+                a, b = base[:la], base[:lb]
+                if 0 <= cut < lb:
+                    b = b[:cut] + [-1] + b[cut + 1 :]
+                assert _common_prefix(a, b) == scan(a, b), (la, lb, cut)
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("which", ["same", "small"])
 def test_greedy_equivalence_batch_1_and_8(target, small_draft, plain_ref, which, k):
