@@ -11,6 +11,8 @@ LM head shared with the target), an EAGLE-3 head (yuhuili/EAGLE3-LLaMA3.1-Instru
 written to a temporary folder), the draft, EAGLE-1 and MLPSpeculator also with a 32768-token
 token map (``--token-map``), over a batch sweep with ``disable_by_batch_size``; CUDA graphs vs eager; Hugging Face transformers
 ``generate`` on the same weights (shared, zero-copy). Writes gpu_8b.json and gpu_8b.png.
+At batch size 1 every cell is timed ``--repeats`` times (default 3) and reports the run of median
+step time: a lent machine's occasional stalled steps move a single batch-1 run by several percent.
 
 Roofline of plain batch-1 decoding: bytes of the weights one decode step reads (every parameter
 but the input embedding table, of which one row is read) / measured copy bandwidth (bytes read +
@@ -365,6 +367,13 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--batch-sizes", default=None, help="default 1,4,8,16,64 (1,8 with --only)")
     ap.add_argument("--warmup-tokens", type=int, default=16)
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs per batch-1 cell (other batch sizes: one); each row reports the run of "
+        "median step time, every run's step time in step_s_runs",
+    )
     ap.add_argument("--disable-by-batch-size", type=int, default=16)
     ap.add_argument(
         "--skip", default="", help="comma-separated: hf,draft,eagle,eagle3,mlp,ngram,check"
@@ -547,7 +556,13 @@ def main() -> int:
     strategies += auto
 
     result = run_bench(
-        engine, prompts, strategies, args.max_tokens, batch_sizes, warmup_tokens=args.warmup_tokens
+        engine,
+        prompts,
+        strategies,
+        args.max_tokens,
+        batch_sizes,
+        warmup_tokens=args.warmup_tokens,
+        repeats={1: max(1, args.repeats)},
     )
     plain1 = next(r for r in result["runs"] if r["method"] == "plain" and r["batch_size"] == 1)
     extra["plain_batch1_fraction_of_roofline"] = plain1["tokens_per_s"] / roofline

@@ -63,6 +63,41 @@ def test_bench_cli_writes_json_and_png(tiny_factory, tmp_path, capsys):
     never = runs[("oracle a=0.0 k=2", 2)]
     assert never["acceptance"] == 0.0 and never["mean_accepted_length"] == 1.0
     assert never["theoretical_speedup"] < 1.0
+    for r in runs.values():  # one timed run per cell by default
+        assert r["step_s_runs"] == [pytest.approx(r["step_s"])]
+
+
+def test_bench_repeats_report_the_median_run(tiny_factory, tmp_path, monkeypatch):
+    """--repeats 3: three timed runs (and three cost passes) per cell; the row is the run of
+    median step time, with every run's step time listed and its own acceptance."""
+    import speculant.bench as bench
+
+    model = tiny_factory("llama", tokenizer=False)
+    runs_seen = []
+    real = bench._decode_run
+
+    def counting(engine, prompts, max_tokens):
+        r = real(engine, prompts, max_tokens)
+        runs_seen.append(max_tokens)
+        return r
+
+    monkeypatch.setattr(bench, "_decode_run", counting)
+    rc = main(["bench", "--model", str(model), "--batch-sizes", "1", "--max-tokens", "12",
+               "--prompt-len", "5", "--strategies", "oracle:1.0:2", "--repeats", "3",
+               "--out", str(tmp_path), "--stem", "rep"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "rep.json").read_text())["runs"]
+    assert [r["name"] for r in rows] == ["plain", "oracle a=1.0 k=2"]
+    for r in rows:
+        assert len(r["step_s_runs"]) == 3 and r["same_tokens_as_plain"]
+        assert r["step_s"] == pytest.approx(sorted(r["step_s_runs"])[1])
+    assert rows[1]["acceptance"] == 1.0 and rows[1]["steps"] == 4  # 11 tokens, 3 per step
+    # the recording (12 + k tokens), per cell a warm-up (8) and 3 timed runs (12), and the
+    # oracle 3 cost passes (12)
+    assert runs_seen.count(12) == 9 and runs_seen.count(8) == 2 and runs_seen.count(14) == 1
+    assert len(runs_seen) == 12
+    with pytest.raises(SystemExit, match="--repeats must be >= 1"):
+        main(["bench", "--model", str(model), "--repeats", "0", "--out", str(tmp_path)])
 
 
 @pytest.mark.skipif(
