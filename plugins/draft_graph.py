@@ -16,8 +16,8 @@ catch-up of T <= Bp * Q rows over A <= Bp sequences leaves rows T.. as padding (
 A sequence that drafts fewer than K tokens runs the steps it does not use without writing K/V
 (slot -1, position 0, context: its catch-up's): its output there is dropped.
 
-All inputs are one int64 buffer per key, filled from a pinned host buffer of its own with one
-asynchronous copy (M = Bp * Q, S = K - 1)::
+All inputs are one int64 buffer per key, which the graph's first kernel copies from a pinned host
+vector of its own (``pinned_copy``: the host only writes that vector; M = Bp * Q, S = K - 1)::
 
     ids [M] | positions [M] | slots [M] | context lens [Bp] | query starts [Bp + 1] |
     last catch-up row of each sequence [Bp] | step positions [S, Bp] | step slots [S, Bp] |
@@ -34,6 +34,7 @@ import torch
 from speculant.engine.attention import AttentionMetadata, ForwardContext
 from speculant.engine.cuda_graph import BATCH_BUCKETS, QUERY_BUCKETS
 from speculant.kernels.logprobs import row_argmax
+from speculant.kernels.stage_copy import pinned_copy
 
 MAX_BATCH, MAX_QUERY = 128, 16  # ModelRunner's max_graph_batch / max_graph_query defaults
 
@@ -161,25 +162,11 @@ def propose_graph(
     return torch.stack(out, dim=1)
 
 
-def _stage(strat, key, buf: torch.Tensor, fill) -> None:
-    """``fill`` the int64 inputs (numpy [n]) into ``buf`` [n]: on CUDA through this key's pinned
-    host buffer, rewritten only once its last asynchronous copy has run."""
-    if not buf.is_cuda:
-        host = np.zeros(buf.numel(), np.int64)
-        fill(host)
-        buf.copy_(torch.from_numpy(host))
-        return
-    staging = strat.graph_staging  # key -> (pinned [n] int64, event of its last copy)
-    if key not in staging:
-        staging[key] = (
-            torch.empty(buf.numel(), dtype=buf.dtype, pin_memory=True),
-            torch.cuda.Event(),
-        )
-    host, copied = staging[key]
-    copied.synchronize()
+def _stage(strat, host: torch.Tensor, fill) -> None:
+    """``fill`` this call's int64 inputs (numpy [n]) into ``host``, the pinned vector the graph
+    copies to the device itself (``pinned_copy``, its first node): no host-side copy or event."""
+    strat.graphs.host_ready()  # the last replay has read its inputs
     fill(host.numpy())
-    buf.copy_(host, non_blocking=True)
-    copied.record(torch.cuda.current_stream(buf.device))  # a device: no current-device lookup
 
 
 def fused_greedy(
@@ -199,15 +186,18 @@ def fused_greedy(
     n_ints, key, dev = sum(_sizes(Bp, Q, K, W)), (Bp, Q, K), strat.device
     graphs, model, kv = strat.graphs, strat.model, strat.runner.kv_caches
     greedy = strat.draft_greedy  # LM head and argmax: over the hot rows only with a token map
-    (buf,) = graphs.buffers(key, lambda: (torch.zeros(n_ints, dtype=torch.long, device=dev),))
-    _stage(strat, key, buf, lambda h: fused_ints(h, states, feeds, ks, Bp, Q, K, W, bs))
+    buf, host = graphs.buffers(  # [n_ints] device, [n_ints] pinned host
+        key, lambda: (torch.zeros(n_ints, dtype=torch.long, device=dev), graphs.host_vector(n_ints))
+    )
+    _stage(strat, host, lambda h: fused_ints(h, states, feeds, ks, Bp, Q, K, W, bs))
     for st, feed, k in zip(states, feeds, ks):
         st.num_cached_tokens += len(feed) + k - 1
 
-    def whole(ints: torch.Tensor) -> torch.Tensor:  # [n_ints] -> [Bp, K]
+    def whole(ints: torch.Tensor, host: torch.Tensor) -> torch.Tensor:  # -> [Bp, K]
+        pinned_copy(host, ints)  # [n_ints] pinned -> device: the graph's first node
         return propose_graph(model, kv, ints, Bp, Q, K, W, bs, greedy)
 
     out = graphs.replay(key, whole)
     if out is None:  # a capture failed: the same function, eagerly
-        out = whole(buf)
+        out = whole(buf, host)
     return out[:A]

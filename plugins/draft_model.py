@@ -202,7 +202,6 @@ class DraftModelStrategy:
         self.states: dict[int, _DraftSeq] = {}
         # greedy proposes as one CUDA graph replay each (draft_graph.py); off on the CPU
         self.graphs = GraphCache(self.device, "draft model propose")
-        self.graph_staging: dict = {}  # their pinned input buffers (draft_graph._stage)
         self.generator = torch.Generator().manual_seed(ctx.seed + 104729)
         logger.info(
             "draft model %s (%s, %d layers) on %s: %d KV blocks of %d",

@@ -414,7 +414,6 @@ class _EagleBase:
         self.states: dict[int, _SeqState] = {}
         self.generator = torch.Generator().manual_seed(ctx.seed + 15485863)
         self.graphs = GraphCache(ctx.device, f"{self.name} {folder}")
-        self.graph_staging: dict = {}  # their pinned int inputs (eagle_graph._stage_into)
         # block-table width of the captured draft loop: the most blocks a sequence can hold
         self.graph_width = -(-(max_pos + 1) // ctx.block_size) + 1
 

@@ -3,8 +3,8 @@ positions (the target's features in), the gather of each drafting sequence's las
 greedy draft steps (``_EagleBase._chain``). One graph per (batch bucket Bp, query bucket Q, K),
 captured lazily in the strategy's ``GraphCache``.
 
-Inputs live in two static buffers per key, filled before each replay: ``ints`` (int64, one host
-array, one asynchronous copy) and ``feats`` ([Bp * Q, F] target features, F = H for EAGLE-1,
+Inputs live in two static buffers per key, filled before each replay: ``ints`` (int64, which the
+graph's first kernel copies from a pinned host vector the host writes: ``pinned_copy``) and ``feats`` ([Bp * Q, F] target features, F = H for EAGLE-1,
 3 * target hidden for EAGLE-3). Padding is that of engine/cuda_graph.py: a catch-up of
 T <= Bp * Q rows over n <= Bp sequences leaves rows T.. as padding (token 0, position 0, slot -1,
 which store_kv skips) and sequences n.. with context length 0 and an empty query range (the
@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from speculant.engine.attention import AttentionMetadata, ForwardContext
+from speculant.kernels.stage_copy import pinned_copy
 from speculant.plugins.mlp_speculator import bucket, to_device_async
 
 QUERY_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)  # catch-up rows per sequence: 1..k+1 normally
@@ -74,21 +75,11 @@ def fused_ints(strat, batch, order: list, A: int, Bp: int, Q: int, K: int, W: in
     return ids + [0] * pad + pos + [0] * pad + slots + [-1] * pad + ctx + qsl + last + chain
 
 
-def _stage_into(strat, key, buf: torch.Tensor, values: list[int]) -> None:
-    """``buf`` [n] <- ``values`` (n ints): on CUDA through this key's pinned host buffer and one
-    asynchronous copy; the buffer is rewritten only once its previous copy has run."""
-    if not buf.is_cuda:
-        buf.copy_(torch.tensor(values, dtype=buf.dtype))
-        return
-    staging = strat.graph_staging
-    if key not in staging:
-        staging[key] = (torch.empty(buf.numel(), dtype=buf.dtype, pin_memory=True),
-                        torch.cuda.Event())
-    host, copied = staging[key]
-    copied.synchronize()
+def _stage_into(strat, host: torch.Tensor, values: list[int]) -> None:
+    """``host`` [n] <- ``values`` (n ints): the pinned vector the graph copies to the device itself
+    (``pinned_copy``, its first node), rewritten once the last replay has read it."""
+    strat.graphs.host_ready()
     host.numpy()[:] = values
-    buf.copy_(host, non_blocking=True)
-    copied.record(torch.cuda.current_stream(buf.device))  # a device: no current-device lookup
 
 
 def fused_greedy(
@@ -116,11 +107,12 @@ def fused_greedy(
         return (
             torch.zeros(n_ints, dtype=torch.long, device=dev),
             torch.zeros(M, feats.shape[1], dtype=strat.ctx.dtype, device=dev),
+            strat.graphs.host_vector(n_ints),
         )
 
     key = ("fused", Bp, Q, K)
-    ints_buf, feats_buf = strat.graphs.buffers(key, make)  # [n_ints], [M, F]
-    _stage_into(strat, key, ints_buf, fused_ints(strat, batch, order, A, Bp, Q, K, W))
+    ints_buf, feats_buf, host = strat.graphs.buffers(key, make)  # [n_ints], [M, F], [n_ints]
+    _stage_into(strat, host, fused_ints(strat, batch, order, A, Bp, Q, K, W))
     rows = [r for p in order for r in range(p.row, p.row + p.count)]
     T = len(rows)
     if rows == list(range(feats.shape[0])):
@@ -128,12 +120,13 @@ def fused_greedy(
     else:
         feats_buf[:T].copy_(feats.index_select(0, to_device_async(rows, torch.long, dev)))
 
-    def fn(ints: torch.Tensor, fs: torch.Tensor) -> torch.Tensor:
+    def fn(ints: torch.Tensor, fs: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        pinned_copy(host, ints)  # [n_ints] pinned -> device: the graph's first node
         return propose_graph(strat, ints, fs, Bp, Q, K, W)
 
     out = strat.graphs.replay(key, fn)
     if out is None:  # the capture failed: eagerly
-        out = fn(ints_buf, feats_buf)
+        out = fn(ints_buf, feats_buf, host)
     return out[:A]
 
 

@@ -209,6 +209,8 @@ class GraphCache:
         self.inputs: dict[Any, tuple[torch.Tensor, ...]] = {}
         self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.pool = None
+        self._replayed = None  # CUDA event after the last replay (see ``host_ready``)
+        self._index = None  # CUDA device index (current_stream without a device lookup)
 
     def buffers(
         self, key, make: Callable[[], tuple[torch.Tensor, ...]]
@@ -216,6 +218,18 @@ class GraphCache:
         if key not in self.inputs:
             self.inputs[key] = make()
         return self.inputs[key]
+
+    def host_vector(self, n: int) -> torch.Tensor:
+        """A host int64 vector [n] for graph inputs the graph copies itself: pinned on CUDA (the
+        graph's first node reads it with ``kernels/stage_copy.pinned_copy``), plain on CPU."""
+        return torch.zeros(n, dtype=torch.long, pin_memory=self.device.type == "cuda")
+
+    def host_ready(self) -> None:
+        """Wait until the last replay has run, so that its pinned inputs may be rewritten. The
+        proposers read each call's drafts back before they stage the next call, so this
+        normally returns at once."""
+        if self._replayed is not None:
+            self._replayed.synchronize()
 
     def replay(self, key, fn: Callable[..., Any]) -> Any | None:
         """The outputs of ``fn`` on the static inputs of ``key``; None if the capture failed."""
@@ -234,6 +248,12 @@ class GraphCache:
                 )
                 return None
         entry[0].replay()
+        if self._replayed is None:
+            self._replayed = torch.cuda.Event()
+            self._index = torch.device(self.device).index
+            if self._index is None:
+                self._index = torch.cuda.current_device()
+        self._replayed.record(torch.cuda.current_stream(self._index))
         return entry[1]
 
     def _capture(self, fn, inputs):

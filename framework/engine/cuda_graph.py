@@ -225,7 +225,7 @@ class CudaGraphRunner:
         fill = self._fill_small if sum(query_lens) <= SMALL_STAGE_TOKENS else self._fill
         fill(seqs, new_tokens, query_lens, B, Q, on_device)
         self.dev.copy_(self.host, non_blocking=True)
-        self.copied.record(torch.cuda.current_stream(self.dev.device))  # no device lookup
+        self.copied.record()
         for s, ql in zip(seqs, query_lens):
             s.num_cached_tokens += ql
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculant.kernels.stage_copy import HEADER, StageLayout, stage_copy, stage_copy_reference
+from speculant.kernels.stage_copy import (
+    HEADER,
+    StageLayout,
+    pinned_copy,
+    pinned_copy_reference,
+    stage_copy,
+    stage_copy_reference,
+)
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -92,3 +99,35 @@ def test_bad_layout_and_buffers_raise():
         stage_copy(kern[0][:, :-1].contiguous(), *kern[1:], StageLayout(16, 4, 0, 2, 5, 2, 3))
     with pytest.raises(ValueError, match="dtype"):
         stage_copy(*kern[:3], kern[3].long(), *kern[4:], StageLayout(16, 4, 0, 2, 5, 2, 3))
+
+
+@pytest.mark.parametrize("n", [1, 5, 1024, 3001, 300_000])  # the last: a large index
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_pinned_copy_matches_reference(n, dtype):
+    """The proposers' graph input copy (pinned host vector -> device vector) against dst.copy_."""
+    g = torch.Generator().manual_seed(n)
+    hi = (1 << 40) if dtype == torch.int64 else (1 << 30)
+    src = torch.randint(1, hi, (n,), generator=g, dtype=dtype)
+    src = src.pin_memory() if CUDA else src
+    dst = torch.randint(1, hi, (n,), generator=g, dtype=dtype).to(DEV)
+    want = torch.empty(n, dtype=dtype)
+    pinned_copy_reference(src, want)
+    pinned_copy(src, dst, force_triton=True)
+    if CUDA:
+        torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), want) and torch.equal(want, src.cpu())
+
+
+def test_pinned_copy_bad_arguments_raise():
+    src = torch.ones(8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="same shape and dtype"):
+        pinned_copy(src, torch.zeros(7, dtype=torch.int64, device=DEV))
+    with pytest.raises(ValueError, match="same shape and dtype"):
+        pinned_copy(src, torch.zeros(8, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="contiguous"):
+        pinned_copy(torch.ones(16, dtype=torch.int64)[::2], torch.zeros(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="1 dims"):
+        pinned_copy(src.view(2, 4), torch.zeros(2, 4, dtype=torch.int64))
+    if CUDA:  # the kernel reads src over the bus: pageable memory is refused
+        with pytest.raises(ValueError, match="pinned host memory"):
+            pinned_copy(src, torch.zeros(8, dtype=torch.int64, device=DEV))
