@@ -299,7 +299,9 @@ class DraftModelStrategy:
         if sampler.all_greedy and self.graphs.enabled:  # catch-up and k steps in one graph
             toks = fused_greedy(self, states, feeds, [ks[i] for i in active])  # [rows, K] | None
             if toks is not None:
-                drafts = split_drafts(toks, active, [ks[i] for i in active], len(seqs))
+                drafts = split_drafts(
+                    toks, active, [ks[i] for i in active], len(seqs), self.graphs
+                )
                 for st, f, i in zip(states, feeds, active):
                     st.tokens.extend(f)
                     st.tokens.extend(drafts[i][: ks[i] - 1])

@@ -576,7 +576,9 @@ class _EagleBase:
                     p.st.valid = p.n - 1
                 rows = [p for p in plan if p.k > 0]
                 return Proposal(
-                    token_ids=split_drafts(toks, [p.i for p in rows], [p.k for p in rows], B)
+                    token_ids=split_drafts(
+                        toks, [p.i for p in rows], [p.k for p in rows], B, self.graphs
+                    )
                 )
 
         # 1) the verified positions, with the target's features (one staged copy of the ints)
@@ -632,7 +634,7 @@ class _EagleBase:
             choose = None if sampler.all_greedy else sampler  # all greedy: no q to keep
             toks = self._chain(ints, x, K, W, choose, ctx_lists)  # [len(active), K]
         row_ids = [p.i for p in rows]
-        drafts = split_drafts(toks, row_ids, [p.k for p in rows], B)
+        drafts = split_drafts(toks, row_ids, [p.k for p in rows], B, self.graphs)
         return Proposal(token_ids=drafts, probs=sampler.probs(row_ids, B, self.ctx.vocab_size))
 
     def _chain_ints(self, rows: list[_Plan], K: int, Bp: int, W: int) -> list[int]:

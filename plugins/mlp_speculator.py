@@ -209,8 +209,7 @@ class GraphCache:
         self.inputs: dict[Any, tuple[torch.Tensor, ...]] = {}
         self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.pool = None
-        self._replayed = None  # CUDA event after the last replay (see ``host_ready``)
-        self._index = None  # CUDA device index (current_stream without a device lookup)
+        self.inflight = False  # a replay whose pinned inputs may not have been read yet
 
     def buffers(
         self, key, make: Callable[[], tuple[torch.Tensor, ...]]
@@ -225,11 +224,19 @@ class GraphCache:
         return torch.zeros(n, dtype=torch.long, pin_memory=self.device.type == "cuda")
 
     def host_ready(self) -> None:
-        """Wait until the last replay has run, so that its pinned inputs may be rewritten. The
-        proposers read each call's drafts back before they stage the next call, so this
-        normally returns at once."""
-        if self._replayed is not None:
-            self._replayed.synchronize()
+        """Make sure the last replay has run, so that its pinned inputs may be rewritten. The
+        proposers read each call's drafts back (``split_drafts(..., graphs=)`` then calls
+        ``consumed``) before they stage the next call, so this is a flag test; otherwise it
+        waits for the stream."""
+        if self.inflight:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self.inflight = False
+
+    def consumed(self) -> None:
+        """The caller has read back results of work queued after the last replay: that replay
+        has run."""
+        self.inflight = False
 
     def replay(self, key, fn: Callable[..., Any]) -> Any | None:
         """The outputs of ``fn`` on the static inputs of ``key``; None if the capture failed."""
@@ -248,12 +255,7 @@ class GraphCache:
                 )
                 return None
         entry[0].replay()
-        if self._replayed is None:
-            self._replayed = torch.cuda.Event()
-            self._index = torch.device(self.device).index
-            if self._index is None:
-                self._index = torch.cuda.current_device()
-        self._replayed.record(torch.cuda.current_stream(self._index))
+        self.inflight = True
         return entry[1]
 
     def _capture(self, fn, inputs):
@@ -353,15 +355,22 @@ class DraftSampler:
 
 
 def split_drafts(
-    tokens: torch.Tensor, rows: list[int], steps: list[int], batch: int
+    tokens: torch.Tensor,
+    rows: list[int],
+    steps: list[int],
+    batch: int,
+    graphs: GraphCache | None = None,
 ) -> list[list[int]]:
     """tokens [rows, max_steps] on the device -> per batch index the first ``steps[r]`` tokens of
-    its row (one device read for the whole call)."""
+    its row (one device read for the whole call). ``graphs``: the strategy's graph cache, told
+    that its last replay has run (its pinned inputs may be rewritten)."""
     drafts: list[list[int]] = [[] for _ in range(batch)]
     # read_back: waits by polling, not in the driver's blocking copy (the host work right after a
     # blocking wait of milliseconds runs slower; engine/staging.py)
     for r, toks in enumerate(read_back(tokens)):
         drafts[rows[r]] = toks[: steps[r]]
+    if graphs is not None:
+        graphs.consumed()
     return drafts
 
 

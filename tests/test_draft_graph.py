@@ -67,7 +67,11 @@ def _run(target: Path, draft: Path, fused: bool, monkeypatch) -> tuple:
         graphs.enabled = True
 
         def replay(key, fn):  # outputs are static, as a graph's
+            # the last call's drafts were read back (split_drafts -> consumed) before this
+            # call staged its pinned inputs: host_ready() never has to wait
+            assert not graphs.inflight
             out = fn(*graphs.inputs[key])
+            graphs.inflight = True  # as GraphCache.replay
             return static.setdefault(key, out).copy_(out)
 
         monkeypatch.setattr(graphs, "replay", replay)
@@ -138,3 +142,20 @@ def test_fused_ints_layout():
     assert sctx.reshape(S, Bp).tolist() == [[8, 3], [9, 3]]
     assert sqsl.tolist() == [0, 1, 2]
     assert tables.reshape(Bp, W).tolist() == [[2, 7, 9], [4, 0, 0]]
+
+
+def test_graph_cache_inflight_protocol():
+    """GraphCache.host_ready() waits only for a replay whose drafts were not read back;
+    split_drafts(..., graphs=) marks them read."""
+    from speculant.plugins.mlp_speculator import GraphCache, split_drafts
+
+    g = GraphCache(torch.device("cpu"), "test")
+    assert not g.enabled and not g.inflight
+    host = g.host_vector(5)
+    assert host.dtype == torch.long and host.shape == (5,) and not host.is_pinned()
+    g.inflight = True
+    assert split_drafts(torch.tensor([[4, 5, 6]]), [1], [2], 2, g) == [[], [4, 5]]
+    assert not g.inflight
+    g.inflight = True
+    g.host_ready()  # on the CPU nothing to wait for
+    assert not g.inflight
