@@ -574,6 +574,8 @@ def main() -> int:
             f"{row['plain_step_ms']:.3f} ms): c = {row['c_per_draft']:.3f}",
             flush=True,
         )
+    result["extra"] = extra  # written now as well: a run cut off during HF keeps the bench
+    write_outputs(result, out, "gpu_8b_proposers" if only else "gpu_8b")
     if "hf" not in skip:
         hf = hf_sharing(engine.model, engine.hf_config)
         h = hf_generate(hf, prompts[0], min(args.max_tokens, 128))
