@@ -25,7 +25,10 @@ def test_step_stats_counts_stalls():
     st = step_stats([0.01, 0.011, 0.009, 0.3, 0.01, 0.05, 0.012])
     assert st["median_step_s"] == 0.011 and st["max_step_s"] == 0.3
     assert st["slow_steps"] == 1 and st["slow_steps_s"] == 0.3  # 0.05 < 5 x 0.011 = 0.055
-    assert step_stats([])["slow_steps"] == 0
+    # trimmed: steps over 1.5 x the median (0.0165) left out: 0.3 and 0.05
+    assert st["trimmed_steps"] == 2
+    assert st["step_s_trimmed"] == pytest.approx((0.01 + 0.011 + 0.009 + 0.01 + 0.012) / 5)
+    assert step_stats([])["slow_steps"] == 0 and step_stats([])["step_s_trimmed"] is None
 
 
 def test_parse_strategies():
@@ -65,6 +68,11 @@ def test_bench_cli_writes_json_and_png(tiny_factory, tmp_path, capsys):
     assert never["theoretical_speedup"] < 1.0
     for r in runs.values():  # one timed run per cell by default
         assert r["step_s_runs"] == [pytest.approx(r["step_s"])]
+        assert r["tokens_per_s_trimmed"] == pytest.approx(
+            r["decode_tokens"] / (r["steps"] * r["step_s_trimmed"]))
+    assert sure["speedup_vs_theoretical_trimmed"] == pytest.approx(
+        sure["speedup_trimmed"] / sure["theoretical_speedup"])
+    assert runs[("plain", 2)]["speedup_trimmed"] == 1.0
 
 
 def test_bench_repeats_report_the_median_run(tiny_factory, tmp_path, monkeypatch):
