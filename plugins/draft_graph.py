@@ -162,13 +162,6 @@ def propose_graph(
     return torch.stack(out, dim=1)
 
 
-def _stage(strat, host: torch.Tensor, fill) -> None:
-    """``fill`` this call's int64 inputs (numpy [n]) into ``host``, the pinned vector the graph
-    copies to the device itself (``pinned_copy``, its first node): no host-side copy or event."""
-    strat.graphs.host_ready()  # the last replay has read its inputs
-    fill(host.numpy())
-
-
 def fused_greedy(
     strat,
     states: list,  # _DraftSeq of each drafting sequence, synced and reserved
@@ -189,7 +182,7 @@ def fused_greedy(
     buf, host = graphs.buffers(  # [n_ints] device, [n_ints] pinned host
         key, lambda: (torch.zeros(n_ints, dtype=torch.long, device=dev), graphs.host_vector(n_ints))
     )
-    _stage(strat, host, lambda h: fused_ints(h, states, feeds, ks, Bp, Q, K, W, bs))
+    fused_ints(graphs.writable(host), states, feeds, ks, Bp, Q, K, W, bs)  # the graph copies it
     for st, feed, k in zip(states, feeds, ks):
         st.num_cached_tokens += len(feed) + k - 1
 

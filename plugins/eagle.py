@@ -100,6 +100,7 @@ from speculant import hookimpl
 from speculant.engine.attention import AttentionMetadata, ForwardContext
 from speculant.kernels.gemv import gemv
 from speculant.kernels.logprobs import row_argmax
+from speculant.kernels.stage_copy import pinned_copy
 from speculant.models import fused
 from speculant.models.layers import RMSNorm, RotaryEmbedding
 from speculant.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, mlp_gemv
@@ -711,19 +712,21 @@ class _EagleBase:
             return (
                 torch.zeros(n_ints, dtype=torch.long, device=dev),
                 torch.zeros(Bp, x.shape[1], dtype=self.ctx.dtype, device=dev),
+                self.graphs.host_vector(n_ints),
             )
 
         key = (Bp, K)
-        ints_buf, x_buf = self.graphs.buffers(key, make)  # [n_ints], [Bp, H]
-        ints_buf.copy_(_stage_ints([self._chain_ints(rows, K, Bp, W)], dev)[0])
+        ints_buf, x_buf, host = self.graphs.buffers(key, make)  # [n_ints], [Bp, H], [n_ints]
+        self.graphs.writable(host)[:] = self._chain_ints(rows, K, Bp, W)  # the graph copies it
         x_buf[:A].copy_(x)
 
-        def fn(ints, xs):
+        def fn(ints, xs, host):
+            pinned_copy(host, ints)  # [n_ints] pinned -> device: the graph's first node
             return self._chain(ints, xs, K, W, None)  # greedy
 
         out = self.graphs.replay(key, fn)
         if out is None:  # the capture failed: eagerly
-            out = fn(ints_buf, x_buf)
+            out = fn(ints_buf, x_buf, host)
         return out[:A]  # [A, K]
 
 

@@ -75,13 +75,6 @@ def fused_ints(strat, batch, order: list, A: int, Bp: int, Q: int, K: int, W: in
     return ids + [0] * pad + pos + [0] * pad + slots + [-1] * pad + ctx + qsl + last + chain
 
 
-def _stage_into(strat, host: torch.Tensor, values: list[int]) -> None:
-    """``host`` [n] <- ``values`` (n ints): the pinned vector the graph copies to the device itself
-    (``pinned_copy``, its first node), rewritten once the last replay has read it."""
-    strat.graphs.host_ready()
-    host.numpy()[:] = values
-
-
 def fused_greedy(
     strat,
     batch,
@@ -112,7 +105,7 @@ def fused_greedy(
 
     key = ("fused", Bp, Q, K)
     ints_buf, feats_buf, host = strat.graphs.buffers(key, make)  # [n_ints], [M, F], [n_ints]
-    _stage_into(strat, host, fused_ints(strat, batch, order, A, Bp, Q, K, W))
+    strat.graphs.writable(host)[:] = fused_ints(strat, batch, order, A, Bp, Q, K, W)
     rows = [r for p in order for r in range(p.row, p.row + p.count)]
     T = len(rows)
     if rows == list(range(feats.shape[0])):

@@ -223,15 +223,16 @@ class GraphCache:
         graph's first node reads it with ``kernels/stage_copy.pinned_copy``), plain on CPU."""
         return torch.zeros(n, dtype=torch.long, pin_memory=self.device.type == "cuda")
 
-    def host_ready(self) -> None:
-        """Make sure the last replay has run, so that its pinned inputs may be rewritten. The
-        proposers read each call's drafts back (``split_drafts(..., graphs=)`` then calls
-        ``consumed``) before they stage the next call, so this is a flag test; otherwise it
-        waits for the stream."""
+    def writable(self, host: torch.Tensor) -> np.ndarray:
+        """``host`` (a ``host_vector``) as a numpy array to write a call's inputs into, once the
+        last replay has run (its pinned inputs may then be rewritten). The proposers read each
+        call's drafts back (``split_drafts(..., graphs=)`` then calls ``consumed``) before they
+        stage the next call, so this is a flag test; otherwise it waits for the stream."""
         if self.inflight:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             self.inflight = False
+        return host.numpy()
 
     def consumed(self) -> None:
         """The caller has read back results of work queued after the last replay: that replay

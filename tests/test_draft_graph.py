@@ -68,7 +68,7 @@ def _run(target: Path, draft: Path, fused: bool, monkeypatch) -> tuple:
 
         def replay(key, fn):  # outputs are static, as a graph's
             # the last call's drafts were read back (split_drafts -> consumed) before this
-            # call staged its pinned inputs: host_ready() never has to wait
+            # call staged its pinned inputs: writable() never has to wait
             assert not graphs.inflight
             out = fn(*graphs.inputs[key])
             graphs.inflight = True  # as GraphCache.replay
@@ -145,7 +145,7 @@ def test_fused_ints_layout():
 
 
 def test_graph_cache_inflight_protocol():
-    """GraphCache.host_ready() waits only for a replay whose drafts were not read back;
+    """GraphCache.writable() waits only for a replay whose drafts were not read back;
     split_drafts(..., graphs=) marks them read."""
     from speculant.plugins.mlp_speculator import GraphCache, split_drafts
 
@@ -157,5 +157,7 @@ def test_graph_cache_inflight_protocol():
     assert split_drafts(torch.tensor([[4, 5, 6]]), [1], [2], 2, g) == [[], [4, 5]]
     assert not g.inflight
     g.inflight = True
-    g.host_ready()  # on the CPU nothing to wait for
+    view = g.writable(host)  # on the CPU nothing to wait for
     assert not g.inflight
+    view[:] = [1, 2, 3, 4, 5]  # writes go to the vector the graph copies
+    assert host.tolist() == [1, 2, 3, 4, 5]
