@@ -4,7 +4,23 @@ The oracle replays the target's own greedy continuation, recorded in a first (pl
 pass, and corrupts each proposed token with probability ``1 - alpha`` (seeded). Under greedy
 verification a draft position is then accepted with probability ``alpha`` given that the previous
 ones were, which is the i.i.d. acceptance model of Leviathan et al. (2211.17192): the mean number
-of tokens per target step is ``(1 - alpha^(k+1)) / (1 - alpha)``. Proposing costs a list slice
+of tokens per target step is ``(1 - alpha^(k+1)) / (1 - alpha)``.
+
+How the corruptions are drawn (``draws``):
+
+* ``"stratified"`` (default): each draft's pattern has exactly the law of independent draws, but
+  successive drafts of a sequence are stratified. Under greedy verification only the first
+  corrupted position matters (it ends the accepted prefix); the oracle takes it from a Weyl
+  sequence ``u_n = frac(u_0 + n / golden ratio)`` (``u_0`` seeded per sequence): the accepted
+  prefix is the largest ``j <= L`` with ``u_n < alpha^j``, so ``P(j >= m) = alpha^m`` exactly as
+  for independent draws, position ``j`` is corrupted, and the positions after it are corrupted
+  independently with probability ``1 - alpha``. Over a run the empirical distribution of the
+  accepted prefix then matches the truncated geometric law to within O(log n / n) instead of
+  O(1 / sqrt(n)): a benchmark of a few dozen steps measures the system, not the luck of its
+  draws. (Simulated for 255 tokens at alpha = 0.9, k = 5: with independent draws the realized
+  tokens per step fall more than 3% below the formula from the measured acceptance in one run
+  of ten.)
+* ``"independent"``: every proposed token is corrupted independently (the textbook model). Proposing costs a list slice
 and a few random numbers, so the measured speedup isolates the target's side of speculation while
 the target still does its real work (every draft is verified by a real forward pass, and the
 output is exactly that of plain decoding).
@@ -18,8 +34,10 @@ decodes plainly. ``speculant bench`` records the references itself.
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -40,6 +58,8 @@ class OracleConfig(BaseModel):
     num_speculative_tokens: int = Field(..., ge=1, le=64)
     alpha: float = Field(..., ge=0.0, le=1.0, description="probability a proposed token is right")
     seed: int = 0
+    draws: Literal["stratified", "independent"] = Field(
+        "stratified", description="how corruptions are drawn (see the module docstring)")
     references: list[OracleReference] | None = None
     reference_file: str | None = Field(None, description="JSON list of references")
 
@@ -64,6 +84,9 @@ class OracleConfig(BaseModel):
         return [OracleReference(**d) for d in data]
 
 
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # 1 / golden ratio: the Weyl sequence's step
+
+
 class OracleStrategy:
     name = "oracle"
     Config = OracleConfig
@@ -79,6 +102,8 @@ class OracleStrategy:
         for r in config.load_references():
             self.by_prompt[tuple(r.prompt_token_ids)] = r.prompt_token_ids + r.output_token_ids
         self._ref: dict[int, list[int] | None] = {}  # seq_id -> its reference (cached lookup)
+        self.stratified = config.draws == "stratified"
+        self._weyl: dict[int, float] = {}  # seq_id -> its sequence's next point u_n in [0, 1)
         self.num_proposed = 0
         self.num_corrupted = 0
 
@@ -91,6 +116,18 @@ class OracleStrategy:
         """A token different from ``token``, uniform over the rest of the vocabulary."""
         return (token + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
 
+    def _accepted_prefix(self, seq_id: int, n: int) -> int:
+        """Stratified draws: the accepted-prefix length of this draft of ``n`` tokens, from the
+        sequence's next Weyl point ``u`` (the largest j <= n with u < alpha^j)."""
+        u = self._weyl.get(seq_id)
+        if u is None:
+            u = self.rng.random()
+        self._weyl[seq_id] = (u + _GOLDEN) % 1.0
+        j = 0
+        while j < n and u < self.alpha ** (j + 1):
+            j += 1
+        return j
+
     @hookimpl
     def propose(self, batch: SpecBatch) -> Proposal:
         drafts: list[list[int]] = []
@@ -98,9 +135,12 @@ class OracleStrategy:
             ref = self._reference(s)
             n = len(s.token_ids)
             true = ref[n : n + s.max_draft] if ref is not None else []
+            # stratified: clean up to the drawn prefix, corrupted at it, independent after it
+            first_bad = self._accepted_prefix(s.seq_id, len(true)) if self.stratified and true else -1
             draft = []
-            for t in true:
-                if self.rng.random() >= self.alpha:
+            for i, t in enumerate(true):
+                bad = (i == first_bad) if i <= first_bad else self.rng.random() >= self.alpha
+                if bad:
                     t = self._corrupt(t)
                     self.num_corrupted += 1
                 draft.append(t)
@@ -112,6 +152,7 @@ class OracleStrategy:
     def on_requests_finished(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
             self._ref.pop(i, None)
+            self._weyl.pop(i, None)
 
 
 @hookimpl
