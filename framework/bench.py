@@ -12,7 +12,10 @@ speculative step, so ``c = (propose time per step / k) / plain step time``.
 
 Timing: every interval is read on the host clock after ``torch.cuda.synchronize()`` (the decode
 loop itself also waits for each step's tokens), so no asynchronous GPU work is left out. Oracle
-strategies without references get the greedy continuation recorded by a plain pass first.
+strategies without references get the greedy continuation recorded by a plain pass first; their
+rows record how the oracle drew its corruptions (``draws``: by default ``"stratified"``, whose
+short runs match the formula's acceptance law without the luck of independent draws, see
+``speculant.plugins.oracle``).
 """
 
 from __future__ import annotations
@@ -318,6 +321,9 @@ def _summarise(spec, bs, r, dec, m, counter, timer, plain, record) -> dict:
         theoretical_speedup=theoretical_speedup(a, k, c) if (a is not None and c is not None
                                                              and m.num_spec_steps) else None,
     )
+    draws = getattr(dec.strategy_config, "draws", None)
+    if spec["method"] == "oracle" and draws is not None:
+        row["draws"] = draws
     if row["theoretical_speedup"]:
         row["speedup_vs_theoretical"] = row["speedup"] / row["theoretical_speedup"]
         row["speedup_vs_theoretical_trimmed"] = row["speedup_trimmed"] / row["theoretical_speedup"]

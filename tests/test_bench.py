@@ -59,6 +59,7 @@ def test_bench_cli_writes_json_and_png(tiny_factory, tmp_path, capsys):
     sure = runs[("oracle a=1.0 k=3", 1)]
     assert sure["max_propose_s"] >= sure["propose_s_per_step"] > 0
     assert sure["acceptance"] == 1.0
+    assert sure["draws"] == "stratified" and "draws" not in runs[("plain", 1)]
     # every target step emits k + 1 tokens except possibly the last (19 tokens after prefill)
     assert sure["steps"] == 5 and sure["mean_accepted_length"] == pytest.approx(19 / 5)
     assert 0 <= sure["c"] < 1
