@@ -104,6 +104,18 @@ MAX_ROWS = 8
 # verification steps at 8B scale (bench/step_profile.py): the GEMVs took 5.59 ms per step with
 # "early" against 5.45 without PDL. Overridable with SPECULANT_PDL_DOT.
 DOT_PDL = "late"
+
+
+def _reduce_early() -> bool:
+    """With ``DOT_PDL = "late"``: the split-K reduce that follows a few-row kernel (its six-odd
+    programs) still launches early, and waits on the multiprocessors left free. H100, oracle
+    k = 5 verification steps at 8B scale (bench/step_profile.py, two A/B pairs in one session):
+    the 64 ``_split_reduce_norm_kernel`` calls 212.1 / 212.3 -> 203.7 / 203.2 us effective per
+    step, the step's GPU time 5.942 / 5.937 -> 5.929 / 5.929 ms. ``SPECULANT_PDL_REDUCE_EARLY=0``
+    turns it off."""
+    return os.environ.get("SPECULANT_PDL_REDUCE_EARLY", "1") not in ("0", "false", "off")
+
+
 PROLOGUES = ("none", "rmsnorm", "silu_mul")
 _PROLOGUE_ID = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -648,7 +660,9 @@ def _gemv_triton(
         if mode == "off":
             pdl = {"GDC": False}
         else:
-            late = mode == "late"
+            # a reduce kernel follows (split-K / the output epilogue): let it launch early; its
+            # few programs wait on the multiprocessors this kernel leaves free
+            late = mode == "late" and not (partial and _reduce_early())
     grid = (cdiv(N, cfg.block_n), split)
     _gemv_kernel[grid](
         x,
