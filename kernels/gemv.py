@@ -43,7 +43,7 @@ Triton kernel design
   weight tile is already in flight during that pass.
 * Products: one row (``use_dot=False``): CUDA-core FMAs into a ``[BLOCK_N, BLOCK_K]`` fp32
   accumulator, reduced once at the end. Several rows (``use_dot``): ``tl.dot`` on tensor cores
-  with the rows padded to 16, the minimum dot size: by default the prologue runs on
+  with the rows padded to 16, the minimum dot size (32 for 17-32 rows): by default the prologue runs on
   next_pow2(M) rows and zero rows are interleaved in registers (x row m -> dot row
   m * 16 / next_pow2(M)); ``pad_rows=False`` instead loads 16-row x tiles with the rows past M
   masked (the prologue then runs on 16 rows). ``swap_ab`` makes the weight tile the first
@@ -67,7 +67,7 @@ Triton kernel design
   CUDA-graph capturable (no host sync, no ``.item()``). Weight row offsets are int64 (N * K may
   exceed 2**31 elements, e.g. a large vocabulary).
 
-More than ``MAX_ROWS`` (8) rows take the torch path (``gemv_reference``: the separate ops);
+More than ``MAX_ROWS`` (32) rows take the torch path (``gemv_reference``: the separate ops);
 ``force_triton=True`` then raises. The torch path is also used for CPU tensors and when
 ``SPECULANT_DISABLE_TRITON=1``.
 """
@@ -95,7 +95,7 @@ from ._triton_utils import (
 
 __all__ = ["gemv", "gemv_reference", "GemvConfig", "choose_config", "MAX_ROWS", "PROLOGUES"]
 
-MAX_ROWS = 8
+MAX_ROWS = 32
 # Programmatic dependent launch of the few-row (tensor-core) configurations: "early" (the next
 # kernel may launch as soon as every program has started, as the one-row path does), "late"
 # (once every program has stored its output) or "off". These launch fewer programs than the GPU
@@ -199,7 +199,7 @@ if tl is not None:
         HAS_BIAS: tl.constexpr,
         HAS_RES: tl.constexpr,
         PARTIAL: tl.constexpr,  # split-K: write fp32 partials, bias and cast in the reduce
-        USE_DOT: tl.constexpr,  # tensor-core dots on the rows padded to 16; else FMAs (1 row)
+        USE_DOT: tl.constexpr,  # tensor-core dots on the rows padded to DOT_M; else FMAs (1 row)
         SWAP_AB: tl.constexpr,  # dot(weight, f(x).T) instead of dot(f(x), weight.T)
         PREFETCH: tl.constexpr,  # load the next weight tile before using the current one
         IEEE_DOT: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
@@ -208,7 +208,8 @@ if tl is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_KS: tl.constexpr,  # chunk of the rmsnorm sum-of-squares pass (>= BLOCK_K)
-        PAD_STEPS: tl.constexpr,  # log2(16 // BLOCK_M): row doublings up to a 16-row dot
+        PAD_STEPS: tl.constexpr,  # log2(DOT_M // BLOCK_M): row doublings up to the dot's rows
+        DOT_M: tl.constexpr,  # rows of the dot: 16, or 32 for 17-32 rows of x
         GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel (after the prefetch)
         GDC_LATE: tl.constexpr,  # with GDC: let the next kernel launch at the end, not the start
     ):
@@ -256,9 +257,9 @@ if tl is not None:
         # ---- main loop over this program's K range ----
         if USE_DOT:
             if SWAP_AB:
-                acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+                acc = tl.zeros([BLOCK_N, DOT_M], dtype=tl.float32)
             else:
-                acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+                acc = tl.zeros([DOT_M, BLOCK_N], dtype=tl.float32)
         else:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # BLOCK_M == 1
         for kk in range(0, k_per_split, BLOCK_K):
@@ -310,8 +311,8 @@ if tl is not None:
         # ---- epilogue ----
         if USE_DOT:
             if SWAP_AB:
-                acc = tl.trans(acc)  # [16, BLOCK_N]
-            p = tl.arange(0, 16)
+                acc = tl.trans(acc)  # [DOT_M, BLOCK_N]
+            p = tl.arange(0, DOT_M)
             rows_y = p >> PAD_STEPS  # acc row p holds x row p / 2**PAD_STEPS ...
             mask_rows = ((p & ((1 << PAD_STEPS) - 1)) == 0) & (rows_y < M)  # ... when exact
         else:
@@ -480,6 +481,11 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
     * Sixth sweep (2026-11-24, PDL, 4 and 6 rows; ``bench/results/gemv_h100_verify_rows_2.json``):
       down (silu_mul) at 5-8 rows on 16-row masked x tiles, 49.06 -> 45.56 us at 6 rows; o_proj
       (N = 4096: 64 output blocks) with K in two, 14.86 -> 14.31 us at 6 rows.
+    * Tenth session (2026-11-24, 8-32 rows; the same configurations): o_proj 14.24 / 14.69 /
+      14.76 us at 16 / 24 / 32 rows (cuBLAS 16.69 / 14.53 / 14.79), qkv 19.81 / 20.33 / 20.48
+      (21.43 / 21.68 / 21.82), gate_up 81.74 / 83.22 / 83.43 (82.89 / 86.92 / 87.46), the LM head
+      349.9 / 352.6 / 355.2 (375.6 / 377.3 / 378.6). down at 24 / 32 rows loses to cuBLAS (best
+      48.5 / 49.2 against 47.3 / 47.8), so the layers keep cuBLAS for it there (fused.py).
     * 3-8 rows, no prologue (verification steps: o_proj, and qkv / gate_up whose input arrives
       normed), N >= 4096: dots with the weight first, 64 x 256 tiles, 16-row masked x tiles, 4
       warps, no split (smaller N keep the split-K config below: 64 programs or fewer otherwise).
@@ -503,7 +509,7 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
         if big_n:
             return GemvConfig(block_n=64, block_k=128, num_warps=8, use_dot=True, pad_rows=False)
         return GemvConfig(block_n=64, block_k=256, num_warps=4, use_dot=True, pad_rows=False)
-    if prologue == "none" and 3 <= M <= 8 and 4096 <= N:  # the measured shapes
+    if prologue == "none" and 3 <= M <= 32 and 4096 <= N:  # the measured shapes
         # K in two where the output blocks alone fill at most half the multiprocessors (o_proj
         # 4096 x 4096: 64 blocks; sixth sweep at 4 / 6 rows 14.89 / 14.86 -> 14.24 / 14.31 us)
         split = 2 if 2 * cdiv(N, 64) <= num_sms(device) and K >= 2048 else 1
@@ -639,7 +645,8 @@ def _gemv_triton(
     chunks_per_split = cdiv(k_chunks, cfg.split_k)
     split = cdiv(k_chunks, chunks_per_split)  # no empty split
     k_per_split = chunks_per_split * block_k
-    block_m = 16 if cfg.use_dot and not cfg.pad_rows else next_pow2(M)
+    dot_m = max(16, next_pow2(M))  # rows of the dot (tensor-core tiles: 16 or 32)
+    block_m = dot_m if cfg.use_dot and not cfg.pad_rows else next_pow2(M)
     # sum-of-squares pass: ~32 elements of x a thread per chunk (few chunks: its loads wait)
     block_ks = min(next_pow2(K), max(block_k, 1024 * cfg.num_warps // block_m))
     partial = split > 1 or epilogue  # the epilogue needs whole rows: always partials
@@ -696,7 +703,8 @@ def _gemv_triton(
         BLOCK_N=cfg.block_n,
         BLOCK_K=block_k,
         BLOCK_KS=block_ks,
-        PAD_STEPS=(16 // block_m).bit_length() - 1,
+        PAD_STEPS=(dot_m // block_m).bit_length() - 1 if cfg.use_dot else 0,
+        DOT_M=dot_m,
         num_warps=cfg.num_warps,
         **extra,
         **pdl,

@@ -30,18 +30,34 @@ GEMV_MAX_ROWS = 1
 # steps, small batches) runs o_proj and down_proj (SiLU * up fused) as few-row GEMVs, their
 # split-K reduce doing the residual add and the next RMSNorm. Same-process A/B on an H100
 # (Llama-3-8B scale, oracle k=5 verification steps of 6 rows): 6.908 -> 6.802 ms per step.
-GEMV_FEW_ROWS = 8
-# Rows up to which qkv and gate/up are few-row GEMVs too (their input arrives normed, so without a
-# prologue). bench/bench_gemv.py on an H100, bf16, Llama-3-8B shapes, against cuBLAS: qkv 21.1 ->
-# 19.9 us at 4 and 6 rows, gate/up 82.1 -> 80.6 us (4 rows) and 85.8 -> 80.9 us (6 rows); 8 rows
-# not measured, so cuBLAS keeps them.
-GEMV_IN_ROWS = 6
+# Tenth session, bench/bench_gemv.py on an H100 against cuBLAS: at 16 rows o_proj 14.24 against
+# 16.69 us and down 45.00 against 46.67; at 24 and 32 rows down loses (48.5-56.7 against 47.3-47.8).
+GEMV_FEW_ROWS = 16
+# Rows up to which qkv and gate/up (whose input arrives normed: no prologue) and the LM head of
+# 3 or more rows are GEMVs. bench/bench_gemv.py on an H100, bf16, Llama-3-8B shapes, against
+# cuBLAS (us): qkv 19.9 / 19.7 / 19.8 / 20.3 / 20.5 against 21.1 / 21.1 / 21.4 / 21.7 / 21.8 at
+# 6 / 8 / 16 / 24 / 32 rows; gate/up 80.9 / 81.0 / 81.7 / 83.2 / 83.4 against 85.8 / 86.2 / 82.9 /
+# 86.9 / 87.5; LM head 343 / 345 / 350 / 353 / 355 against 373 / 374 / 376 / 377 / 379.
+GEMV_IN_ROWS = 32
+
+
+def _rows_limit(env: str, default: int) -> int:
+    """A row limit above, or its override from the environment (A/B runs)."""
+    v = os.environ.get(env)
+    return int(v) if v else default
 
 
 def gemv_few_enabled(x: torch.Tensor) -> bool:
-    """``forward_fused``'s o_proj / down_proj as GEMVs (see ``GEMV_FEW_ROWS``), unless
-    ``SPECULANT_GEMV=0``."""
-    return (x.shape[0] <= GEMV_FEW_ROWS and enabled(x)
+    """``forward_fused``'s o_proj / down_proj as GEMVs (see ``GEMV_FEW_ROWS``;
+    ``SPECULANT_GEMV_FEW_ROWS`` overrides it), unless ``SPECULANT_GEMV=0``."""
+    return (x.shape[0] <= _rows_limit("SPECULANT_GEMV_FEW_ROWS", GEMV_FEW_ROWS) and enabled(x)
+            and os.environ.get("SPECULANT_GEMV", "1") not in ("0", "false", "off"))
+
+
+def gemv_in_enabled(x: torch.Tensor) -> bool:
+    """``forward_fused``'s qkv and gate/up, and the LM head of 3 or more rows, as GEMVs (see
+    ``GEMV_IN_ROWS``; ``SPECULANT_GEMV_IN_ROWS`` overrides it), unless ``SPECULANT_GEMV=0``."""
+    return (x.shape[0] <= _rows_limit("SPECULANT_GEMV_IN_ROWS", GEMV_IN_ROWS) and enabled(x)
             and os.environ.get("SPECULANT_GEMV", "1") not in ("0", "false", "off"))
 
 

@@ -158,7 +158,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = fused.rms_norm(h, ln1.weight, ln1.eps, residual=residual)
         few = fused.gemv_few_enabled(x)  # o_proj / down_proj as few-row GEMVs
-        few_in = few and x.shape[0] <= fused.GEMV_IN_ROWS  # qkv and gate/up too
+        few_in = fused.gemv_in_enabled(x)  # qkv and gate/up as GEMVs
         qkv = gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias) if few_in else attn.qkv_proj(x)
         o = attn.attend_qkv(positions, qkv, ctx)  # [num_tokens, q_size]
         if few:
@@ -166,9 +166,11 @@ class LlamaDecoderLayer(nn.Module):
                                out_residual=residual, out_eps=ln2.eps)
         else:
             x, residual = fused.rms_norm(attn.o_proj(o), ln2.weight, ln2.eps, residual=residual)
-        if few and mlp.fused_act:
+        if mlp.fused_act and (few or few_in):
             gu = (gemv(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias) if few_in
                   else mlp.gate_up_proj(x))  # [num_tokens, 2 * inter]
+            if not few:
+                return mlp.down_proj(fused.silu_mul(gu)), residual, False
             wd, bd = mlp.down_proj.weight, mlp.down_proj.bias
             if next_norm is not None:
                 x, residual = gemv(gu, wd, bd, prologue="silu_mul", out_norm_weight=next_norm.weight,
@@ -302,8 +304,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden] -> [num_rows, vocab] float32
         if fused.gemv_enabled(hidden) or (
-            3 <= hidden.shape[0] <= fused.GEMV_IN_ROWS and fused.gemv_few_enabled(hidden)
-        ):  # one row, or a verification step's rows (H100: 342 vs cuBLAS 372 us at 4-6 rows)
+            hidden.shape[0] >= 3 and fused.gemv_in_enabled(hidden)
+        ):  # one row, or a verification step's rows (H100: 343-355 vs cuBLAS 373-379 us, 6-32 rows)
             return gemv(hidden, self.lm_head.weight).float()
         return self.lm_head(hidden).float()
 
