@@ -96,6 +96,7 @@ from ._triton_utils import (
 __all__ = ["gemv", "gemv_reference", "GemvConfig", "choose_config", "MAX_ROWS", "PROLOGUES"]
 
 MAX_ROWS = 32
+_SMEM = 200 * 1024  # shared memory the pipelined tiles of a 32-row dot may take (H100: 227 KB)
 # Programmatic dependent launch of the few-row (tensor-core) configurations: "early" (the next
 # kernel may launch as soon as every program has started, as the one-row path does), "late"
 # (once every program has stored its output) or "off". These launch fewer programs than the GPU
@@ -641,11 +642,15 @@ def _gemv_triton(
     if M == 0 or N == 0:
         return y, res_out
     block_k = min(cfg.block_k, max(16, next_pow2(K)))  # no chunk far larger than K
+    dot_m = max(16, next_pow2(M))  # rows of the dot (tensor-core tiles: 16 or 32)
+    if cfg.use_dot and dot_m > 16:  # 32-row x tiles: keep the pipelined tiles in shared memory
+        stages = cfg.num_stages or 3  # (fp32 at 32 x 256 + 64 x 256 needs 290 KB at 3 stages)
+        while block_k > 16 and stages * (dot_m + cfg.block_n) * block_k * x.element_size() > _SMEM:
+            block_k //= 2
     k_chunks = cdiv(K, block_k)
     chunks_per_split = cdiv(k_chunks, cfg.split_k)
     split = cdiv(k_chunks, chunks_per_split)  # no empty split
     k_per_split = chunks_per_split * block_k
-    dot_m = max(16, next_pow2(M))  # rows of the dot (tensor-core tiles: 16 or 32)
     block_m = dot_m if cfg.use_dot and not cfg.pad_rows else next_pow2(M)
     # sum-of-squares pass: ~32 elements of x a thread per chunk (few chunks: its loads wait)
     block_ks = min(next_pow2(K), max(block_k, 1024 * cfg.num_warps // block_m))
