@@ -12,7 +12,8 @@ How the corruptions are drawn (``draws``):
   successive drafts of a sequence are stratified. Under greedy verification only the first
   corrupted position matters (it ends the accepted prefix); the oracle takes it from a Weyl
   sequence ``u_n = frac(u_0 + n / golden ratio)`` (``u_0`` seeded per sequence): the accepted
-  prefix is the largest ``j <= L`` with ``u_n < alpha^j``, so ``P(j >= m) = alpha^m`` exactly as
+  prefix is the largest ``j <= L`` (``L``: the draft's length) with ``u_n < alpha^j``, so
+  ``P(j >= m) = alpha^m`` exactly as
   for independent draws, position ``j`` is corrupted, and the positions after it are corrupted
   independently with probability ``1 - alpha``. Over a run the empirical distribution of the
   accepted prefix then matches the truncated geometric law to within O(log n / n) instead of
@@ -20,10 +21,11 @@ How the corruptions are drawn (``draws``):
   draws. (Simulated for 255 tokens at alpha = 0.9, k = 5: with independent draws the realized
   tokens per step fall more than 3% below the formula from the measured acceptance in one run
   of ten.)
-* ``"independent"``: every proposed token is corrupted independently (the textbook model). Proposing costs a list slice
-and a few random numbers, so the measured speedup isolates the target's side of speculation while
-the target still does its real work (every draft is verified by a real forward pass, and the
-output is exactly that of plain decoding).
+* ``"independent"``: every proposed token is corrupted independently (the textbook model).
+
+Proposing costs a list slice and a few random numbers, so the measured speedup isolates the
+target's side of speculation while the target still does its real work (every draft is verified
+by a real forward pass, and the output is exactly that of plain decoding).
 
 The recording is given either inline (``references``) or as a JSON file (``reference_file``),
 each entry ``{"prompt_token_ids": [...], "output_token_ids": [...]}``. A sequence is matched to
