@@ -13,9 +13,8 @@ How the corruptions are drawn (``draws``):
   corrupted position matters (it ends the accepted prefix); the oracle takes it from a Weyl
   sequence ``u_n = frac(u_0 + n / golden ratio)`` (``u_0`` seeded per sequence): the accepted
   prefix is the largest ``j <= L`` (``L``: the draft's length) with ``u_n < alpha^j``, so
-  ``P(j >= m) = alpha^m`` exactly as
-  for independent draws, position ``j`` is corrupted, and the positions after it are corrupted
-  independently with probability ``1 - alpha``. Over a run the empirical distribution of the
+  ``P(j >= m) = alpha^m`` exactly as for independent draws, position ``j`` is corrupted, and
+  the positions after it are corrupted independently with probability ``1 - alpha``. Over a run the empirical distribution of the
   accepted prefix then matches the truncated geometric law to within O(log n / n) instead of
   O(1 / sqrt(n)): a benchmark of a few dozen steps measures the system, not the luck of its
   draws. (Simulated for 255 tokens at alpha = 0.9, k = 5: with independent draws the realized
