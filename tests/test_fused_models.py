@@ -76,7 +76,8 @@ def test_silu_mul():
 @pytest.mark.parametrize("path", ["gemv", "fused"])
 def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch, path):
     """The CUDA paths of the Llama layers against the torch layer path, over a prefill of 5
-    tokens, 2 decode steps and a 3-token (verification-like) step, with aux hidden states
+    tokens, 2 decode steps, a 3-token (verification-like) step and a 20-token one (qkv and gate/up
+    as GEMVs, o_proj and down on the torch path), with aux hidden states
     (EAGLE-3) collected. ``gemv``: the one-row path (4 GEMVs with fused RMSNorm / residual /
     SiLU*up prologues, kernels/gemv.py; RoPE fused with the K/V store). ``fused``: the
     multi-row path that carries the residual stream into the RMSNorm kernels
@@ -100,7 +101,7 @@ def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch, path):
         seqs = [Sequence("r", 0, [1, 5, 9, 200, 7], SamplingParams(), RequestMetrics(0.0), None)]
         seqs[0].block_table = [0, 1]
         outs = [runner.forward(seqs, [seqs[0].token_ids], (1,))]
-        for toks in ([11], [300], [4, 77, 12]):
+        for toks in ([11], [300], [4, 77, 12], list(range(20, 40))):
             outs.append(runner.forward(seqs, [toks], (1,)))
         return outs
 
@@ -110,14 +111,16 @@ def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch, path):
     monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_fused", _counted(
         llama.LlamaDecoderLayer.forward_fused, layer_calls))
     got = run(True)
-    # every step has <= GEMV_IN_ROWS rows: all four projections of a layer are GEMVs (one-row
-    # steps: forward_gemv; the others: forward_fused, norms in the split-K reduces)
+    # the first four steps have <= GEMV_FEW_ROWS rows: all four projections of a layer are GEMVs
+    # (one-row steps: forward_gemv; the others: forward_fused, norms in the split-K reduces);
+    # the 20-row step (GEMV_FEW_ROWS < 20 <= GEMV_IN_ROWS): qkv and gate/up only
+    assert fused.GEMV_FEW_ROWS < 20 <= fused.GEMV_IN_ROWS
     L = cfg.num_hidden_layers
-    assert calls[0] == 4 * 4 * L
+    assert calls[0] == 4 * 4 * L + 2 * L
     if path == "gemv":  # the two one-row decode steps; the others take the fused path
-        assert layer_calls[0] == 2 * L
+        assert layer_calls[0] == 3 * L
     else:
-        assert layer_calls[0] == 4 * L
+        assert layer_calls[0] == 5 * L
     for (h, aux), (h_ref, aux_ref) in zip(got, ref):
         torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(aux, aux_ref, atol=1e-4, rtol=1e-4)
