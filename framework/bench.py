@@ -243,11 +243,11 @@ def run_bench(engine, prompts: list[list[int]], strategies: list[dict], max_toke
                 timers = [_cost_pass(engine, dec, prompts[:bs], cost_tokens) for _ in range(n_rep)]
                 timers.sort(key=lambda t: t.propose_s / max(t.propose_calls, 1))
                 timer = timers[n_rep // 2]
-            runs.append(_summarise(spec, bs, r, dec, metrics, counter, timer, plain, record))
+            # greedy equivalence with the plain recording, over every timed run
+            same = all(t == ref[: len(t)]
+                       for run, _, _ in timed for t, ref in zip(run["tokens"], record["tokens"]))
+            runs.append(_summarise(spec, bs, r, dec, metrics, counter, timer, plain, same))
             runs[-1]["step_s_runs"] = step_s
-            runs[-1]["same_tokens_as_plain"] = all(  # every timed run, not only the one reported
-                t == ref[: len(t)]
-                for run, _, _ in timed for t, ref in zip(run["tokens"], record["tokens"]))
             plain = plain or runs[-1]
             logger.info("bench %s", runs[-1])
     _set_strategy(engine, None)
@@ -283,7 +283,7 @@ def _cost_pass(engine, dec, prompts, tokens) -> _StepTimer:
     return timer
 
 
-def _summarise(spec, bs, r, dec, m, counter, timer, plain, record) -> dict:
+def _summarise(spec, bs, r, dec, m, counter, timer, plain, same: bool) -> dict:
     step_s = r["decode_s"] / max(r["steps"], 1)
     per_seq_tokens = r["decode_tokens"] / bs
     row = {
@@ -293,8 +293,7 @@ def _summarise(spec, bs, r, dec, m, counter, timer, plain, record) -> dict:
         "s_per_token": r["decode_s"] / per_seq_tokens,
         "decode_s": r["decode_s"], "prefill_s": r["prefill_s"], "steps": r["steps"],
         "step_s": step_s, "decode_tokens": r["decode_tokens"],
-        # greedy equivalence with the plain recording (same prompts, same engine)
-        "same_tokens_as_plain": all(t == ref[: len(t)] for t, ref in zip(r["tokens"], record["tokens"])),
+        "same_tokens_as_plain": same,  # every timed run's tokens = the plain recording's
         **step_stats(r["step_times"]),
     }
     row["speedup"] = (row["tokens_per_s"] / plain["tokens_per_s"]) if plain else 1.0
@@ -321,9 +320,8 @@ def _summarise(spec, bs, r, dec, m, counter, timer, plain, record) -> dict:
         theoretical_speedup=theoretical_speedup(a, k, c) if (a is not None and c is not None
                                                              and m.num_spec_steps) else None,
     )
-    draws = getattr(dec.strategy_config, "draws", None)
-    if spec["method"] == "oracle" and draws is not None:
-        row["draws"] = draws
+    if getattr(dec.strategy_config, "draws", None) is not None:  # the oracle's
+        row["draws"] = dec.strategy_config.draws
     if row["theoretical_speedup"]:
         row["speedup_vs_theoretical"] = row["speedup"] / row["theoretical_speedup"]
         row["speedup_vs_theoretical_trimmed"] = row["speedup_trimmed"] / row["theoretical_speedup"]
