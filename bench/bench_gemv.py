@@ -109,6 +109,11 @@ SHAPES = (
     Shape("gate_up_1b", 16384, 2048, "rmsnorm", True),
     Shape("down_1b", 2048, 8192, "silu_mul"),
     Shape("lm_head_1b", 128256, 2048, "rmsnorm", False),
+    # its multi-row forwards (catch-up, batched steps: qkv and gate/up inputs arrive normed) and
+    # its LM head over a 32768-id token map (input normed)
+    Shape("qkv_1b_plain", 3072, 2048, "none"),
+    Shape("gate_up_1b_plain", 16384, 2048, "none"),
+    Shape("lm_head_tm_1b", 32768, 2048, "none"),
 )
 ROWS = (1, 2, 4, 6, 8)
 DTYPE = torch.bfloat16
@@ -141,6 +146,7 @@ def sweep_configs(shape: Shape, M: int) -> list[GemvConfig]:
                     for s in splits if shape.N <= 4096 else splits[:2]:
                         out.append(GemvConfig(bn, bk, nw, s, use_dot=False))
         out.append(GemvConfig(8, 512, 4, 1, use_dot=False, prefetch=True))
+        out += deep_prefetch_configs(shape)
         return out
     for bn in (32, 64):
         for bk in (128, 256):
@@ -151,6 +157,22 @@ def sweep_configs(shape: Shape, M: int) -> list[GemvConfig]:
                             out.append(
                                 GemvConfig(bn, bk, nw, s, use_dot=True, swap_ab=swap, pad_rows=pad)
                             )
+    return out
+
+
+def deep_prefetch_configs(shape: Shape) -> list[GemvConfig]:
+    """One-row configurations whose whole K range per program is one tile, loaded before the
+    PDL wait (``prefetch``): the weight streams while the previous kernel finishes. Tiles of at
+    most 64 elements a thread."""
+    out = []
+    for s in (1, 2, 4):
+        for bk in (1024, 2048, 4096):
+            if bk * s != shape.K and not (s == 1 and bk == shape.K):
+                continue
+            for bn in (2, 4, 8):
+                for nw in (4, 8):
+                    if 8 <= bn * bk // (32 * nw) <= 64:
+                        out.append(GemvConfig(bn, bk, nw, s, use_dot=False, prefetch=True))
     return out
 
 

@@ -458,6 +458,26 @@ class GemvConfig:
             raise ValueError(f"config.num_stages must be in [1, 8], got {self.num_stages!r}")
 
 
+def _deep_prefetch_config(N: int, K: int, prologue: str) -> GemvConfig | None:
+    """One row, K <= 2048 (a Llama-3.2-1B draft's qkv, o_proj, gate/up, token-map head) or a
+    4096 x 4096 o_proj: each program's whole K range is one weight tile, loaded before the PDL
+    wait (``prefetch``), so the weight streams while the kernel before finishes. H100,
+    bench/bench_gemv.py (eleventh session, one row, us): qkv_1b 7.19 -> 6.62, o_proj_1b 5.02 ->
+    3.96, gate_up_1b 26.12 -> 24.95, o_proj 13.94 -> 13.10; no better for the 8B qkv, gate/up or
+    the 1B down (K = 8192). Without a prologue (the 32768-row token-map head) 2-row tiles:
+    45.28 -> 44.39. ``SPECULANT_GEMV_DEEP=0`` turns it off."""
+    if os.environ.get("SPECULANT_GEMV_DEEP", "1") in ("0", "false", "off"):
+        return None
+    if K <= 2048:
+        if N <= 2048:
+            return GemvConfig(block_n=8, block_k=2048, num_warps=8, use_dot=False, prefetch=True)
+        bn = 2 if prologue == "none" else 4
+        return GemvConfig(block_n=bn, block_k=2048, num_warps=4, use_dot=False, prefetch=True)
+    if K <= 4096 and N <= 4096:
+        return GemvConfig(block_n=2, block_k=4096, num_warps=8, use_dot=False, prefetch=True)
+    return None
+
+
 def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -> GemvConfig:
     """Default launch parameters from the shapes only (CUDA-graph safe).
 
@@ -502,6 +522,9 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
     if M <= 1:
         if big_n:
             return GemvConfig(block_n=16, block_k=256, num_warps=4, use_dot=False)
+        deep = _deep_prefetch_config(N, K, prologue)
+        if deep is not None:
+            return deep
         if N <= 2048:  # few output blocks: narrower tiles, and split K when it is long
             split = 2 if K >= 4 * N else 1
             return GemvConfig(block_n=4, block_k=512, num_warps=4, split_k=split, use_dot=False)
@@ -510,18 +533,39 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
         if big_n:
             return GemvConfig(block_n=64, block_k=128, num_warps=8, use_dot=True, pad_rows=False)
         return GemvConfig(block_n=64, block_k=256, num_warps=4, use_dot=True, pad_rows=False)
-    if prologue == "none" and 3 <= M <= 32 and 4096 <= N:  # the measured shapes
+    # a Llama-3.2-1B draft's qkv, o_proj, gate/up and token-map head in its multi-row forwards
+    small = K <= 2048 and N >= 2048
+    if prologue == "none" and 2 <= M <= 32 and ((4096 <= N and M >= 3) or small):
         # K in two where the output blocks alone fill at most half the multiprocessors (o_proj
         # 4096 x 4096: 64 blocks; sixth sweep at 4 / 6 rows 14.89 / 14.86 -> 14.24 / 14.31 us)
-        split = 2 if 2 * cdiv(N, 64) <= num_sms(device) and K >= 2048 else 1
-        return GemvConfig(block_n=64, block_k=256, num_warps=4, split_k=split, use_dot=True,
-                          swap_ab=True, pad_rows=False)
+        blocks = cdiv(N, 64)
+        split = 2 if 2 * blocks <= num_sms(device) and K >= 2048 else 1
+        # 1B shapes (eleventh session, 2-16 rows, against the generic configuration below, us):
+        # o_proj 2048 x 2048 in four, 6.04 / 6.32 / 6.81 -> 5.46 / 5.55 / 5.70 at 2 / 4 / 8
+        # rows; qkv 3072 x 2048 in two, 7.21 / 7.66 / 8.63 -> 6.93 / 6.91 / 6.93; gate/up
+        # 16384 x 2048 on 128-wide K chunks, 25.86 / 24.81 / 24.95 -> 24.20 / 24.29 / 24.48
+        if small and 4 * blocks <= num_sms(device):
+            split = 4
+        return GemvConfig(
+            block_n=64,
+            block_k=128 if small and split == 1 and N <= 16384 else 256,
+            num_warps=4,
+            split_k=split,
+            use_dot=True,
+            swap_ab=True,
+            pad_rows=False,
+        )
     block_n, block_k = 64, 128
     n_blocks = cdiv(N, block_n)
     split = 1
     while split < 4 and n_blocks * split < 2 * num_sms(device) and cdiv(K, block_k) >= 8 * split:
         split *= 2
     num_warps = 8 if prologue == "rmsnorm" else 4
+    if prologue == "silu_mul" and N <= 2048 and K >= 8192:
+        # a 1B draft's down_proj 2048 x 8192 (eleventh session, us): 256-wide K chunks, 8 warps
+        # above 2 rows: 15.65 / 16.32 / 18.17 / 18.60 -> 14.63 / 15.73 / 16.58 / 16.53 at
+        # 2 / 4 / 8 / 16 rows
+        block_k, num_warps = 256, 8 if M > 2 else 4
     return GemvConfig(
         block_n=block_n,
         block_k=block_k,
@@ -563,8 +607,14 @@ def _check_norm(prefix: str, weight, residual, eps, res_shape, dtype, dev) -> No
     n = res_shape[1]
     check_tensor(f"{prefix}norm_weight", weight, shape=(n,), dtypes=_FLOAT_DTYPES, device=dev)
     if residual is not None:
-        check_tensor(f"{prefix}residual", residual, shape=res_shape, dtypes=(dtype,), device=dev,
-                     last_contiguous=True)
+        check_tensor(
+            f"{prefix}residual",
+            residual,
+            shape=res_shape,
+            dtypes=(dtype,),
+            device=dev,
+            last_contiguous=True,
+        )
     if not isinstance(eps, (int, float)) or not eps >= 0.0:
         raise ValueError(f"{prefix}eps must be a non-negative float, got {eps!r}")
 
@@ -642,6 +692,9 @@ def _gemv_triton(
     if M == 0 or N == 0:
         return y, res_out
     block_k = min(cfg.block_k, max(16, next_pow2(K)))  # no chunk far larger than K
+    if not cfg.use_dot:  # FMA tiles: at most 64 four-byte elements a thread (fp32: halve)
+        while block_k > 16 and cfg.block_n * block_k * x.element_size() > 256 * 32 * cfg.num_warps:
+            block_k //= 2
     dot_m = max(16, next_pow2(M))  # rows of the dot (tensor-core tiles: 16 or 32)
     if cfg.use_dot and dot_m > 16:  # 32-row x tiles: keep the pipelined tiles in shared memory
         stages = cfg.num_stages or 3  # (fp32 at 32 x 256 + 64 x 256 needs 290 KB at 3 stages)
