@@ -155,6 +155,19 @@ def pdl_enabled(device: torch.device) -> bool:
     return _sm90(idx) and hasattr(tl.extra.cuda, "gdc_wait")
 
 
+def pdl_trigger_first(env: str = "SPECULANT_PDL_TRIGGER_FIRST") -> bool:
+    """For kernels launched with PDL that read only what the kernel before wrote (a split-K
+    reduce, the attention merge): let the NEXT kernel launch before this one's ``gdc_wait``
+    instead of after it. Safe for any order: the next kernel's own ``gdc_wait`` still waits for
+    this one to finish, which finishes after the one before it. What it buys: the next GEMV's
+    programs start, and load their weight tiles, while the kernel before this one still runs.
+    H100, two same-machine A/B pairs (``bench/gpu_8b.py --only draft``, eleventh session): the
+    1B draft's propose with a 32k token map at batch 1 3.408 / 3.430 -> 3.366 / 3.371 ms, full
+    head 3.765 / 3.770 -> 3.719 / 3.526 ms; the 8B plain step 5.618 / 5.620 against 5.635 /
+    5.627 ms (within the run-to-run spread). ``SPECULANT_PDL_TRIGGER_FIRST=0`` turns it off."""
+    return os.environ.get(env, "1").lower() not in ("0", "false", "no", "off")
+
+
 def pdl_launch(device: torch.device) -> dict[str, bool]:
     """Launch keywords for a kernel with a ``GDC`` constexpr: ``{"GDC": True, "launch_pdl": True}``
     when :func:`pdl_enabled`, else ``{"GDC": False}``. The two always go together: a kernel

@@ -89,6 +89,7 @@ from ._triton_utils import (
     next_pow2,
     num_sms,
     pdl_launch,
+    pdl_trigger_first,
     tl,
     use_triton,
 )
@@ -345,10 +346,14 @@ if tl is not None:
         SPLIT_K: tl.constexpr,
         BLOCK: tl.constexpr,
         GDC: tl.constexpr,  # launched with PDL: wait for the partials first
+        TRIGGER_FIRST: tl.constexpr,  # with GDC: let the next kernel launch before the wait
     ):
         if GDC:
+            if TRIGGER_FIRST:
+                tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if not TRIGGER_FIRST:
+                tl.extra.cuda.gdc_launch_dependents()
         m = tl.program_id(1)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
@@ -378,10 +383,14 @@ if tl is not None:
         SPLIT_K: tl.constexpr,
         BLOCK: tl.constexpr,  # next_pow2(N): the whole row, as fused._rms_norm_kernel
         GDC: tl.constexpr,  # launched with PDL: wait for the partials first
+        TRIGGER_FIRST: tl.constexpr,  # with GDC: let the next kernel launch before the wait
     ):
         if GDC:
+            if TRIGGER_FIRST:
+                tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if not TRIGGER_FIRST:
+                tl.extra.cuda.gdc_launch_dependents()
         # one program per row: y = sum of the partials + bias, rounded to y's dtype as
         # _split_reduce_kernel (and the single-split store) does; then fused._rms_norm_kernel's
         # arithmetic on s = y + residual
@@ -789,6 +798,7 @@ def _gemv_triton(
             BLOCK=block,
             num_warps=8 if block >= 4096 else 4,  # as fused.rms_norm: same reduction order
             **pdl,
+            TRIGGER_FIRST=pdl_trigger_first(),
         )
     elif split > 1:
         block = min(1024, next_pow2(N))
@@ -805,6 +815,7 @@ def _gemv_triton(
             BLOCK=block,
             num_warps=4,
             **pdl,
+            TRIGGER_FIRST=pdl_trigger_first(),
         )
     return y, res_out
 

@@ -39,6 +39,7 @@ from ._triton_utils import (
     next_pow2,
     num_sms,
     pdl_launch,
+    pdl_trigger_first,
     tl,
     use_triton,
 )
@@ -342,10 +343,14 @@ if tl is not None:
         HEAD_DIM: tl.constexpr,
         SPLITS_P2: tl.constexpr,  # next_pow2(num_splits)
         GDC: tl.constexpr,  # launched with PDL (programmatic dependent launch)
+        TRIGGER_FIRST: tl.constexpr,  # with GDC: let the next kernel launch before the wait
     ):
         if GDC:  # launched with PDL: everything here reads what the previous kernel wrote
+            if TRIGGER_FIRST:
+                tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if not TRIGGER_FIRST:
+                tl.extra.cuda.gdc_launch_dependents()
         tok = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         total = tl.load(qsl_ptr + num_seqs)
@@ -601,6 +606,7 @@ def _paged_attention_triton(
             SPLITS_P2=next_pow2(splits),
             num_warps=4 if head_dim * next_pow2(splits) >= 4096 else 2,
             **pdl,
+            TRIGGER_FIRST=pdl_trigger_first(),
         )
     return out
 

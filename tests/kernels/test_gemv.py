@@ -38,11 +38,18 @@ CONFIGS = {
         block_n=32, block_k=32, split_k=3, use_dot=True, swap_ab=True, prefetch=True
     ),
     "split": GemvConfig(block_n=32, block_k=32, num_warps=4, split_k=3),
+    # one row, each program's whole K range one tile loaded before the PDL wait (the deep
+    # prefetch of choose_config's one-row 1B shapes): all of K, and K in two pieces
+    "fma_deep": GemvConfig(block_n=2, block_k=256, num_warps=4, use_dot=False, prefetch=True),
+    "fma_deep_split": GemvConfig(
+        block_n=4, block_k=128, split_k=2, num_warps=4, use_dot=False, prefetch=True
+    ),
     "dot_masked_rows": GemvConfig(block_n=16, block_k=32, use_dot=True, pad_rows=False),
 }
 WITH_BIAS = (
     "default",
     "fma_prefetch_split",
+    "fma_deep_split",
     "dot_swap_prefetch_split",
     "dot_masked_rows",
 )  # bias: a constexpr
@@ -258,10 +265,39 @@ def test_choose_config_valid():
             (4096, 14336, "silu_mul"),
             (128256, 4096, "rmsnorm"),
             (72, 200, "none"),
+            # Llama-3.2-1B shapes (a draft model): qkv, o_proj, gate/up, down, token-map head
+            (3072, 2048, "rmsnorm"),
+            (3072, 2048, "none"),
+            (2048, 2048, "none"),
+            (16384, 2048, "none"),
+            (2048, 8192, "silu_mul"),
+            (32768, 2048, "none"),
         ):
             cfg = choose_config(M, N, K, p, dev)
             cfg.validate(M)
             assert cfg.split_k >= 1 and cfg.block_n >= 1
+
+
+def test_choose_config_deep_prefetch_switch(monkeypatch):
+    """One row, K <= 2048: the whole K range of a program is one prefetched tile, unless
+    SPECULANT_GEMV_DEEP=0 (the A/B switch) restores the 512-wide tiles."""
+    dev = torch.device("cpu")
+    cfg = choose_config(1, 3072, 2048, "rmsnorm", dev)
+    assert cfg.prefetch and cfg.block_k == 2048 and cfg.split_k == 1
+    monkeypatch.setenv("SPECULANT_GEMV_DEEP", "0")
+    cfg = choose_config(1, 3072, 2048, "rmsnorm", dev)
+    assert not cfg.prefetch and cfg.block_k == 512
+
+
+def test_gemv_wide_fma_tile_fp32(device):
+    """A one-row tile of 32 x 2048 fp32 elements (256 a thread at 4 warps) is narrowed by the
+    launcher to at most 64 four-byte elements a thread; the result is still the reference's."""
+    x, w, b, kw = _inputs("rmsnorm_res", 1, 72, 2048, torch.float32, device, bias=True)
+    cfg = GemvConfig(block_n=32, block_k=2048, num_warps=4, use_dot=False, prefetch=True)
+    got, got_res = gemv(x, w, b, force_triton=True, config=cfg, **kw)
+    ref, ref_res = gemv_reference(x, w, b, **kw)
+    torch.testing.assert_close(got, ref, atol=_tol(torch.float32, ref), rtol=0)
+    assert torch.equal(got_res, ref_res)
 
 
 def test_gemv_validation(device):
