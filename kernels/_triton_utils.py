@@ -164,7 +164,9 @@ def pdl_trigger_first(env: str = "SPECULANT_PDL_TRIGGER_FIRST") -> bool:
     H100, two same-machine A/B pairs (``bench/gpu_8b.py --only draft``, eleventh session): the
     1B draft's propose with a 32k token map at batch 1 3.408 / 3.430 -> 3.366 / 3.371 ms, full
     head 3.765 / 3.770 -> 3.719 / 3.526 ms; the 8B plain step 5.618 / 5.620 against 5.635 /
-    5.627 ms (within the run-to-run spread). ``SPECULANT_PDL_TRIGGER_FIRST=0`` turns it off."""
+    5.627 ms (within the run-to-run spread). Only where the next kernel is a one-row GEMV (the
+    launchers decide): after few-row dot GEMVs an early launch slows the step (see gemv.DOT_PDL).
+    ``SPECULANT_PDL_TRIGGER_FIRST=0`` turns it off."""
     return os.environ.get(env, "1").lower() not in ("0", "false", "no", "off")
 
 

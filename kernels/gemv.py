@@ -777,6 +777,10 @@ def _gemv_triton(
         **pdl,
         GDC_LATE=late,
     )
+    # one row: the next kernel (a one-row GEMV that prefetches its weight before its wait) may
+    # launch before this reduce waits; after a few-row dot GEMV it may not (an early-launched
+    # dot kernel waits on multiprocessors the running one needs: see DOT_PDL)
+    first = pdl_trigger_first() and not cfg.use_dot
     if epilogue:
         block = next_pow2(N)
         _split_reduce_norm_kernel[(M,)](
@@ -798,7 +802,7 @@ def _gemv_triton(
             BLOCK=block,
             num_warps=8 if block >= 4096 else 4,  # as fused.rms_norm: same reduction order
             **pdl,
-            TRIGGER_FIRST=pdl_trigger_first(),
+            TRIGGER_FIRST=first,
         )
     elif split > 1:
         block = min(1024, next_pow2(N))
@@ -815,7 +819,7 @@ def _gemv_triton(
             BLOCK=block,
             num_warps=4,
             **pdl,
-            TRIGGER_FIRST=pdl_trigger_first(),
+            TRIGGER_FIRST=first,
         )
     return y, res_out
 

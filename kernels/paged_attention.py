@@ -606,7 +606,7 @@ def _paged_attention_triton(
             SPLITS_P2=next_pow2(splits),
             num_warps=4 if head_dim * next_pow2(splits) >= 4096 else 2,
             **pdl,
-            TRIGGER_FIRST=pdl_trigger_first(),
+            TRIGGER_FIRST=pdl_trigger_first() and num_tokens == 1,  # o_proj: a one-row GEMV
         )
     return out
 
