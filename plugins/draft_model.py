@@ -108,29 +108,34 @@ class DraftModelConfig(BaseModel):
 class _DraftSeq:
     """The draft cache's view of one sequence (what BlockManager / ModelRunner need)."""
 
-    __slots__ = ("block_table", "num_cached_tokens", "tokens")
+    __slots__ = ("block_table", "num_cached_tokens", "tokens", "checked")
 
     def __init__(self) -> None:
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
         self.tokens: list[int] = []  # token ids whose K/V the draft cache holds, in order
+        # leading entries of ``tokens`` known to equal the sequence's tokens (the engine only
+        # appends to a sequence): the next comparison starts there
+        self.checked = 0
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``. Called every step with the draft
-    cache's tokens and the sequence's, which normally differ only in the last few positions (the
-    rejected drafts): one C-speed slice compare up to a few tokens before the end, then a short
-    scan; a bisection on slice compares only when they differ earlier."""
+def _common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, given that ``a[:start] ==
+    b[:start]`` (only what follows is compared). Called every step with the draft cache's tokens
+    and the sequence's, which normally differ only in the last few positions (the rejected
+    drafts): one C-speed slice compare up to a few tokens before the end, then a short scan; a
+    bisection on slice compares only when they differ earlier."""
     m = min(len(a), len(b))
-    g = max(0, m - 8)
-    if a[:g] == b[:g]:
+    lo = min(start, m)
+    g = max(lo, m - 8)
+    if a[lo:g] == b[lo:g]:
         while g < m and a[g] == b[g]:
             g += 1
         return g
-    lo, hi = 0, g  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on C-speed slice compares
+    hi = g  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on C-speed slice compares
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
+        if a[lo:mid] == b[lo:mid]:
             lo = mid
         else:
             hi = mid
@@ -304,11 +309,13 @@ class DraftModelStrategy:
                 )
                 for st, f, i in zip(states, feeds, active):
                     st.tokens.extend(f)
+                    st.checked = len(st.tokens)  # the sequence's tokens up to its last
                     st.tokens.extend(drafts[i][: ks[i] - 1])
                 return Proposal(token_ids=drafts)
         hidden = self._forward(states, feeds)  # [sum(len(feed)), hidden]
         for st, f in zip(states, feeds):
             st.tokens.extend(f)
+            st.checked = len(st.tokens)  # the sequence's tokens up to its last
         if any(len(f) != 1 for f in feeds):  # the last row of each sequence's feed
             ends = list(itertools.accumulate(len(f) for f in feeds))
             hidden = hidden[to_device_async([e - 1 for e in ends], torch.long, self.device)]
@@ -360,10 +367,11 @@ class DraftModelStrategy:
         if st is None:
             st = self.states[s.seq_id] = _DraftSeq()
         n = s.num_tokens
-        common = min(_common_prefix(st.tokens, s.token_ids), n - 1)
+        common = min(_common_prefix(st.tokens, s.token_ids, st.checked), n - 1)
         if common < st.num_cached_tokens:
             self.block_manager.rollback(st, common)
             del st.tokens[common:]
+        st.checked = common
         need = n + k - 1
         if not self.block_manager.can_reserve(st, need):
             # reclaim caches of sequences that are not running now (e.g. waiting after preemption)

@@ -87,6 +87,12 @@ def test_common_prefix_matches_a_plain_scan():
                 if 0 <= cut < lb:
                     b = b[:cut] + [-1] + b[cut + 1 :]
                 assert _common_prefix(a, b) == scan(a, b), (la, lb, cut)
+                # with a known common start: any start up to the true prefix (past the shorter
+                # list's end when that whole list is the common prefix)
+                p = scan(a, b)
+                for start in {0, 3, 9, p, 60}:
+                    if start <= p or p == min(len(a), len(b)):
+                        assert _common_prefix(a, b, start) == p, (la, lb, cut, start)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

@@ -55,6 +55,16 @@ def test_pdl_off_on_cpu_and_under_the_interpreter(monkeypatch):
         assert not tu.pdl_enabled(dev)
 
 
+def test_pdl_trigger_first_switch(monkeypatch):
+    monkeypatch.delenv("SPECULANT_PDL_TRIGGER_FIRST", raising=False)
+    assert tu.pdl_trigger_first()  # default on
+    for off in ("0", "false", "off", "NO"):
+        monkeypatch.setenv("SPECULANT_PDL_TRIGGER_FIRST", off)
+        assert not tu.pdl_trigger_first()
+    monkeypatch.setenv("SPECULANT_PDL_TRIGGER_FIRST", "1")
+    assert tu.pdl_trigger_first()
+
+
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_every_gdc_kernel_waits_before_reading_inputs(name):
     """The wait is the first thing the kernel does when ``GDC`` is set, except for the GEMV's
@@ -64,6 +74,11 @@ def test_every_gdc_kernel_waits_before_reading_inputs(name):
     body = src.split("):\n", 1)[1]  # after the signature
     before, sep, _ = body.partition("tl.extra.cuda.gdc_wait()")
     assert sep, f"{name} never calls gdc_wait"
+    if "TRIGGER_FIRST: tl.constexpr" in src:  # pdl_trigger_first: the trigger alone may come
+        # first, and only under the constexpr (nothing is read before the wait either way)
+        trigger = re.compile(r"if TRIGGER_FIRST:\s*\n\s*tl\.extra\.cuda\.gdc_launch_dependents\(\)")
+        assert trigger.search(before), name
+        before = trigger.sub("", before)
     assert "gdc_launch_dependents" not in before
     loads = re.findall(r"tl\.load\(([^,]+)", before)
     assert all(arg.strip() == "w_rows + offs_k0" for arg in loads), (name, loads)
@@ -81,13 +96,14 @@ def test_every_pdl_launch_passes_gdc():
 
 def _chain(x, layers, caches, meta, scale):
     """One-row decode layers as forward_gemv runs them: qkv GEMV with RMSNorm, RoPE + K/V store,
-    attention (split-K), o_proj, gate/up GEMV with RMSNorm, down GEMV with SiLU * up; then the
-    final RMSNorm + head GEMV and its argmax."""
-    from speculant.kernels.gemv import gemv
+    attention (split-K), o_proj, gate/up GEMV with RMSNorm, down GEMV with SiLU * up (split-K);
+    then the final RMSNorm + head GEMV and its argmax."""
+    from speculant.kernels.gemv import GemvConfig, gemv
     from speculant.kernels.logprobs import row_argmax
     from speculant.kernels.paged_attention import paged_attention as attn
 
     pos, slots, tables, ctx, qsl, cos, sin = meta
+    split = GemvConfig(block_n=4, block_k=128, split_k=2, use_dot=False)
     h, res = x, torch.zeros_like(x)
     for (ln1, wqkv, wo, ln2, wgu, wd), (kc, vc) in zip(layers, caches):
         qkv, res = gemv(h, wqkv, prologue="rmsnorm", norm_weight=ln1, residual=res)
@@ -95,7 +111,8 @@ def _chain(x, layers, caches, meta, scale):
         fused.rope_store_(pos, q, k, v, cos, sin, kc, vc, slots)
         o = gemv(attn(q, kc, vc, tables, ctx, qsl, scale).reshape(1, 128), wo)
         gu, res = gemv(o, wgu, prologue="rmsnorm", norm_weight=ln2, residual=res)
-        h = gemv(gu, wd, prologue="silu_mul")
+        # K in two: a split-K reduce follows (it triggers the next GEMV before its wait)
+        h = gemv(gu, wd, prologue="silu_mul", config=split)
     logits = gemv(h, layers[0][1][:96], prologue="rmsnorm", norm_weight=layers[0][0], residual=res)[
         0
     ]
@@ -128,7 +145,9 @@ def test_pdl_graph_matches_plain_launches(monkeypatch):
     )
     x = w(1, H, std=1)
     outs = {}
-    for flag in ("0", "1"):
+    for label, flag, first in (("off", "0", "0"), ("on", "1", "0"), ("first", "1", "1")):
+        # "first": the split-K reduces and the attention merge trigger before they wait
+        monkeypatch.setenv("SPECULANT_PDL_TRIGGER_FIRST", first)
         monkeypatch.setenv("SPECULANT_PDL", flag)
         assert tu.pdl_enabled(torch.device(dev)) == (flag == "1")
         eager = _chain(x, layers, caches, meta, 1 / math.sqrt(32))
@@ -143,7 +162,8 @@ def test_pdl_graph_matches_plain_launches(monkeypatch):
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
-        outs[flag] = (eager, captured)
-    for a, b in zip(outs["0"][0] + outs["0"][1], outs["1"][0] + outs["1"][1]):
-        assert torch.equal(a, b)
-    assert torch.equal(outs["0"][0][0], outs["0"][1][0])
+        outs[label] = (eager, captured)
+    for other in ("on", "first"):
+        for a, b in zip(outs["off"][0] + outs["off"][1], outs[other][0] + outs[other][1]):
+            assert torch.equal(a, b)
+    assert torch.equal(outs["off"][0][0], outs["off"][1][0])
