@@ -132,7 +132,9 @@ def sweep_configs(shape: Shape, M: int) -> list[GemvConfig]:
     """The launch parameters tried for one (shape, M); split-K only where N <= 6144.
 
     One row: CUDA-core FMAs over BLOCK_N {8, 16, 32} (and 4 where N <= 6144) x BLOCK_K {256,
-    512} tiles, 4 or 8 warps, split 1 or 2 (and 4 where N <= 4096); the next-tile prefetch once. More rows: tensor-core dots over BLOCK_N {32, 64}
+    512} tiles, 4 or 8 warps, split 1 or 2 (and 4 where N <= 4096); the next-tile prefetch once;
+    the deep-prefetch tiles of ``deep_prefetch_configs``. More rows: tensor-core dots over
+    BLOCK_N {32, 64}
     x BLOCK_K {128, 256}, 4 or 8 warps, either operand order, prologue rows interleaved or
     masked (``pad_rows``), split 1, 2 or 4. (Pruned from a wider H100 sweep: BLOCK_N 16 and the
     prefetch were never the best with several rows.)
@@ -167,7 +169,7 @@ def deep_prefetch_configs(shape: Shape) -> list[GemvConfig]:
     out = []
     for s in (1, 2, 4):
         for bk in (1024, 2048, 4096):
-            if bk * s != shape.K and not (s == 1 and bk == shape.K):
+            if bk * s != shape.K:  # each of the s pieces of K is one tile
                 continue
             for bn in (2, 4, 8):
                 for nw in (4, 8):
