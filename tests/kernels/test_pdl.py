@@ -167,3 +167,54 @@ def test_pdl_graph_matches_plain_launches(monkeypatch):
         for a, b in zip(outs["off"][0] + outs["off"][1], outs[other][0] + outs[other][1]):
             assert torch.equal(a, b)
     assert torch.equal(outs["off"][0][0], outs["off"][1][0])
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kw)`` records ``kw``."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.calls.append(kw)
+
+        return launch
+
+
+def test_trigger_first_only_before_one_row_gemvs(monkeypatch):
+    """The launchers ask a reduce to trigger the next kernel before its wait only where that
+    next kernel is a one-row GEMV: after a one-row GEMV's split-K reduce and after the attention
+    merge of a single query token; never after a few-row (dot) GEMV or a multi-token merge."""
+    from speculant.kernels.gemv import GemvConfig, gemv
+
+    monkeypatch.setenv("SPECULANT_PDL_TRIGGER_FIRST", "1")
+    rec = _Recorder()
+    monkeypatch.setattr(gemv_mod, "_split_reduce_kernel", rec)
+    monkeypatch.setattr(gemv_mod, "_split_reduce_norm_kernel", rec)
+    w = torch.randn(48, 64)
+    one = GemvConfig(block_n=8, block_k=16, split_k=2, use_dot=False)
+    dot = GemvConfig(block_n=16, block_k=16, split_k=2, use_dot=True)
+    gemv(torch.randn(1, 64), w, force_triton=True, config=one)
+    gemv(torch.randn(3, 64), w, force_triton=True, config=dot)
+    nw = torch.ones(48)
+    gemv(torch.randn(3, 64), w, force_triton=True, config=dot, out_norm_weight=nw,
+         out_residual=torch.randn(3, 48))
+    assert [c["TRIGGER_FIRST"] for c in rec.calls] == [True, False, False]
+    monkeypatch.setenv("SPECULANT_PDL_TRIGGER_FIRST", "0")
+    gemv(torch.randn(1, 64), w, force_triton=True, config=one)
+    assert rec.calls[-1]["TRIGGER_FIRST"] is False
+
+    monkeypatch.setenv("SPECULANT_PDL_TRIGGER_FIRST", "1")
+    merge = _Recorder()
+    monkeypatch.setattr(paged_attention, "_paged_attn_reduce_kernel", merge)
+    kc = torch.randn(4, 16, 2, 32)
+    vc = torch.randn(4, 16, 2, 32)
+    bt = torch.arange(4, dtype=torch.int32)[None]
+    for n in (1, 3):
+        q = torch.randn(n, 4, 32)
+        paged_attention.paged_attention(
+            q, kc, vc, bt, torch.tensor([60], dtype=torch.int32),
+            torch.tensor([0, n], dtype=torch.int32), 0.2, num_splits=2, force_triton=True,
+        )
+    assert [c["TRIGGER_FIRST"] for c in merge.calls] == [True, False]
