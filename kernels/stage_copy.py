@@ -36,9 +36,10 @@ checks shapes, dtypes and the layout.
 
 ``pinned_copy(src, dst)`` is the same zero-copy read without the ring: a plain copy of a pinned
 host vector into a device vector, as the first node of a proposer's CUDA graph (draft model,
-EAGLE). Those graphs' callers read the drafts back before they stage the next call's inputs, so
-one pinned buffer suffices and the host's staging is its own writes: no ``cudaMemcpyAsync``, no
-event (~50-100 us of host time per propose on the H100 machine, measured in the 1B draft's).
+EAGLE, MLPSpeculator). Those graphs' callers read the drafts back before they stage the next
+call's inputs, so one pinned buffer suffices and the host's staging is its own writes: no
+``cudaMemcpyAsync``, no event (~50-100 us of host time per propose on the H100 machine,
+measured in the 1B draft's).
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ from torch import nn
 from speculant import hookimpl
 from speculant.engine.staging import read_back
 from speculant.kernels.logprobs import row_argmax
+from speculant.kernels.stage_copy import pinned_copy
 from speculant.models import fused
 from speculant.plugins.token_map import (
     TokenMapError,
@@ -681,7 +682,8 @@ class MLPSpeculatorStrategy:
             tok_t = to_device_async(tokens, torch.long, dev)  # [rows]
             choose = None if sampler.all_greedy else sampler  # all greedy: no q to keep
             out = self._stages(state, tok_t, K, choose)  # [rows, K]
-        drafts = split_drafts(out, rows, want, B)
+        # the read-back also tells the graph cache its last replay has run (graph inputs free)
+        drafts = split_drafts(out, rows, want, B, self.graphs)
         return Proposal(token_ids=drafts, probs=sampler.probs(rows, B, self.ctx.vocab_size))
 
     def _stages(
@@ -716,19 +718,21 @@ class MLPSpeculatorStrategy:
             return (
                 torch.zeros(Bp, state.shape[1], dtype=self.ctx.dtype, device=dev),
                 torch.zeros(Bp, dtype=torch.long, device=dev),
+                self.graphs.host_vector(Bp),
             )
 
         key = (Bp, K)
-        st_buf, tok_buf = self.graphs.buffers(key, make)  # [Bp, emb_dim], [Bp]
+        st_buf, tok_buf, host = self.graphs.buffers(key, make)  # [Bp, emb_dim], [Bp], [Bp]
         st_buf[:n].copy_(state)
-        tok_buf[:n].copy_(to_device_async(tokens, torch.long, dev))
+        self.graphs.writable(host)[:n] = tokens  # the graph copies it
 
-        def fn(st, tok):
+        def fn(st, tok, host):
+            pinned_copy(host, tok)  # [Bp] pinned -> device: the graph's first node
             return self._stages(st, tok, K, None)  # greedy
 
         out = self.graphs.replay(key, fn)
         if out is None:  # the capture failed: eagerly
-            out = fn(st_buf, tok_buf)
+            out = fn(st_buf, tok_buf, host)
         return out[:n]  # [rows, K]
 
 

@@ -364,6 +364,39 @@ def test_one_graph_greedy_propose_uses_the_token_map(target, heads, hot_file, me
     assert drafted and drafted <= set(HOT)
 
 
+@pytest.mark.parametrize("mapped", [False, True])
+def test_mlp_speculator_graph_drafts_equal_eager(target, heads, hot_file, mapped, monkeypatch):
+    """The MLPSpeculator's one-graph greedy propose (its inputs staged through the graph cache's
+    pinned host vector, copied by the graph's first node) drafts exactly what the eager stages
+    draft, step by step; every call's inputs are written only after the last replay was read
+    back."""
+    runs = []
+    for graph in (False, True):
+        llm = _llm(target, heads, "mlp_speculator", hot_file if mapped else None)
+        graphs, calls = llm.engine.spec.strategy.graphs, []
+        if graph:
+            graphs.enabled = True
+
+            def replay(key, fn, graphs=graphs, calls=calls):  # "capture": fn on the inputs
+                calls.append(key)
+                out = fn(*graphs.inputs[key])
+                graphs.inflight = True  # as GraphCache.replay
+                return out
+
+            def writable(host, graphs=graphs, real=graphs.writable):
+                # the last replay's drafts were read back (split_drafts marked it): no wait
+                assert not graphs.inflight
+                return real(host)
+
+            monkeypatch.setattr(graphs, "replay", replay)
+            monkeypatch.setattr(graphs, "writable", writable)
+        seen = _spy(llm)
+        out = _ids(llm, _greedy())
+        assert bool(calls) == graph
+        runs.append((out, [p.token_ids for p in seen]))
+    assert runs[0] == runs[1]
+
+
 def _strategies(target, heads, hot_file, method):
     full = _llm(target, heads, method, None).engine.spec.strategy
     hot = _llm(target, heads, method, hot_file).engine.spec.strategy
