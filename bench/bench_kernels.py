@@ -650,9 +650,14 @@ def attention_steady_sweep(hbm_gbps, cases, variants):
 
 def steady_sweep_variants(names: str) -> list[dict]:
     """Override sets for ``--steady-sweep``: the default launch config, plus 'splits' (split
-    counts) and/or 'tiles' (block_n x num_warps x num_stages) or 'all'."""
+    counts) and/or 'tiles' (block_n x num_warps x num_stages) or 'all', and/or 'l2' (K/V chunks
+    prefetched into L2 ahead of their loads, 1-4 and 8, the first ones before or after the PDL
+    wait)."""
     out = [{}]
     want = set(names.split(","))
+    if "l2" in want:
+        for early in (False, True):
+            out += [{"l2_ahead": a, "l2_early": early} for a in (1, 2, 3, 4, 8)]
     if want & {"splits", "all"}:
         out += [{"num_splits": sp} for sp in (16, 24, 32, 64, 96)]
     if want & {"tiles", "all"}:
@@ -866,7 +871,7 @@ def main():
         "--steady-sweep",
         default="",
         help="after the copy bandwidth, time these override sets (comma list of default, "
-        "splits, tiles, all) as graphN on --sweep-cases (default 1:8192:1,1:16384:1,1:32768:1,"
+        "splits, tiles, l2, all) as graphN on --sweep-cases (default 1:8192:1,1:16384:1,1:32768:1,"
         "8:8192:1) and stop",
     )
     ap.add_argument(

@@ -400,3 +400,112 @@ def test_varying_ints_are_not_specialised(monkeypatch):
     assert not flags["stride_qt"] and not flags["stride_kb"]  # fixed per model: specialised
     reduce = {p.name: p.do_not_specialize for p in mod._paged_attn_reduce_kernel.jitted().params}
     assert reduce["num_seqs"] and reduce["num_splits"] and not reduce["stride_ot"]
+
+
+@pytest.mark.parametrize("l2_early", [False, True])
+@pytest.mark.parametrize("l2_ahead", [1, 3])
+def test_kernel_l2_prefetch(device, l2_ahead, l2_early):
+    """The L2 prefetch (ahead of the loads, and before the PDL wait) changes no result: chunks
+    smaller than the cache block, splits with and without keys, verification rows. On the CPU the
+    interpreter cannot run inline PTX and the launcher turns the prefetch off (checked here); on
+    an sm_90 GPU the prefetching kernel runs."""
+    pa = importlib.import_module("speculant.kernels.paged_attention")
+    q, kc, vc, bt, cl, qsl = make_batch(
+        q_lens=[1, 6, 3, 1],
+        ctx_lens=[300, 70, 3, 33],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.bfloat16,
+    )
+    ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, 0.125)
+    args = to(device, q, kc, vc, bt, cl, qsl)
+    if device.type == "cpu":
+        assert not pa._l2_prefetch_ok(args[1], args[2])
+    for splits in (1, 5):
+        out = torch.full_like(q, float("nan")).to(device)
+        pa._paged_attention_triton(
+            *args,
+            0.125,
+            6,
+            out,
+            overrides={
+                "l2_ahead": l2_ahead,
+                "l2_early": l2_early,
+                "block_n": 16,
+                "num_splits": splits,
+            },
+        )
+        assert not torch.isnan(out).any()
+        assert rel_err(out, ref) < REL_TOL[torch.bfloat16]
+
+
+_PTX_SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+import importlib
+mod = importlib.import_module("speculant.kernels.paged_attention")
+
+ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "qsl_ptr": "*i32",
+        "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+base = dict(GROUP=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_SIZE=16, SPLIT=True,
+            IEEE_DOT=False, UPCAST_DOT=False, PREFETCH=False, HEADS_FIRST=False, GDC=True,
+            L2_AHEAD=0, L2_EARLY=False, ROW_BYTES=256)
+fn = mod._paged_attn_kernel.jitted()
+out = []
+for case in json.loads(sys.argv[1]):
+    cx = {**base, **case}
+    sig = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name.endswith("_ptr"):
+            sig[p.name] = ptrs.get(p.name, "*bf16")
+        else:
+            sig[p.name] = "fp32" if p.name == "qk_scale" else "i32"
+    src = triton.compiler.ASTSource(
+        fn=fn, signature=sig, constexprs={k: v for k, v in cx.items() if sig.get(k) == "constexpr"}
+    )
+    out.append(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
+print(json.dumps(out))
+"""
+
+
+def _attention_ptx(cases: list[dict]) -> list[str]:
+    """PTX of the attention kernel compiled for sm_90, one per constexpr override set (no GPU
+    needed: Triton's own ptxas). In a fresh process: one that imported Triton under the
+    interpreter cannot compile."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "-c", _PTX_SCRIPT, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    if r.returncode != 0:
+        if "ptxas" in r.stderr.lower():
+            pytest.skip("no ptxas in this Triton install")
+        raise AssertionError(r.stderr[-3000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_l2_prefetch_ptx():
+    """The prefetch is really emitted: cp.async.bulk.prefetch.L2 of 256-byte rows; none without
+    L2_AHEAD; with L2_EARLY the first ones come before the PDL wait, without it after."""
+    off, late, early = _attention_ptx(
+        [{}, {"L2_AHEAD": 2, "L2_EARLY": False}, {"L2_AHEAD": 2, "L2_EARLY": True}]
+    )
+    assert "cp.async.bulk.prefetch.L2" not in off
+    for ptx, is_early in ((late, False), (early, True)):
+        first = ptx.index("cp.async.bulk.prefetch.L2.global")
+        wait = ptx.index("griddepcontrol.wait")
+        assert (first < wait) == is_early
