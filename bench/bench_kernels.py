@@ -651,13 +651,16 @@ def attention_steady_sweep(hbm_gbps, cases, variants):
 def steady_sweep_variants(names: str) -> list[dict]:
     """Override sets for ``--steady-sweep``: the default launch config, plus 'splits' (split
     counts) and/or 'tiles' (block_n x num_warps x num_stages) or 'all', and/or 'l2' (K/V chunks
-    prefetched into L2 ahead of their loads, 1-4 and 8, the first ones before or after the PDL
-    wait)."""
+    prefetched into L2 ahead of their loads, 1-3, the first ones before or after the PDL wait,
+    as 128-byte lines or as whole-block slices)."""
     out = [{}]
     want = set(names.split(","))
     if "l2" in want:
-        for early in (False, True):
-            out += [{"l2_ahead": a, "l2_early": early} for a in (1, 2, 3, 4, 8)]
+        for mode in (1, 3):
+            for early in (False, True):
+                out += [
+                    {"l2_mode": mode, "l2_ahead": a, "l2_early": early} for a in (1, 2, 3)
+                ]
     if want & {"splits", "all"}:
         out += [{"num_splits": sp} for sp in (16, 24, 32, 64, 96)]
     if want & {"tiles", "all"}:

@@ -65,6 +65,7 @@ _HEADS_FIRST_DEFAULT = False
 # and whether the first ones are asked for before the PDL wait. See _l2_prefetch_chunk.
 _L2_AHEAD_DEFAULT = 0
 _L2_EARLY_DEFAULT = False
+_L2_MODE_DEFAULT = 1
 # Tried and removed: a split merge fused into the attention kernel (the last split program of a
 # tile merges, found with a per-tile atomic counter; no merge launch) and an all-heads decode
 # kernel (one token, all KV heads per program, whole cache blocks per load), both added in commit
@@ -134,9 +135,9 @@ if tl is not None:
     @_compiled_jit
     def _l2_prefetch_chunk(
         bt_row,  # [max_blocks] int32: this sequence's block table
-        k_head,  # K cache of this program's KV head: [num_blocks, block_size, *, head_dim]
-        v_head,  # V cache of this program's KV head: [num_blocks, block_size, *, head_dim]
-        start,  # first position of the chunk
+        k_base,  # MODE 1/2: this KV head's K rows; MODE 3: K cache + kvh * BLOCK_SIZE * HEAD_DIM
+        v_base,  # the same for V
+        start,  # first position of the chunk (a multiple of BLOCK_N)
         end,  # exclusive bound of the program's positions: later rows are not fetched
         stride_kb,
         stride_ks,
@@ -144,37 +145,81 @@ if tl is not None:
         stride_vs,
         num_blocks,
         CLAMP: tl.constexpr,  # clamp block ids into [0, num_blocks) (tables read before a wait)
+        MODE: tl.constexpr,  # 1: 128-byte lines; 2: one bulk prefetch per row; 3: block slices
         BLOCK_N: tl.constexpr,  # positions per chunk
         BLOCK_SIZE: tl.constexpr,  # positions per cache block
         ROW_BYTES: tl.constexpr,  # bytes of one position's K (or V) of one head, 16-byte multiple
     ):
-        """Ask for the K and V rows of positions ``start .. start + BLOCK_N - 1`` (those below
-        ``end``) to be brought into L2 (Hopper's ``cp.async.bulk.prefetch.L2``, one instruction per
-        row). A prefetch is a hint: no destination register or shared memory, no effect on any
-        result, so a program can have more of its K/V in flight than its pipelined loads hold."""
-        offs = start + tl.arange(0, BLOCK_N)
-        valid = offs < end
-        blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=valid, other=0)
-        if CLAMP:
-            blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
-        blk = blk.to(tl.int64)
-        within = offs % BLOCK_SIZE
-        size = tl.full([BLOCK_N], ROW_BYTES, tl.int32)
-        pred = valid.to(tl.int32)
-        for kv in tl.static_range(2):
-            if kv == 0:
-                rows = k_head + blk * stride_kb + within * stride_ks
-            else:
-                rows = v_head + blk * stride_vb + within * stride_vs
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
-                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r,r",
-                [rows, size, pred],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
+        """Ask for the K and V of positions ``start .. start + BLOCK_N - 1`` (those below ``end``)
+        to be brought into L2. A prefetch is a hint: no destination register or shared memory,
+        no effect on any result, so a program can have more of its K/V in flight than its
+        pipelined loads hold. MODE 1: ``prefetch.global.L2`` of every 128-byte line of this
+        head's rows; MODE 2: ``cp.async.bulk.prefetch.L2`` of every row; MODE 3 (contiguous cache
+        blocks [BLOCK_SIZE, num_kv_heads, HEAD_DIM], BLOCK_SIZE dividing BLOCK_N): one bulk
+        prefetch of BLOCK_SIZE * ROW_BYTES bytes per cache block, slice ``kvh`` of the block: the
+        programs of the num_kv_heads KV heads of one split together fetch whole blocks."""
+        if MODE == 3:
+            NBLK: tl.constexpr = BLOCK_N // BLOCK_SIZE
+            bidx = start // BLOCK_SIZE + tl.arange(0, NBLK)
+            valid = bidx * BLOCK_SIZE < end
+            blk = tl.load(bt_row + bidx, mask=valid, other=0)
+            if CLAMP:
+                blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
+            blk = blk.to(tl.int64)
+            size = tl.full([NBLK], BLOCK_SIZE * ROW_BYTES, tl.int32)
+            pred = valid.to(tl.int32)
+            for kv in tl.static_range(2):
+                if kv == 0:
+                    rows = k_base + blk * stride_kb
+                else:
+                    rows = v_base + blk * stride_vb
+                tl.inline_asm_elementwise(
+                    "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
+                    "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                    "=r,l,r,r",
+                    [rows, size, pred],
+                    dtype=tl.int32,
+                    is_pure=False,
+                    pack=1,
+                )
+        else:
+            offs = start + tl.arange(0, BLOCK_N)
+            valid = offs < end
+            blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=valid, other=0)
+            if CLAMP:
+                blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
+            blk = blk.to(tl.int64)
+            within = offs % BLOCK_SIZE
+            LINES: tl.constexpr = (ROW_BYTES + 127) // 128  # a power of two
+            ITEM: tl.constexpr = k_base.dtype.element_ty.primitive_bitwidth // 8
+            LINE_ELEMS: tl.constexpr = 128 // ITEM
+            line = tl.arange(0, LINES)
+            for kv in tl.static_range(2):
+                if kv == 0:
+                    rows = k_base + blk * stride_kb + within * stride_ks  # [BLOCK_N]
+                else:
+                    rows = v_base + blk * stride_vb + within * stride_vs
+                if MODE == 1:
+                    lines = rows[:, None] + (line * LINE_ELEMS)[None, :]  # [BLOCK_N, LINES]
+                    tl.inline_asm_elementwise(
+                        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; "
+                        "mov.u32 $0, 0; }",
+                        "=r,l,r",
+                        [lines, (valid[:, None] & (line >= 0)[None, :]).to(tl.int32)],
+                        dtype=tl.int32,
+                        is_pure=False,
+                        pack=1,
+                    )
+                else:
+                    tl.inline_asm_elementwise(
+                        "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
+                        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                        "=r,l,r,r",
+                        [rows, tl.full([BLOCK_N], ROW_BYTES, tl.int32), valid.to(tl.int32)],
+                        dtype=tl.int32,
+                        is_pure=False,
+                        pack=1,
+                    )
 
     # batch size, split count and block-table width vary from call to call on the eager paths
     # (prefill, a proposer's catch-up): not specialised, so that e.g. a table 16 blocks wide (a
@@ -220,6 +265,7 @@ if tl is not None:
         GDC: tl.constexpr,  # launched with PDL (programmatic dependent launch)
         L2_AHEAD: tl.constexpr,  # K/V chunks asked into L2 ahead of their loads (0: none)
         L2_EARLY: tl.constexpr,  # with GDC: ask for the first L2_AHEAD chunks before the wait
+        L2_MODE: tl.constexpr,  # how (see _l2_prefetch_chunk): 1 lines, 2 rows, 3 block slices
         ROW_BYTES: tl.constexpr,  # bytes of one K or V row of one head (HEAD_DIM * itemsize)
     ):
         if GDC and not L2_EARLY:  # launched with PDL: everything below reads what the kernel
@@ -234,6 +280,12 @@ if tl is not None:
         split = tl.program_id(2)
         k_head = k_cache_ptr + kvh.to(tl.int64) * stride_kh
         v_head = v_cache_ptr + kvh.to(tl.int64) * stride_vh
+        if L2_MODE == 3:  # this program's slice of each contiguous cache block
+            k_pf = k_cache_ptr + kvh.to(tl.int64) * (BLOCK_SIZE * HEAD_DIM)
+            v_pf = v_cache_ptr + kvh.to(tl.int64) * (BLOCK_SIZE * HEAD_DIM)
+        else:
+            k_pf = k_head
+            v_pf = v_head
 
         if L2_EARLY:
             # Before the wait the kernel before may still be writing; what this block reads
@@ -264,8 +316,8 @@ if tl is not None:
             e_bt = block_tables_ptr + lo.to(tl.int64) * stride_bt
             for c in tl.static_range(L2_AHEAD):
                 _l2_prefetch_chunk(
-                    e_bt, k_head, v_head, e_lo + c * BLOCK_N, e_hi, stride_kb, stride_ks,
-                    stride_vb, stride_vs, num_blocks, True, BLOCK_N, BLOCK_SIZE, ROW_BYTES,
+                    e_bt, k_pf, v_pf, e_lo + c * BLOCK_N, e_hi, stride_kb, stride_ks, stride_vb,
+                    stride_vs, num_blocks, True, L2_MODE, BLOCK_N, BLOCK_SIZE, ROW_BYTES,
                 )  # fmt: skip
             if GDC:
                 tl.extra.cuda.gdc_wait()
@@ -327,8 +379,9 @@ if tl is not None:
             # flight than its pipelined loads hold, at no register or shared-memory cost
             for c in tl.static_range(0 if L2_EARLY else L2_AHEAD):
                 _l2_prefetch_chunk(
-                    bt_row, k_head, v_head, kv_lo + c * BLOCK_N, kv_hi, stride_kb, stride_ks,
-                    stride_vb, stride_vs, num_blocks, False, BLOCK_N, BLOCK_SIZE, ROW_BYTES,
+                    bt_row, k_pf, v_pf, kv_lo + c * BLOCK_N, kv_hi, stride_kb, stride_ks,
+                    stride_vb, stride_vs, num_blocks, False, L2_MODE, BLOCK_N, BLOCK_SIZE,
+                    ROW_BYTES,
                 )  # fmt: skip
 
             # K/V tiles of the current chunk. PREFETCH: the next chunk's tiles are loaded before
@@ -355,9 +408,9 @@ if tl is not None:
                 n_valid = offs_n < kv_hi
                 if L2_AHEAD > 0:
                     _l2_prefetch_chunk(
-                        bt_row, k_head, v_head, start + L2_AHEAD * BLOCK_N, kv_hi, stride_kb,
-                        stride_ks, stride_vb, stride_vs, num_blocks, False, BLOCK_N, BLOCK_SIZE,
-                        ROW_BYTES,
+                        bt_row, k_pf, v_pf, start + L2_AHEAD * BLOCK_N, kv_hi, stride_kb,
+                        stride_ks, stride_vb, stride_vs, num_blocks, False, L2_MODE, BLOCK_N,
+                        BLOCK_SIZE, ROW_BYTES,
                     )  # fmt: skip
                 if PREFETCH:
                     offs_nx = offs_n + BLOCK_N
@@ -550,6 +603,7 @@ def choose_launch_config(
         heads_first=_HEADS_FIRST_DEFAULT,
         l2_ahead=_L2_AHEAD_DEFAULT,
         l2_early=_L2_EARLY_DEFAULT,
+        l2_mode=_L2_MODE_DEFAULT,
     )
 
 
@@ -619,6 +673,19 @@ def _l2_prefetch_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     )
 
 
+def _whole_block_slices(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
+    """L2 prefetch mode 3 needs contiguous cache blocks ([block_size, num_kv_heads, head_dim]
+    each) of a power-of-two block size that divides the chunk."""
+    _, bs, hkv, d = k_cache.shape
+    dense = (bs * hkv * d, hkv * d, d, 1)
+    return (
+        tuple(k_cache.stride()) == dense
+        and tuple(v_cache.stride()) == dense
+        and bs & (bs - 1) == 0
+        and block_n % bs == 0
+    )
+
+
 def _paged_attention_triton(
     q,
     k_cache,
@@ -680,6 +747,9 @@ def _paged_attention_triton(
         grid = (cfg["num_tiles"], num_kv_heads, splits)
     pdl = pdl_launch(q.device)
     l2_ahead = int(cfg["l2_ahead"]) if _l2_prefetch_ok(k_cache, v_cache) else 0
+    l2_mode = int(cfg["l2_mode"])
+    if l2_mode == 3 and not _whole_block_slices(k_cache, v_cache, cfg["block_n"]):
+        l2_mode = 1
     _paged_attn_kernel[grid](
         q,
         k_cache,
@@ -719,6 +789,7 @@ def _paged_attention_triton(
         HEADS_FIRST=heads_first,
         L2_AHEAD=l2_ahead,
         L2_EARLY=bool(cfg["l2_early"]) and l2_ahead > 0 and pdl["GDC"],
+        L2_MODE=l2_mode,
         ROW_BYTES=head_dim * q.element_size(),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

@@ -402,9 +402,10 @@ def test_varying_ints_are_not_specialised(monkeypatch):
     assert reduce["num_seqs"] and reduce["num_splits"] and not reduce["stride_ot"]
 
 
+@pytest.mark.parametrize("l2_mode", [1, 2, 3])
 @pytest.mark.parametrize("l2_early", [False, True])
 @pytest.mark.parametrize("l2_ahead", [1, 3])
-def test_kernel_l2_prefetch(device, l2_ahead, l2_early):
+def test_kernel_l2_prefetch(device, l2_ahead, l2_early, l2_mode):
     """The L2 prefetch (ahead of the loads, and before the PDL wait) changes no result: chunks
     smaller than the cache block, splits with and without keys, verification rows. On the CPU the
     interpreter cannot run inline PTX and the launcher turns the prefetch off (checked here); on
@@ -433,7 +434,8 @@ def test_kernel_l2_prefetch(device, l2_ahead, l2_early):
             overrides={
                 "l2_ahead": l2_ahead,
                 "l2_early": l2_early,
-                "block_n": 16,
+                "l2_mode": l2_mode,
+                "block_n": 16 if l2_mode != 3 else 32,
                 "num_splits": splits,
             },
         )
@@ -452,7 +454,7 @@ ptrs = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "qsl_ptr": "*i32
         "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
 base = dict(GROUP=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_SIZE=16, SPLIT=True,
             IEEE_DOT=False, UPCAST_DOT=False, PREFETCH=False, HEADS_FIRST=False, GDC=True,
-            L2_AHEAD=0, L2_EARLY=False, ROW_BYTES=256)
+            L2_AHEAD=0, L2_EARLY=False, L2_MODE=1, ROW_BYTES=256)
 fn = mod._paged_attn_kernel.jitted()
 out = []
 for case in json.loads(sys.argv[1]):
@@ -499,13 +501,20 @@ def _attention_ptx(cases: list[dict]) -> list[str]:
 
 
 def test_l2_prefetch_ptx():
-    """The prefetch is really emitted: cp.async.bulk.prefetch.L2 of 256-byte rows; none without
-    L2_AHEAD; with L2_EARLY the first ones come before the PDL wait, without it after."""
-    off, late, early = _attention_ptx(
-        [{}, {"L2_AHEAD": 2, "L2_EARLY": False}, {"L2_AHEAD": 2, "L2_EARLY": True}]
-    )
-    assert "cp.async.bulk.prefetch.L2" not in off
-    for ptx, is_early in ((late, False), (early, True)):
-        first = ptx.index("cp.async.bulk.prefetch.L2.global")
+    """The prefetch is really emitted: prefetch.global.L2 of each 128-byte line (mode 1) or
+    cp.async.bulk.prefetch.L2 (modes 2 and 3); none without L2_AHEAD; with L2_EARLY the first
+    ones come before the PDL wait, without it after."""
+    cases = [{}] + [
+        {"L2_AHEAD": 2, "L2_EARLY": early, "L2_MODE": mode}
+        for mode in (1, 2, 3)
+        for early in (False, True)
+    ]
+    ptxs = _attention_ptx(cases)
+    assert "prefetch" not in ptxs[0]
+    for case, ptx in zip(cases[1:], ptxs[1:]):
+        op = "prefetch.global.L2 " if case["L2_MODE"] == 1 else "cp.async.bulk.prefetch.L2.global"
+        other = "cp.async.bulk.prefetch" if case["L2_MODE"] == 1 else "prefetch.global.L2 "
+        assert other not in ptx
+        first = ptx.index(op)
         wait = ptx.index("griddepcontrol.wait")
-        assert (first < wait) == is_early
+        assert (first < wait) == case["L2_EARLY"], case
