@@ -655,6 +655,9 @@ def steady_sweep_variants(names: str) -> list[dict]:
     as 128-byte lines or as whole-block slices)."""
     out = [{}]
     want = set(names.split(","))
+    if "l2off" in want:  # the default against no L2 prefetch, alternating (A/B noise)
+        out += [{"l2_ahead": 0}, {}, {"l2_ahead": 0}]
+        out += [{"l2_ahead": 1, "l2_early": True, "l2_mode": 1}]
     if "l2" in want:
         for mode in (1, 3):
             for early in (False, True):

@@ -28,6 +28,7 @@ Triton kernel design
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -61,10 +62,15 @@ _PREFETCH_DEFAULT = False
 # blocks at about the same time) instead of the tiles of one KV head. Measured on the H100:
 # within 0.5% either way (bench/results/kernels_h100_order_sweep.json), so off.
 _HEADS_FIRST_DEFAULT = False
-# L2 prefetch (compiled kernels on sm_90+ only): K/V chunks asked into L2 ahead of their loads,
-# and whether the first ones are asked for before the PDL wait. See _l2_prefetch_chunk.
-_L2_AHEAD_DEFAULT = 0
-_L2_EARLY_DEFAULT = False
+# L2 prefetch (compiled kernels on sm_90+ only, see _l2_prefetch_chunk): for batches of at most
+# _L2_MAX_SEQS sequences, the K/V chunk after the current one is asked into L2 as 128-byte lines
+# (mode 1), the first one before the PDL wait. H100 sweep (bench_kernels.py --steady-sweep l2,
+# graphN, 12 settings): batch 1 decode 8k 20.9 -> 20.0 us, 32k 54.9 -> 53.7, 16k 32.4 -> 32.8;
+# batch 1 verification (6 tokens) 8k 24.6 -> 22.1; batch 8 and 64 3-4% slower, and every deeper
+# or bulk (cp.async.bulk.prefetch.L2) setting slower everywhere (up to 2x).
+_L2_MAX_SEQS = 1
+_L2_AHEAD_DEFAULT = 1
+_L2_EARLY_DEFAULT = True
 _L2_MODE_DEFAULT = 1
 # Tried and removed: a split merge fused into the attention kernel (the last split program of a
 # tile merges, found with a per-tile atomic counter; no merge launch) and an all-heads decode
@@ -601,7 +607,7 @@ def choose_launch_config(
         num_splits=int(num_splits),
         prefetch=bool(prefetch),
         heads_first=_HEADS_FIRST_DEFAULT,
-        l2_ahead=_L2_AHEAD_DEFAULT,
+        l2_ahead=_L2_AHEAD_DEFAULT if num_seqs <= _L2_MAX_SEQS and _l2_switch() else 0,
         l2_early=_L2_EARLY_DEFAULT,
         l2_mode=_L2_MODE_DEFAULT,
     )
@@ -671,6 +677,12 @@ def _l2_prefetch_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         )
         and (k_cache.shape[-1] * item) % 16 == 0
     )
+
+
+def _l2_switch() -> bool:
+    """``SPECULANT_ATTN_L2=0`` turns the default L2 prefetch off (read per launch: a CUDA graph
+    keeps what was read at capture)."""
+    return os.environ.get("SPECULANT_ATTN_L2", "1").lower() not in ("0", "false", "no", "off")
 
 
 def _whole_block_slices(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:

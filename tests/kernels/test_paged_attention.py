@@ -518,3 +518,21 @@ def test_l2_prefetch_ptx():
         first = ptx.index(op)
         wait = ptx.index("griddepcontrol.wait")
         assert (first < wait) == case["L2_EARLY"], case
+
+
+def test_l2_prefetch_default_by_batch(monkeypatch):
+    """The default asks for one chunk ahead (lines, first before the PDL wait) for a single
+    sequence only (batch 8 and 64 measured slower); SPECULANT_ATTN_L2=0 turns it off."""
+    from speculant.kernels.paged_attention import choose_launch_config
+
+    def cfg(seqs):
+        return choose_launch_config(
+            num_tokens=seqs, num_seqs=seqs, num_heads=32, num_kv_heads=8, head_dim=128,
+            max_query_len=1, max_context=8192, dtype=torch.bfloat16, sm_count=132,
+        )  # fmt: skip
+
+    one = cfg(1)
+    assert (one["l2_ahead"], one["l2_early"], one["l2_mode"]) == (1, True, 1)
+    assert cfg(2)["l2_ahead"] == 0 and cfg(8)["l2_ahead"] == 0
+    monkeypatch.setenv("SPECULANT_ATTN_L2", "0")
+    assert cfg(1)["l2_ahead"] == 0

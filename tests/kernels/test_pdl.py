@@ -182,7 +182,7 @@ class _Recorder:
         return launch
 
 
-def test_trigger_first_only_before_one_row_gemvs(monkeypatch):
+def test_trigger_first_only_before_one_row_gemvs(monkeypatch, device):
     """The launchers ask a reduce to trigger the next kernel before its wait only where that
     next kernel is a one-row GEMV: after a one-row GEMV's split-K reduce and after the attention
     merge of a single query token; never after a few-row (dot) GEMV or a multi-token merge."""
@@ -192,29 +192,29 @@ def test_trigger_first_only_before_one_row_gemvs(monkeypatch):
     rec = _Recorder()
     monkeypatch.setattr(gemv_mod, "_split_reduce_kernel", rec)
     monkeypatch.setattr(gemv_mod, "_split_reduce_norm_kernel", rec)
-    w = torch.randn(48, 64)
+    w = torch.randn(48, 64, device=device)
     one = GemvConfig(block_n=8, block_k=16, split_k=2, use_dot=False)
     dot = GemvConfig(block_n=16, block_k=16, split_k=2, use_dot=True)
-    gemv(torch.randn(1, 64), w, force_triton=True, config=one)
-    gemv(torch.randn(3, 64), w, force_triton=True, config=dot)
-    nw = torch.ones(48)
-    gemv(torch.randn(3, 64), w, force_triton=True, config=dot, out_norm_weight=nw,
-         out_residual=torch.randn(3, 48))
+    gemv(torch.randn(1, 64, device=device), w, force_triton=True, config=one)
+    gemv(torch.randn(3, 64, device=device), w, force_triton=True, config=dot)
+    nw = torch.ones(48, device=device)
+    gemv(torch.randn(3, 64, device=device), w, force_triton=True, config=dot, out_norm_weight=nw,
+         out_residual=torch.randn(3, 48, device=device))
     assert [c["TRIGGER_FIRST"] for c in rec.calls] == [True, False, False]
     monkeypatch.setenv("SPECULANT_PDL_TRIGGER_FIRST", "0")
-    gemv(torch.randn(1, 64), w, force_triton=True, config=one)
+    gemv(torch.randn(1, 64, device=device), w, force_triton=True, config=one)
     assert rec.calls[-1]["TRIGGER_FIRST"] is False
 
     monkeypatch.setenv("SPECULANT_PDL_TRIGGER_FIRST", "1")
     merge = _Recorder()
     monkeypatch.setattr(paged_attention, "_paged_attn_reduce_kernel", merge)
-    kc = torch.randn(4, 16, 2, 32)
-    vc = torch.randn(4, 16, 2, 32)
-    bt = torch.arange(4, dtype=torch.int32)[None]
+    kc = torch.randn(4, 16, 2, 32, device=device)
+    vc = torch.randn(4, 16, 2, 32, device=device)
+    bt = torch.arange(4, dtype=torch.int32, device=device)[None]
     for n in (1, 3):
-        q = torch.randn(n, 4, 32)
+        q = torch.randn(n, 4, 32, device=device)
         paged_attention.paged_attention(
-            q, kc, vc, bt, torch.tensor([60], dtype=torch.int32),
-            torch.tensor([0, n], dtype=torch.int32), 0.2, num_splits=2, force_triton=True,
+            q, kc, vc, bt, torch.tensor([60], dtype=torch.int32, device=device),
+            torch.tensor([0, n], dtype=torch.int32, device=device), 0.2, num_splits=2, force_triton=True,
         )
     assert [c["TRIGGER_FIRST"] for c in merge.calls] == [True, False]
