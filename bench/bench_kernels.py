@@ -650,20 +650,9 @@ def attention_steady_sweep(hbm_gbps, cases, variants):
 
 def steady_sweep_variants(names: str) -> list[dict]:
     """Override sets for ``--steady-sweep``: the default launch config, plus 'splits' (split
-    counts) and/or 'tiles' (block_n x num_warps x num_stages) or 'all', and/or 'l2' (K/V chunks
-    prefetched into L2 ahead of their loads, 1-3, the first ones before or after the PDL wait,
-    as 128-byte lines or as whole-block slices)."""
+    counts) and/or 'tiles' (block_n x num_warps x num_stages) or 'all'."""
     out = [{}]
     want = set(names.split(","))
-    if "l2off" in want:  # the default against no L2 prefetch, alternating (A/B noise)
-        out += [{"l2_ahead": 0}, {}, {"l2_ahead": 0}]
-        out += [{"l2_ahead": 1, "l2_early": True, "l2_mode": 1}]
-    if "l2" in want:
-        for mode in (1, 3):
-            for early in (False, True):
-                out += [
-                    {"l2_mode": mode, "l2_ahead": a, "l2_early": early} for a in (1, 2, 3)
-                ]
     if want & {"splits", "all"}:
         out += [{"num_splits": sp} for sp in (16, 24, 32, 64, 96)]
     if want & {"tiles", "all"}:
@@ -877,7 +866,7 @@ def main():
         "--steady-sweep",
         default="",
         help="after the copy bandwidth, time these override sets (comma list of default, "
-        "splits, tiles, l2, all) as graphN on --sweep-cases (default 1:8192:1,1:16384:1,1:32768:1,"
+        "splits, tiles, all) as graphN on --sweep-cases (default 1:8192:1,1:16384:1,1:32768:1,"
         "8:8192:1) and stop",
     )
     ap.add_argument(

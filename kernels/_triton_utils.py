@@ -41,7 +41,6 @@ __all__ = [
     "next_pow2",
     "cdiv",
     "check_tensor",
-    "pdl_capable",
     "pdl_enabled",
     "pdl_launch",
 ]
@@ -133,15 +132,6 @@ def num_sms(device: torch.device) -> int:
 @functools.cache
 def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def pdl_capable(device: torch.device) -> bool:
-    """A CUDA device of compute capability >= 9 (Hopper and later): PDL, and the sm_90 PTX the
-    kernels may use (``cp.async.bulk.prefetch``)."""
-    if device.type != "cuda":
-        return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm90(idx)
 
 
 def pdl_enabled(device: torch.device) -> bool:

@@ -28,7 +28,6 @@ Triton kernel design
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -39,7 +38,6 @@ from ._triton_utils import (
     lazy_jit,
     next_pow2,
     num_sms,
-    pdl_capable,
     pdl_launch,
     pdl_trigger_first,
     tl,
@@ -62,16 +60,6 @@ _PREFETCH_DEFAULT = False
 # blocks at about the same time) instead of the tiles of one KV head. Measured on the H100:
 # within 0.5% either way (bench/results/kernels_h100_order_sweep.json), so off.
 _HEADS_FIRST_DEFAULT = False
-# L2 prefetch (compiled kernels on sm_90+ only, see _l2_prefetch_chunk): for batches of at most
-# _L2_MAX_SEQS sequences, the K/V chunk after the current one is asked into L2 as 128-byte lines
-# (mode 1), the first one before the PDL wait. H100 sweep (bench_kernels.py --steady-sweep l2,
-# graphN, 12 settings): batch 1 decode 8k 20.9 -> 20.0 us, 32k 54.9 -> 53.7, 16k 32.4 -> 32.8;
-# batch 1 verification (6 tokens) 8k 24.6 -> 22.1; batch 8 and 64 3-4% slower, and every deeper
-# or bulk (cp.async.bulk.prefetch.L2) setting slower everywhere (up to 2x).
-_L2_MAX_SEQS = 1
-_L2_AHEAD_DEFAULT = 1
-_L2_EARLY_DEFAULT = True
-_L2_MODE_DEFAULT = 1
 # Tried and removed: a split merge fused into the attention kernel (the last split program of a
 # tile merges, found with a per-tile atomic counter; no merge launch) and an all-heads decode
 # kernel (one token, all KV heads per program, whole cache blocks per load), both added in commit
@@ -133,104 +121,11 @@ def paged_attention_ref(
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 if tl is not None:
-    from triton.runtime.jit import JITFunction as _compiled_jit
-
-    # A compiled-only helper: built as a JITFunction whatever TRITON_INTERPRET says at import
-    # (triton.jit would build an interpreted one then), since it is only ever called from
-    # compiled kernels; under the interpreter its callers' L2_AHEAD is 0 and no call is reached.
-    @_compiled_jit
-    def _l2_prefetch_chunk(
-        bt_row,  # [max_blocks] int32: this sequence's block table
-        k_base,  # MODE 1/2: this KV head's K rows; MODE 3: K cache + kvh * BLOCK_SIZE * HEAD_DIM
-        v_base,  # the same for V
-        start,  # first position of the chunk (a multiple of BLOCK_N)
-        end,  # exclusive bound of the program's positions: later rows are not fetched
-        stride_kb,
-        stride_ks,
-        stride_vb,
-        stride_vs,
-        num_blocks,
-        CLAMP: tl.constexpr,  # clamp block ids into [0, num_blocks) (tables read before a wait)
-        MODE: tl.constexpr,  # 1: 128-byte lines; 2: one bulk prefetch per row; 3: block slices
-        BLOCK_N: tl.constexpr,  # positions per chunk
-        BLOCK_SIZE: tl.constexpr,  # positions per cache block
-        ROW_BYTES: tl.constexpr,  # bytes of one position's K (or V) of one head, 16-byte multiple
-    ):
-        """Ask for the K and V of positions ``start .. start + BLOCK_N - 1`` (those below ``end``)
-        to be brought into L2. A prefetch is a hint: no destination register or shared memory,
-        no effect on any result, so a program can have more of its K/V in flight than its
-        pipelined loads hold. MODE 1: ``prefetch.global.L2`` of every 128-byte line of this
-        head's rows; MODE 2: ``cp.async.bulk.prefetch.L2`` of every row; MODE 3 (contiguous cache
-        blocks [BLOCK_SIZE, num_kv_heads, HEAD_DIM], BLOCK_SIZE dividing BLOCK_N): one bulk
-        prefetch of BLOCK_SIZE * ROW_BYTES bytes per cache block, slice ``kvh`` of the block: the
-        programs of the num_kv_heads KV heads of one split together fetch whole blocks."""
-        if MODE == 3:
-            NBLK: tl.constexpr = BLOCK_N // BLOCK_SIZE
-            bidx = start // BLOCK_SIZE + tl.arange(0, NBLK)
-            valid = bidx * BLOCK_SIZE < end
-            blk = tl.load(bt_row + bidx, mask=valid, other=0)
-            if CLAMP:
-                blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
-            blk = blk.to(tl.int64)
-            size = tl.full([NBLK], BLOCK_SIZE * ROW_BYTES, tl.int32)
-            pred = valid.to(tl.int32)
-            for kv in tl.static_range(2):
-                if kv == 0:
-                    rows = k_base + blk * stride_kb
-                else:
-                    rows = v_base + blk * stride_vb
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
-                    "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                    "=r,l,r,r",
-                    [rows, size, pred],
-                    dtype=tl.int32,
-                    is_pure=False,
-                    pack=1,
-                )
-        else:
-            offs = start + tl.arange(0, BLOCK_N)
-            valid = offs < end
-            blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=valid, other=0)
-            if CLAMP:
-                blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
-            blk = blk.to(tl.int64)
-            within = offs % BLOCK_SIZE
-            LINES: tl.constexpr = (ROW_BYTES + 127) // 128  # a power of two
-            ITEM: tl.constexpr = k_base.dtype.element_ty.primitive_bitwidth // 8
-            LINE_ELEMS: tl.constexpr = 128 // ITEM
-            line = tl.arange(0, LINES)
-            for kv in tl.static_range(2):
-                if kv == 0:
-                    rows = k_base + blk * stride_kb + within * stride_ks  # [BLOCK_N]
-                else:
-                    rows = v_base + blk * stride_vb + within * stride_vs
-                if MODE == 1:
-                    lines = rows[:, None] + (line * LINE_ELEMS)[None, :]  # [BLOCK_N, LINES]
-                    tl.inline_asm_elementwise(
-                        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; "
-                        "mov.u32 $0, 0; }",
-                        "=r,l,r",
-                        [lines, (valid[:, None] & (line >= 0)[None, :]).to(tl.int32)],
-                        dtype=tl.int32,
-                        is_pure=False,
-                        pack=1,
-                    )
-                else:
-                    tl.inline_asm_elementwise(
-                        "{ .reg .pred p; setp.ne.s32 p, $3, 0; "
-                        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                        "=r,l,r,r",
-                        [rows, tl.full([BLOCK_N], ROW_BYTES, tl.int32), valid.to(tl.int32)],
-                        dtype=tl.int32,
-                        is_pure=False,
-                        pack=1,
-                    )
 
     # batch size, split count and block-table width vary from call to call on the eager paths
     # (prefill, a proposer's catch-up): not specialised, so that e.g. a table 16 blocks wide (a
     # context of 241-256 tokens) does not compile a variant of its own mid-run
-    @lazy_jit(do_not_specialize=("num_seqs", "num_splits", "stride_bt", "num_blocks", "max_blocks"))
+    @lazy_jit(do_not_specialize=("num_seqs", "num_splits", "stride_bt"))
     def _paged_attn_kernel(
         q_ptr,  # [num_tokens, num_heads, head_dim]
         k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -255,8 +150,6 @@ if tl is not None:
         stride_bt,
         stride_ot,
         stride_oh,
-        num_blocks,  # blocks in the K/V caches (clamps the early prefetch's block ids)
-        max_blocks,  # block-table width
         GROUP: tl.constexpr,  # num_heads // num_kv_heads
         BLOCK_Q: tl.constexpr,  # query tokens per tile
         BLOCK_M: tl.constexpr,  # rows per tile: next_pow2(BLOCK_Q * GROUP), >= 16
@@ -269,13 +162,9 @@ if tl is not None:
         PREFETCH: tl.constexpr,  # load chunk i+1 while computing chunk i
         HEADS_FIRST: tl.constexpr,  # grid (num_kv_heads, tiles, splits) instead of (tiles, ...)
         GDC: tl.constexpr,  # launched with PDL (programmatic dependent launch)
-        L2_AHEAD: tl.constexpr,  # K/V chunks asked into L2 ahead of their loads (0: none)
-        L2_EARLY: tl.constexpr,  # with GDC: ask for the first L2_AHEAD chunks before the wait
-        L2_MODE: tl.constexpr,  # how (see _l2_prefetch_chunk): 1 lines, 2 rows, 3 block slices
-        ROW_BYTES: tl.constexpr,  # bytes of one K or V row of one head (HEAD_DIM * itemsize)
     ):
-        if GDC and not L2_EARLY:  # launched with PDL: everything below reads what the kernel
-            tl.extra.cuda.gdc_wait()  # before wrote
+        if GDC:  # launched with PDL: everything here reads what the previous kernel wrote
+            tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if HEADS_FIRST:  # neighbouring programs: the KV heads of one tile (same cache blocks)
             kvh = tl.program_id(0)
@@ -284,50 +173,6 @@ if tl is not None:
             tile = tl.program_id(0)
             kvh = tl.program_id(1)
         split = tl.program_id(2)
-        k_head = k_cache_ptr + kvh.to(tl.int64) * stride_kh
-        v_head = v_cache_ptr + kvh.to(tl.int64) * stride_vh
-        if L2_MODE == 3:  # this program's slice of each contiguous cache block
-            k_pf = k_cache_ptr + kvh.to(tl.int64) * (BLOCK_SIZE * HEAD_DIM)
-            v_pf = v_cache_ptr + kvh.to(tl.int64) * (BLOCK_SIZE * HEAD_DIM)
-        else:
-            k_pf = k_head
-            v_pf = v_head
-
-        if L2_EARLY:
-            # Before the wait the kernel before may still be writing; what this block reads
-            # (query starts, context length, block table) only aims L2 prefetches, which are
-            # hints and change no result. Block ids are clamped into the cache so that a stale
-            # table still names real rows; everything is read again after the wait.
-            lo = 0
-            hi = num_seqs - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                ts_mid = tl.load(qsl_ptr + mid)
-                if BLOCK_Q > 1:
-                    ts_mid = ts_mid // BLOCK_Q + mid
-                if ts_mid <= tile:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            e_start = tl.load(qsl_ptr + lo)
-            e_len = tl.load(qsl_ptr + lo + 1) - e_start
-            e_tile = (tile - (e_start // BLOCK_Q + lo if BLOCK_Q > 1 else e_start)) * BLOCK_Q
-            e_end = tl.minimum(
-                tl.load(context_lens_ptr + lo) - e_len + tl.minimum(e_tile + BLOCK_Q, e_len),
-                max_blocks * BLOCK_SIZE,
-            )
-            e_per = tl.cdiv(tl.cdiv(tl.maximum(e_end, 0), BLOCK_N), num_splits) * BLOCK_N
-            e_lo = split * e_per
-            e_hi = tl.minimum(e_lo + e_per, e_end)
-            e_bt = block_tables_ptr + lo.to(tl.int64) * stride_bt
-            for c in tl.static_range(L2_AHEAD):
-                _l2_prefetch_chunk(
-                    e_bt, k_pf, v_pf, e_lo + c * BLOCK_N, e_hi, stride_kb, stride_ks, stride_vb,
-                    stride_vs, num_blocks, True, L2_MODE, BLOCK_N, BLOCK_SIZE, ROW_BYTES,
-                )  # fmt: skip
-            if GDC:
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
 
         # ---- which sequence owns this tile: largest s with tile_start(s) <= tile ----
         lo = 0
@@ -380,15 +225,8 @@ if tl is not None:
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
             bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-            # L2 prefetch: chunks c = 0 .. L2_AHEAD - 1 here (unless asked for before the wait),
-            # then chunk i + L2_AHEAD at the top of iteration i: more of the program's K/V in
-            # flight than its pipelined loads hold, at no register or shared-memory cost
-            for c in tl.static_range(0 if L2_EARLY else L2_AHEAD):
-                _l2_prefetch_chunk(
-                    bt_row, k_pf, v_pf, kv_lo + c * BLOCK_N, kv_hi, stride_kb, stride_ks,
-                    stride_vb, stride_vs, num_blocks, False, L2_MODE, BLOCK_N, BLOCK_SIZE,
-                    ROW_BYTES,
-                )  # fmt: skip
+            k_head = k_cache_ptr + kvh.to(tl.int64) * stride_kh
+            v_head = v_cache_ptr + kvh.to(tl.int64) * stride_vh
 
             # K/V tiles of the current chunk. PREFETCH: the next chunk's tiles are loaded before
             # the current one is used (register double buffering: two chunks of loads in flight
@@ -412,12 +250,6 @@ if tl is not None:
             for start in range(kv_lo, kv_hi, BLOCK_N):
                 offs_n = start + tl.arange(0, BLOCK_N)
                 n_valid = offs_n < kv_hi
-                if L2_AHEAD > 0:
-                    _l2_prefetch_chunk(
-                        bt_row, k_pf, v_pf, start + L2_AHEAD * BLOCK_N, kv_hi, stride_kb,
-                        stride_ks, stride_vb, stride_vs, num_blocks, False, L2_MODE, BLOCK_N,
-                        BLOCK_SIZE, ROW_BYTES,
-                    )  # fmt: skip
                 if PREFETCH:
                     offs_nx = offs_n + BLOCK_N
                     nx_valid = offs_nx < kv_hi
@@ -607,9 +439,6 @@ def choose_launch_config(
         num_splits=int(num_splits),
         prefetch=bool(prefetch),
         heads_first=_HEADS_FIRST_DEFAULT,
-        l2_ahead=_L2_AHEAD_DEFAULT if num_seqs <= _L2_MAX_SEQS and _l2_switch() else 0,
-        l2_early=_L2_EARLY_DEFAULT,
-        l2_mode=_L2_MODE_DEFAULT,
     )
 
 
@@ -661,41 +490,6 @@ def _check_attention_args(
             )
         if bs < 1:
             raise ValueError(f"k_cache block_size must be >= 1, got {bs}")
-
-
-def _l2_prefetch_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the kernel may issue L2 prefetches (``cp.async.bulk.prefetch.L2``): a compiled
-    kernel (not the interpreter) on a CUDA device of compute capability >= 9, with every K/V row
-    16-byte aligned (the instruction's requirement)."""
-    if interpret_mode() or not k_cache.is_cuda or not pdl_capable(k_cache.device):
-        return False
-    item = k_cache.element_size()
-    return (
-        all(
-            t.data_ptr() % 16 == 0 and all((st * item) % 16 == 0 for st in t.stride()[:3])
-            for t in (k_cache, v_cache)
-        )
-        and (k_cache.shape[-1] * item) % 16 == 0
-    )
-
-
-def _l2_switch() -> bool:
-    """``SPECULANT_ATTN_L2=0`` turns the default L2 prefetch off (read per launch: a CUDA graph
-    keeps what was read at capture)."""
-    return os.environ.get("SPECULANT_ATTN_L2", "1").lower() not in ("0", "false", "no", "off")
-
-
-def _whole_block_slices(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
-    """L2 prefetch mode 3 needs contiguous cache blocks ([block_size, num_kv_heads, head_dim]
-    each) of a power-of-two block size that divides the chunk."""
-    _, bs, hkv, d = k_cache.shape
-    dense = (bs * hkv * d, hkv * d, d, 1)
-    return (
-        tuple(k_cache.stride()) == dense
-        and tuple(v_cache.stride()) == dense
-        and bs & (bs - 1) == 0
-        and block_n % bs == 0
-    )
 
 
 def _paged_attention_triton(
@@ -758,10 +552,6 @@ def _paged_attention_triton(
     else:
         grid = (cfg["num_tiles"], num_kv_heads, splits)
     pdl = pdl_launch(q.device)
-    l2_ahead = int(cfg["l2_ahead"]) if _l2_prefetch_ok(k_cache, v_cache) else 0
-    l2_mode = int(cfg["l2_mode"])
-    if l2_mode == 3 and not _whole_block_slices(k_cache, v_cache, cfg["block_n"]):
-        l2_mode = 1
     _paged_attn_kernel[grid](
         q,
         k_cache,
@@ -786,8 +576,6 @@ def _paged_attention_triton(
         block_tables.stride(0),
         stride_ot,
         stride_oh,
-        k_cache.shape[0],
-        block_tables.shape[1],
         GROUP=num_heads // num_kv_heads,
         BLOCK_Q=cfg["block_q"],
         BLOCK_M=cfg["block_m"],
@@ -799,10 +587,6 @@ def _paged_attention_triton(
         UPCAST_DOT=interpret_mode() and q.dtype == torch.bfloat16,
         PREFETCH=bool(cfg["prefetch"]),
         HEADS_FIRST=heads_first,
-        L2_AHEAD=l2_ahead,
-        L2_EARLY=bool(cfg["l2_early"]) and l2_ahead > 0 and pdl["GDC"],
-        L2_MODE=l2_mode,
-        ROW_BYTES=head_dim * q.element_size(),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl,
