@@ -111,6 +111,8 @@ def bench_graph_clean_l2(fn, rep=50) -> float:
 GRAPH_COPIES = 8
 KV_LAYOUT = "nhd"  # --kv-layout
 BLOCK_ORDER = "random"  # --block-order
+STEADY_HEADS = (32, 8, 128)  # --steady-heads: query heads, KV heads, head dim of the steady sweep
+TABLE_TOKENS = 0  # --table-tokens: block tables at least this wide (the engine's graph width)
 GRAPH_COPIES_MAX_BYTES = 20e9
 
 
@@ -213,6 +215,9 @@ def make_paged(batch, ctx, q_len, H=32, Hkv=8, D=128, bs=16, dtype=torch.bfloat1
     else:
         perm = torch.randperm(nb, device=DEV)[: batch * blocks_per].to(torch.int32)
     bt = perm.view(batch, blocks_per)
+    if TABLE_TOKENS > blocks_per * bs:  # a wider table (entries past the context are not read)
+        pad = torch.zeros(batch, math.ceil(TABLE_TOKENS / bs) - blocks_per, dtype=torch.int32, device=DEV)
+        bt = torch.cat([bt, pad], dim=1)
     cl = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV) * q_len
     q = torch.randn(batch * q_len, H, D, device=DEV, dtype=dtype)
@@ -603,9 +608,10 @@ def attention_steady_sweep(hbm_gbps, cases, variants):
     distinct K/V copies in one CUDA graph (launched with PDL where the device has it), so the
     kernels run back to back as the layers of a decode step do."""
     rows = []
+    H, Hkv, D = STEADY_HEADS
     for batch, ctx, q_len in cases:
-        q, kc, vc, bt, cl, qsl = make_paged(batch, ctx, q_len)
-        nbytes = kv_bytes(batch, ctx)
+        q, kc, vc, bt, cl, qsl = make_paged(batch, ctx, q_len, H=H, Hkv=Hkv, D=D)
+        nbytes = kv_bytes(batch, ctx, Hkv=Hkv, D=D)
         n = graph_copies(nbytes)
         sets = kv_copies(q, kc, vc, torch.empty_like(q), n)
         ref = None
@@ -615,7 +621,7 @@ def attention_steady_sweep(hbm_gbps, cases, variants):
 
                 def fn(ov=ov, q=q_, kc=kc_, vc=vc_, out=out_, bt=bt, cl=cl, qsl=qsl, ql=q_len):
                     pa_mod._paged_attention_triton(
-                        q, kc, vc, bt, cl, qsl, 128**-0.5, ql, out, overrides=ov
+                        q, kc, vc, bt, cl, qsl, D**-0.5, ql, out, overrides=ov
                     )
 
                 fns.append(fn)
@@ -655,6 +661,11 @@ def steady_sweep_variants(names: str) -> list[dict]:
     want = set(names.split(","))
     if want & {"splits", "all"}:
         out += [{"num_splits": sp} for sp in (16, 24, 32, 64, 96)]
+    if "short" in want:  # short contexts (a draft model's): split counts x 16-64-token chunks
+        for sp in (1, 2, 4, 8, 16):
+            for bn in (16, 32, 64):
+                for nw in (2, 4):
+                    out.append({"num_splits": sp, "block_n": bn, "num_warps": nw})
     if want & {"tiles", "all"}:
         for bn in (32, 64, 128):
             for nw in (2, 4, 8):
@@ -825,7 +836,7 @@ def summary(hbm):
 
 
 def main():
-    global SMOKE, DEV, VOCAB, GRAPH_COPIES, KV_LAYOUT, BLOCK_ORDER
+    global SMOKE, DEV, VOCAB, GRAPH_COPIES, KV_LAYOUT, BLOCK_ORDER, STEADY_HEADS, TABLE_TOKENS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="kernels_bench.json")
     ap.add_argument("--quick", action="store_true", help="fewer attention shapes")
@@ -866,8 +877,20 @@ def main():
         "--steady-sweep",
         default="",
         help="after the copy bandwidth, time these override sets (comma list of default, "
-        "splits, tiles, all) as graphN on --sweep-cases (default 1:8192:1,1:16384:1,1:32768:1,"
+        "splits, tiles, short, all) as graphN on --sweep-cases (default 1:8192:1,1:16384:1,1:32768:1,"
         "8:8192:1) and stop",
+    )
+    ap.add_argument(
+        "--steady-heads",
+        default="32,8,128",
+        help="query heads, KV heads, head dim of the --steady-sweep cases (Llama-3.2-1B: 32,8,64)",
+    )
+    ap.add_argument(
+        "--table-tokens",
+        type=int,
+        default=0,
+        help="--steady-sweep: block tables at least this many tokens wide (the split count is "
+        "chosen from the table width, which in the engine's CUDA graphs is the model's length)",
     )
     ap.add_argument(
         "--graph-copies",
@@ -891,6 +914,9 @@ def main():
     KV_LAYOUT = args.kv_layout
     RESULTS["kv_layout"] = KV_LAYOUT
     BLOCK_ORDER = args.block_order
+    STEADY_HEADS = tuple(int(x) for x in args.steady_heads.split(","))
+    TABLE_TOKENS = args.table_tokens
+    RESULTS["steady_heads"], RESULTS["table_tokens"] = STEADY_HEADS, TABLE_TOKENS
     RESULTS["block_order"] = BLOCK_ORDER
     if args.smoke:
         import os
