@@ -400,3 +400,45 @@ def test_varying_ints_are_not_specialised(monkeypatch):
     assert not flags["stride_qt"] and not flags["stride_kb"]  # fixed per model: specialised
     reduce = {p.name: p.do_not_specialize for p in mod._paged_attn_reduce_kernel.jitted().params}
     assert reduce["num_seqs"] and reduce["num_splits"] and not reduce["stride_ot"]
+
+
+def test_short_table_decode_config(monkeypatch):
+    """Decode tiles of head_dim <= 64 (fp16/bf16) over tables of at most 1024 tokens take
+    32-token chunks, 2 warps and about 8 programs per SM (the 1B draft's shapes, measured); the
+    8B heads, longer tables, fp32 and multi-token tiles keep the general rule; the switch."""
+    from speculant.kernels.paged_attention import choose_launch_config
+
+    def cfg(seqs, head_dim=64, ctx=480, q=1, dtype=torch.bfloat16):
+        return choose_launch_config(
+            num_tokens=seqs * q, num_seqs=seqs, num_heads=32, num_kv_heads=8,
+            head_dim=head_dim, max_query_len=q, max_context=ctx, dtype=dtype, sm_count=132,
+        )  # fmt: skip
+
+    for seqs, splits in ((1, 15), (4, 15), (16, 8)):  # 8 x 132 programs, at most 480 / 32
+        c = cfg(seqs)
+        assert (c["block_n"], c["num_warps"], c["num_splits"]) == (32, 2, splits)
+    for other in (cfg(16, head_dim=128), cfg(16, ctx=2048), cfg(16, q=2),
+                  cfg(16, dtype=torch.float32)):  # fmt: skip
+        assert (other["block_n"], other["num_warps"]) != (32, 2)
+    assert cfg(16, head_dim=128)["num_splits"] == 3  # ~3 programs per SM: 396 / 128
+    monkeypatch.setenv("SPECULANT_ATTN_SHORT", "0")
+    assert cfg(16)["block_n"] == 64 and cfg(16)["num_splits"] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_short_table_decode_matches_reference(device, dtype):
+    """The short-table decode configuration (32-token chunks over a 64-wide head, many splits,
+    most of them empty) against the reference, ragged contexts in a wider table."""
+    q, kc, vc, bt, cl, qsl = make_batch(
+        q_lens=[1, 1, 1, 1],
+        ctx_lens=[200, 37, 1, 90],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+    )
+    bt = torch.cat([bt, torch.zeros(bt.shape[0], 30 - bt.shape[1], dtype=bt.dtype)], dim=1)
+    ref = paged_attention_ref(q, kc, vc, bt, cl, qsl, 0.125)
+    out = paged_attention(*to(device, q, kc, vc, bt, cl, qsl), 0.125, 1, force_triton=True)
+    assert rel_err(out.cpu(), ref) < REL_TOL[dtype]
