@@ -28,7 +28,6 @@ Triton kernel design
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -56,15 +55,6 @@ _LOG2E = 1.4426950408889634
 # (128-token chunks, 3 stages: more shared memory each) on every SM; prefetching the next chunk
 # into registers was never faster there (up to 2x slower with 128-token chunks).
 _PROGRAMS_PER_SM = (3, 2)
-# Decode tiles of small heads (head_dim <= 64, fp16/bf16) over short block tables (at most
-# _SHORT_TABLE tokens: a draft model's graphs): 32-token chunks, 2 warps, ~8 programs per SM.
-# H100, Llama-3.2-1B heads (32 / 8 / 64), 480-token tables, graphN (bench_kernels.py
-# --steady-sweep short --steady-heads 32,8,64 --table-tokens 480; kernels_h100_short_hd64.json),
-# default -> this: batch 1 200 / 400 tokens 4.37 / 4.62 -> 4.17 / 4.34 us, batch 4 300 tokens 5.14
-# -> 4.87, batch 16 200 / 400 tokens 9.54 / 12.57 -> 7.90 / 10.44 (the best of 31 settings at
-# batch 4 and 16 / 400, within 4% of it elsewhere). SPECULANT_ATTN_SHORT=0 turns it off.
-_SHORT_TABLE = 1024
-_SHORT_PROGRAMS_PER_SM = 8
 _PREFETCH_DEFAULT = False
 # program order: the KV heads of one (tile, split) as neighbours (they read the same cache
 # blocks at about the same time) instead of the tiles of one KV head. Measured on the H100:
@@ -131,6 +121,7 @@ def paged_attention_ref(
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 if tl is not None:
+
     # batch size, split count and block-table width vary from call to call on the eager paths
     # (prefill, a proposer's catch-up): not specialised, so that e.g. a table 16 blocks wide (a
     # context of 241-256 tokens) does not compile a variant of its own mid-run
@@ -420,15 +411,6 @@ def choose_launch_config(
     else:
         block_n = 32
     num_warps = 8 if block_m >= 128 else 4
-    short = (
-        block_q == 1
-        and half
-        and head_dim <= 64
-        and max_context <= _SHORT_TABLE
-        and os.environ.get("SPECULANT_ATTN_SHORT", "1").lower() not in ("0", "false", "no", "off")
-    )
-    if short:
-        block_n, num_warps = 32, 2
     num_stages = (3 if block_q > 1 else 2) if (half and head_dim <= 128) else 2
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     # tiles that can hold query tokens (the rest exit at once): exact for uniform q_len
@@ -441,8 +423,7 @@ def choose_launch_config(
         # short contexts (a few hundred tokens, the first steps of every request) the split
         # count, not the bandwidth, sets the time; the earlier floor of 256 tokens per split
         # left batch-1 decode at a 448-token table with 2 splits of 4 chunks
-        per_sm = _SHORT_PROGRAMS_PER_SM if short else _PROGRAMS_PER_SM[block_q > 1]
-        target = per_sm * sm_count
+        target = _PROGRAMS_PER_SM[block_q > 1] * sm_count
         want = max(1, round(target / programs))
         cap = max(1, min(64, cdiv(max_context, block_n)))
         num_splits = min(want, cap)
