@@ -33,6 +33,7 @@ import torch
 
 from speculant.engine.attention import AttentionMetadata, ForwardContext
 from speculant.engine.cuda_graph import BATCH_BUCKETS, QUERY_BUCKETS
+from speculant.engine.gather import gather_rows
 from speculant.kernels.logprobs import row_argmax
 from speculant.kernels.stage_copy import pinned_copy
 
@@ -156,7 +157,7 @@ def propose_graph(
     tables = tables.view(Bp, W).to(i32)
     fctx = _fctx(slots, tables, ctx.to(i32), qsl.to(i32), Q, bs, kv_caches)
     hidden = model(ids, pos, fctx)  # [Bp * Q, hidden]
-    tok = greedy(hidden.index_select(0, last))  # [Bp]
+    tok = greedy(gather_rows(hidden, last))  # [Bp]
     sqsl = sqsl.to(i32)
     spos, sslots, sctx = spos.view(S, Bp), sslots.view(S, Bp), sctx.view(S, Bp).to(i32)
     out = [tok]

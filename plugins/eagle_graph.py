@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from speculant.engine.attention import AttentionMetadata, ForwardContext
+from speculant.engine.gather import gather_rows
 from speculant.kernels.stage_copy import pinned_copy
 from speculant.plugins.mlp_speculator import bucket, to_device_async
 
@@ -144,7 +145,7 @@ def propose_graph(
     meta = AttentionMetadata.padded(slots, tables, ctx, qsl, Q, bs)
     fctx = ForwardContext(meta=meta, kv_caches=strat.cache.kv_caches)
     out = strat.draft(strat._embed(ids), feats, pos, fctx, True)  # [M, H]
-    x = out.index_select(0, last)  # [Bp, H] the draft state of each row's last position
+    x = gather_rows(out, last)  # [Bp, H] the draft state of each row's last position
     # greedy steps (no sampler): the argmax over the hot / draft-vocabulary logits when the
     # strategy has a token map or a draft vocabulary (_greedy), no full-vocabulary rows
     return strat._chain(chain, x, K, W, None)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speculant.engine.gather import gather_rows
 from speculant.kernels.gemv import gemv
 from speculant.kernels.logprobs import row_argmax
 from speculant.models import fused
@@ -426,7 +427,7 @@ def hot_argmax(
     the full row's argmax returns (the -inf outside the hot ids never wins against a hot logit).
     The one difference: a row whose hot logits are all -inf gives ``ids[0]`` instead of token 0.
     Device-side only (no host sync, fixed shapes): safe inside a captured CUDA graph."""
-    return ids.index_select(0, row_argmax(small))
+    return gather_rows(ids, row_argmax(small))
 
 
 class HotHead:

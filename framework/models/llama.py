@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from speculant.engine.attention import ForwardContext
+from speculant.engine.gather import gather_rows
 from speculant.kernels.gemv import gemv
 from speculant.models import cpu_forward, fused
 from speculant.models.layers import RMSNorm, RotaryEmbedding, activation
@@ -251,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
     def embed(
         self, input_ids: torch.Tensor
     ) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
-        return self.embed_tokens(input_ids)
+        return gather_rows(self.embed_tokens.weight, input_ids)
 
     def forward(
         self,
@@ -260,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
         ctx: ForwardContext,
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]: final-norm output (the LM head's input)
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled():
             if self._cpu_plan is None:
                 self._cpu_plan = cpu_forward.cpu_plan(self) or False

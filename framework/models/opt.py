@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from speculant.engine.attention import ForwardContext
+from speculant.engine.gather import gather_rows
 from speculant.models.layers import activation
 from speculant.models.weights import WeightLoader
 
@@ -101,11 +102,11 @@ class OPTForCausalLM(nn.Module):
         return a.num_kv_heads, a.head_dim
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        return gather_rows(self.embed_tokens.weight, input_ids)
 
     def forward(self, input_ids, positions, ctx: ForwardContext, inputs_embeds=None) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> [num_tokens, word_embed_proj_dim]
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if self.project_in is not None:
             x = self.project_in(x)
         x = x + self.embed_positions(positions + _POS_OFFSET)
