@@ -41,6 +41,7 @@ __all__ = [
     "next_pow2",
     "cdiv",
     "check_tensor",
+    "env_switch",
     "pdl_enabled",
     "pdl_launch",
 ]
@@ -116,6 +117,17 @@ def use_triton(tensors: Sequence[torch.Tensor | None], force_triton: bool) -> bo
     return all_cuda and triton_enabled()
 
 
+def env_switch(name: str, default: bool = True) -> bool:
+    """An on/off switch from the environment, read at every call (A/B runs; a CUDA graph keeps
+    what was read when it was captured): unset -> ``default``; ``0`` / ``false`` / ``no`` /
+    ``off`` (any case) -> False; anything else -> True. The kernels' ``SPECULANT_*`` switches
+    all read through here."""
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off")
+
+
 @functools.cache
 def _num_sms_cuda(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -149,13 +161,13 @@ def pdl_enabled(device: torch.device) -> bool:
     kernels per decode step)."""
     if device.type != "cuda" or interpret_mode() or not HAS_TRITON:
         return False
-    if os.environ.get("SPECULANT_PDL", "1").lower() in ("0", "false", "no", "off"):
+    if not env_switch("SPECULANT_PDL"):
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     return _sm90(idx) and hasattr(tl.extra.cuda, "gdc_wait")
 
 
-def pdl_trigger_first(env: str = "SPECULANT_PDL_TRIGGER_FIRST") -> bool:
+def pdl_trigger_first() -> bool:
     """For kernels launched with PDL that read only what the kernel before wrote (a split-K
     reduce, the attention merge): let the NEXT kernel launch before this one's ``gdc_wait``
     instead of after it. Safe for any order: the next kernel's own ``gdc_wait`` still waits for
@@ -167,7 +179,7 @@ def pdl_trigger_first(env: str = "SPECULANT_PDL_TRIGGER_FIRST") -> bool:
     5.627 ms (within the run-to-run spread). Only where the next kernel is a one-row GEMV (the
     launchers decide): after few-row dot GEMVs an early launch slows the step (see gemv.DOT_PDL).
     ``SPECULANT_PDL_TRIGGER_FIRST=0`` turns it off."""
-    return os.environ.get(env, "1").lower() not in ("0", "false", "no", "off")
+    return env_switch("SPECULANT_PDL_TRIGGER_FIRST")
 
 
 def pdl_launch(device: torch.device) -> dict[str, bool]:

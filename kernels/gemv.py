@@ -84,6 +84,7 @@ import torch.nn.functional as F
 from ._triton_utils import (
     cdiv,
     check_tensor,
+    env_switch,
     interpret_mode,
     lazy_jit,
     next_pow2,
@@ -115,7 +116,7 @@ def _reduce_early() -> bool:
     the 64 ``_split_reduce_norm_kernel`` calls 212.1 / 212.3 -> 203.7 / 203.2 us effective per
     step, the step's GPU time 5.942 / 5.937 -> 5.929 / 5.929 ms. ``SPECULANT_PDL_REDUCE_EARLY=0``
     turns it off."""
-    return os.environ.get("SPECULANT_PDL_REDUCE_EARLY", "1") not in ("0", "false", "off")
+    return env_switch("SPECULANT_PDL_REDUCE_EARLY")
 
 
 PROLOGUES = ("none", "rmsnorm", "silu_mul")
@@ -475,7 +476,7 @@ def _deep_prefetch_config(N: int, K: int, prologue: str) -> GemvConfig | None:
     3.96, gate_up_1b 26.12 -> 24.95, o_proj 13.94 -> 13.10; no better for the 8B qkv, gate/up or
     the 1B down (K = 8192). Without a prologue (the 32768-row token-map head) 2-row tiles:
     45.28 -> 44.39. ``SPECULANT_GEMV_DEEP=0`` turns it off."""
-    if os.environ.get("SPECULANT_GEMV_DEEP", "1") in ("0", "false", "off"):
+    if not env_switch("SPECULANT_GEMV_DEEP"):
         return None
     if K <= 2048:
         if N <= 2048:

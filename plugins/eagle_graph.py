@@ -112,7 +112,7 @@ def fused_greedy(
     if rows == list(range(feats.shape[0])):
         feats_buf[:T].copy_(feats)
     else:
-        feats_buf[:T].copy_(feats.index_select(0, to_device_async(rows, torch.long, dev)))
+        feats_buf[:T].copy_(gather_rows(feats, to_device_async(rows, torch.long, dev)))
 
     def fn(ints: torch.Tensor, fs: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
         pinned_copy(host, ints)  # [n_ints] pinned -> device: the graph's first node

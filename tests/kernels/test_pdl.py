@@ -65,6 +65,28 @@ def test_pdl_trigger_first_switch(monkeypatch):
     assert tu.pdl_trigger_first()
 
 
+def test_env_switch_and_the_kernel_switches_that_use_it(monkeypatch):
+    """One parser for the kernels' on/off switches: unset -> the default, 0 / false / no / off
+    in any case (spaces trimmed) -> off, anything else -> on; the GEMV deep prefetch and the
+    early reduce launch read through it."""
+    from speculant.kernels.gemv import _deep_prefetch_config, _reduce_early
+
+    monkeypatch.delenv("SPECULANT_X_TEST", raising=False)
+    assert tu.env_switch("SPECULANT_X_TEST") and not tu.env_switch("SPECULANT_X_TEST", False)
+    for off in ("0", "false", "No", " OFF "):
+        monkeypatch.setenv("SPECULANT_X_TEST", off)
+        assert not tu.env_switch("SPECULANT_X_TEST")
+    for on in ("1", "yes", "true"):
+        monkeypatch.setenv("SPECULANT_X_TEST", on)
+        assert tu.env_switch("SPECULANT_X_TEST", False)
+    assert _deep_prefetch_config(2048, 2048, "none") is not None
+    monkeypatch.setenv("SPECULANT_GEMV_DEEP", "no")
+    assert _deep_prefetch_config(2048, 2048, "none") is None
+    assert _reduce_early()
+    monkeypatch.setenv("SPECULANT_PDL_REDUCE_EARLY", "OFF")
+    assert not _reduce_early()
+
+
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_every_gdc_kernel_waits_before_reading_inputs(name):
     """The wait is the first thing the kernel does when ``GDC`` is set, except for the GEMV's
