@@ -95,7 +95,16 @@ from ._triton_utils import (
     use_triton,
 )
 
-__all__ = ["gemv", "gemv_reference", "GemvConfig", "choose_config", "MAX_ROWS", "PROLOGUES"]
+__all__ = [
+    "gemv",
+    "gemv_reference",
+    "gemv_partials",
+    "gemv_split",
+    "GemvConfig",
+    "choose_config",
+    "MAX_ROWS",
+    "PROLOGUES",
+]
 
 MAX_ROWS = 32
 _SMEM = 200 * 1024  # shared memory the pipelined tiles of a 32-row dot may take (H100: 227 KB)
@@ -677,6 +686,24 @@ def _check_args(
     return M, N, K
 
 
+def _geometry(cfg: GemvConfig, M: int, K: int, itemsize: int) -> tuple[int, int, int, int]:
+    """(block_k, dot_m, split, k_per_split) of a launch: the tiles ``cfg`` asks for, fitted to
+    K, the registers (FMA tiles) and the shared memory (32-row dots); no empty split."""
+    block_k = min(cfg.block_k, max(16, next_pow2(K)))  # no chunk far larger than K
+    if not cfg.use_dot:  # FMA tiles: at most 64 four-byte elements a thread (fp32: halve)
+        while block_k > 16 and cfg.block_n * block_k * itemsize > 256 * 32 * cfg.num_warps:
+            block_k //= 2
+    dot_m = max(16, next_pow2(M))  # rows of the dot (tensor-core tiles: 16 or 32)
+    if cfg.use_dot and dot_m > 16:  # 32-row x tiles: keep the pipelined tiles in shared memory
+        stages = cfg.num_stages or 3  # (fp32 at 32 x 256 + 64 x 256 needs 290 KB at 3 stages)
+        while block_k > 16 and stages * (dot_m + cfg.block_n) * block_k * itemsize > _SMEM:
+            block_k //= 2
+    k_chunks = cdiv(K, block_k)
+    chunks_per_split = cdiv(k_chunks, cfg.split_k)
+    split = cdiv(k_chunks, chunks_per_split)  # no empty split
+    return block_k, dot_m, split, chunks_per_split * block_k
+
+
 def _gemv_triton(
     x,
     weight,
@@ -689,35 +716,29 @@ def _gemv_triton(
     out_norm_weight=None,
     out_residual=None,
     out_eps=1e-6,
+    partials_only: bool = False,
 ):
-    """(y, x + residual or None); with the output epilogue: (normed, y + out_residual)."""
+    """(y, x + residual or None); with the output epilogue: (normed, y + out_residual);
+    ``partials_only``: (the fp32 partials [split, M, N] unreduced, None), no bias."""
     M = x.shape[0]
     N, K = weight.shape
     dev = x.device
     epilogue = out_norm_weight is not None
-    y = torch.empty(M, N, dtype=x.dtype, device=dev)  # normed with the epilogue
+    # normed with the epilogue; with partials_only one element (unused-argument pointer only)
+    y = torch.empty((1, 1) if partials_only else (M, N), dtype=x.dtype, device=dev)
     res_out = torch.empty(M, K, dtype=x.dtype, device=dev) if residual is not None else None
     if epilogue:
         res_out = torch.empty(M, N, dtype=x.dtype, device=dev)  # s = y + out_residual
     if M == 0 or N == 0:
+        if partials_only:
+            return torch.zeros(1, M, N, dtype=torch.float32, device=dev), None
         return y, res_out
-    block_k = min(cfg.block_k, max(16, next_pow2(K)))  # no chunk far larger than K
-    if not cfg.use_dot:  # FMA tiles: at most 64 four-byte elements a thread (fp32: halve)
-        while block_k > 16 and cfg.block_n * block_k * x.element_size() > 256 * 32 * cfg.num_warps:
-            block_k //= 2
-    dot_m = max(16, next_pow2(M))  # rows of the dot (tensor-core tiles: 16 or 32)
-    if cfg.use_dot and dot_m > 16:  # 32-row x tiles: keep the pipelined tiles in shared memory
-        stages = cfg.num_stages or 3  # (fp32 at 32 x 256 + 64 x 256 needs 290 KB at 3 stages)
-        while block_k > 16 and stages * (dot_m + cfg.block_n) * block_k * x.element_size() > _SMEM:
-            block_k //= 2
-    k_chunks = cdiv(K, block_k)
-    chunks_per_split = cdiv(k_chunks, cfg.split_k)
-    split = cdiv(k_chunks, chunks_per_split)  # no empty split
-    k_per_split = chunks_per_split * block_k
+    block_k, dot_m, split, k_per_split = _geometry(cfg, M, K, x.element_size())
     block_m = dot_m if cfg.use_dot and not cfg.pad_rows else next_pow2(M)
     # sum-of-squares pass: ~32 elements of x a thread per chunk (few chunks: its loads wait)
     block_ks = min(next_pow2(K), max(block_k, 1024 * cfg.num_warps // block_m))
-    partial = split > 1 or epilogue  # the epilogue needs whole rows: always partials
+    # the epilogue needs whole rows, gemv_partials' caller reduces them: always partials
+    partial = split > 1 or epilogue or partials_only
     if partial:
         out = torch.empty(split, M, N, dtype=torch.float32, device=dev)
         stride_ys, stride_ym = out.stride(0), out.stride(1)
@@ -782,6 +803,8 @@ def _gemv_triton(
     # launch before this reduce waits; after a few-row dot GEMV it may not (an early-launched
     # dot kernel waits on multiprocessors the running one needs: see DOT_PDL)
     first = pdl_trigger_first() and not cfg.use_dot
+    if partials_only:
+        return out, None
     if epilogue:
         block = next_pow2(N)
         _split_reduce_norm_kernel[(M,)](
@@ -882,3 +905,48 @@ def gemv(
     cfg = _as_config(config, M, N, K, prologue, x.device)
     y, res_out = _gemv_triton(x, weight, bias, cfg=cfg, **kw)
     return y if res_out is None else (y, res_out)
+
+
+def gemv_split(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    config: GemvConfig | Mapping | None = None,
+) -> int:
+    """The number of K pieces (split-K) the Triton ``gemv`` of ``x`` by ``weight`` (no prologue)
+    launches with, from the shapes only (no device read): 1 means no partials and no reduce
+    kernel. 0 where the call would not take the Triton kernel (more than ``MAX_ROWS`` rows, CPU
+    tensors without ``force_triton``)."""
+    M, (N, K) = x.shape[0], weight.shape
+    if not 0 < M <= MAX_ROWS or not use_triton([x, weight], False):
+        return 0
+    cfg = _as_config(config, M, N, K, "none", x.device)
+    return _geometry(cfg, M, K, x.element_size())[2]
+
+
+def gemv_partials(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] (nn.Linear layout)
+    *,
+    force_triton: bool = False,
+    config: GemvConfig | Mapping | None = None,
+) -> torch.Tensor:  # [split, M, N] float32
+    """``x @ weight.T`` as the fp32 split-K partials of the Triton ``gemv`` (no prologue, no
+    bias), left for the caller's own reduce kernel to sum: ``y = (p[0] + p[1] + ... + bias)``
+    rounded to x's dtype is bit-identical to ``gemv(x, weight, bias)`` with the same launch
+    configuration (its reduce adds the pieces in this order, starting from 0). One piece when
+    the configuration does not split K (the kernel then still writes fp32). ``models/fused.
+    reduce_rope_store_`` reduces the QKV projection's partials and applies RoPE in one kernel.
+
+    The torch path (CPU tensors, more than ``MAX_ROWS`` rows, ``SPECULANT_DISABLE_TRITON=1``):
+    one piece, ``F.linear(x, weight)`` in x's dtype, as float32."""
+    M, N, K = _check_args(x, weight, None, "none", None, None, 1e-6, None, None, 1e-6)
+    if M > MAX_ROWS:
+        if force_triton:
+            raise ValueError(f"the Triton gemv takes at most {MAX_ROWS} rows, got {M}")
+        triton_path = False
+    else:
+        triton_path = use_triton([x, weight], force_triton)
+    if not triton_path:
+        return F.linear(x, weight).float().unsqueeze(0)
+    cfg = _as_config(config, M, N, K, "none", x.device)
+    return _gemv_triton(x, weight, None, "none", None, None, 1e-6, cfg, partials_only=True)[0]

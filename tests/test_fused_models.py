@@ -229,3 +229,114 @@ def test_one_row_head_layers_equal_torch_path(monkeypatch, which):
     # branch, which CPU tensors never take (tests/test_gpu_engine.py runs it)
     assert calls[0] == 2
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def _rope_tables(D, n=64):
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    freqs = torch.arange(n).float()[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], -1)
+    return emb.cos().to(DEV), emb.sin().to(DEV)
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4), (3, 1)])
+def test_reduce_rope_store_equals_gemv_then_rope_store(split, bias, heads):
+    """models/fused.reduce_rope_store_ (the QKV projection's split-K reduce, RoPE and the K/V
+    store in one kernel) on gemv_partials' pieces against gemv (same launch configuration) then
+    rope_store_: q, the returned k / v and both caches bit-identical; padding slots (-1) stay
+    untouched; the torch reference agrees too."""
+    from speculant.kernels.gemv import GemvConfig, gemv, gemv_partials
+
+    g = torch.Generator().manual_seed(6)
+    Hq, Hk = heads
+    T, D, H, nb, bs = 6, 32, 96, 5, 4
+    N = (Hq + 2 * Hk) * D
+    x = torch.randn(T, H, generator=g).to(DEV)
+    w = (torch.randn(N, H, generator=g) * 0.1).to(DEV)
+    b = torch.randn(N, generator=g).to(DEV) if bias else None
+    cfg = GemvConfig(block_n=16, block_k=32, split_k=split, use_dot=True, swap_ab=True,
+                     pad_rows=False)
+    pos = torch.tensor([0, 9, 3, 31, 17, 5], device=DEV)
+    slots = torch.tensor([3, 17, -1, 0, 19, 8], device=DEV)
+    cos, sin = _rope_tables(D)
+    caches = [torch.randn(nb, bs, Hk, D, generator=g).to(DEV) for _ in range(2)]
+
+    qkv = gemv(x, w, b, config=cfg, force_triton=True)
+    q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+    q, k, v = q.view(T, Hq, D), k.view(T, Hk, D), v.view(T, Hk, D)
+    want_c = [c.clone() for c in caches]
+    fused.rope_store_(pos, q, k, v, cos, sin, want_c[0], want_c[1], slots)
+
+    p = gemv_partials(x, w, config=cfg, force_triton=True)
+    assert p.shape[0] == split
+    got_c = [c.clone() for c in caches]
+    got = fused.reduce_rope_store_(p, b, pos, cos, sin, got_c[0], got_c[1], slots, Hq, Hk,
+                                   force_triton=True)
+    assert torch.equal(got, qkv)  # q rotated in place above; k and v as summed
+    assert torch.equal(got_c[0], want_c[0]) and torch.equal(got_c[1], want_c[1])
+    written = torch.zeros(nb * bs, dtype=torch.bool)
+    written[[3, 17, 0, 19, 8]] = True  # the padding row (slot -1) writes nothing
+    for c, c0 in zip(got_c, caches):
+        flat, flat0 = c.reshape(nb * bs, -1).cpu(), c0.reshape(nb * bs, -1).cpu()
+        assert torch.equal(flat[~written], flat0[~written])
+        assert not torch.equal(flat[written], flat0[written])
+    ref_c = [c.clone() for c in caches]
+    ref = fused._reduce_rope_store_ref(p, b, pos, cos, sin, ref_c[0], ref_c[1], slots, Hq, Hk)
+    torch.testing.assert_close(ref, got, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ref_c[0], got_c[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ref_c[1], got_c[1], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="do not hold"):
+        fused.reduce_rope_store_(p, b, pos, cos, sin, got_c[0], got_c[1], slots, Hq + 1, Hk,
+                                 force_triton=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test of the CUDA code path; "
+                    "on CUDA tests/test_gpu_engine.py covers it end to end")
+def test_llama_fused_qkv_rope_path_equals_layer_path(tiny_llama, monkeypatch):
+    """``forward_fused`` with qkv as ``gemv_partials`` (K in two pieces) and the reduce + RoPE +
+    K/V store kernel (``LlamaAttention.attend_partials``) against the torch layer path, over a
+    prefill, decode steps, a 3-token step and a 20-token one; the switch turns it off."""
+    import functools
+
+    from speculant.engine.model_runner import ModelRunner
+    from speculant.engine.sequence import Sequence
+    from speculant.kernels.gemv import GemvConfig, gemv_partials
+    from speculant.models import llama
+    from speculant.models.loader import load_config, load_model
+    from speculant.outputs import RequestMetrics
+    from speculant.sampling_params import SamplingParams
+
+    cfg = load_config(tiny_llama)
+    model = load_model(tiny_llama, cfg, torch.float32, torch.device("cpu"), 256)
+    model._cpu_plan = False
+
+    def run(cuda_path: bool):
+        monkeypatch.setattr(fused, "gemv_enabled", lambda x: False)
+        monkeypatch.setattr(fused, "enabled", lambda x: cuda_path)
+        runner = ModelRunner(model, 8, 16, torch.device("cpu"), torch.float32)
+        seqs = [Sequence("r", 0, [1, 5, 9, 200, 7], SamplingParams(), RequestMetrics(0.0), None)]
+        seqs[0].block_table = [0, 1]
+        outs = [runner.forward(seqs, [seqs[0].token_ids], (1,))]
+        for toks in ([11], [300], [4, 77, 12], list(range(20, 40))):
+            outs.append(runner.forward(seqs, [toks], (1,)))
+        return outs
+
+    ref = run(False)
+    _triton_gemv(monkeypatch)
+    split2 = GemvConfig(block_n=16, block_k=16, split_k=2, use_dot=True, swap_ab=True,
+                        pad_rows=False)
+    fused_calls = [0]
+    monkeypatch.setattr(llama, "gemv_split", lambda x, w: 2)  # the CPU has no Triton path
+    monkeypatch.setattr(llama, "gemv_partials", functools.partial(
+        gemv_partials, config=split2, force_triton=True))
+    monkeypatch.setattr(fused, "reduce_rope_store_", _counted(functools.partial(
+        fused.reduce_rope_store_, force_triton=True), fused_calls))
+    got = run(True)
+    assert fused_calls[0] == 5 * cfg.num_hidden_layers  # every step on the multi-row path
+    for (h, aux), (h_ref, aux_ref) in zip(got, ref):
+        torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(aux, aux_ref, atol=1e-4, rtol=1e-4)
+    monkeypatch.setenv("SPECULANT_QKV_ROPE", "0")
+    run(True)
+    assert fused_calls[0] == 5 * cfg.num_hidden_layers

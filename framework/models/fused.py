@@ -11,12 +11,25 @@ import os
 import torch
 import torch.nn.functional as F
 
-from speculant.kernels._triton_utils import lazy_jit, next_pow2, pdl_launch, tl, use_triton
+from speculant.kernels._triton_utils import (
+    env_switch,
+    lazy_jit,
+    next_pow2,
+    pdl_launch,
+    tl,
+    use_triton,
+)
 from speculant.kernels.gemv import gemv
 
 
 def enabled(x: torch.Tensor) -> bool:
     return use_triton([x], False)
+
+
+def qkv_rope_enabled() -> bool:
+    """``forward_fused``'s fused QKV reduce + RoPE + K/V store (``reduce_rope_store_``; see
+    ``LlamaAttention.rope_fusable``), unless ``SPECULANT_QKV_ROPE=0``."""
+    return env_switch("SPECULANT_QKV_ROPE")
 
 
 # Rows up to which the layers run as GEMVs. Measured on an H100 (bench/bench_gemv.py, Llama-3-8B
@@ -209,6 +222,131 @@ def rope_store_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
             v_cache.stride(1), v_cache.stride(2), HQ, HK, HALF=D // 2,
             BLOCK_H=next_pow2(max(HQ, HK)), BLOCK_SIZE=k_cache.shape[1], STORE=True, num_warps=4,
             **pdl_launch(q.device))
+
+
+@lazy_jit
+def _reduce_rope_kernel(p_ptr, b_ptr, y_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
+                        stride_ps, stride_pm, stride_ym, s_cos, skc_b, skc_s, skc_h, svc_b, svc_s,
+                        svc_h, HQ, HK, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        GDC: tl.constexpr):
+    # p [SPLIT_K, T, (HQ + 2 HK) * 2 HALF] fp32 partials of the QKV projection (heads q | k | v);
+    # b [N] bias; y [T, N] out in the cache's dtype: q rotated, k and v as summed (k unrotated,
+    # as rope_store_ leaves it); cos, sin [max_pos, 2 HALF] f32; pos, slot [T] (slot -1: not
+    # stored); kc, vc [num_blocks, BLOCK_SIZE, HK, 2 HALF]. Program (t, j): token t, heads
+    # j * BLOCK_H .. (j + 1) * BLOCK_H - 1 of the q | k | v row as the rows of one tile. Sums as gemv's _split_reduce_kernel (from 0, piece by piece, then the
+    # bias), rounds to y's dtype, then _rope_kernel's arithmetic: bit-identical to gemv + rope_store_.
+    if GDC:  # launched with PDL: the partials are the previous kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF)[None, :]  # [1, HALF]
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]: q | k | v head
+    mh = h < HQ + 2 * HK
+    col = h * (2 * HALF) + d  # [BLOCK_H, HALF]: first half of each head
+    a1 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        ps = p_ptr + s * stride_ps + t * stride_pm + col
+        a1 += tl.load(ps, mask=mh, other=0.0)
+        a2 += tl.load(ps + HALF, mask=mh, other=0.0)
+    if HAS_BIAS:
+        a1 += tl.load(b_ptr + col, mask=mh, other=0.0).to(tl.float32)
+        a2 += tl.load(b_ptr + col + HALF, mask=mh, other=0.0).to(tl.float32)
+    dt = y_ptr.dtype.element_ty
+    x1, x2 = a1.to(dt), a2.to(dt)
+    cos = tl.load(cos_ptr + pos * s_cos + d)  # [1, HALF]
+    sin = tl.load(sin_ptr + pos * s_cos + d)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    r1 = (f1 * cos - f2 * sin).to(dt)  # q and k heads rotated (v rows unused)
+    r2 = (f2 * cos + f1 * sin).to(dt)
+    is_q = h < HQ
+    py = y_ptr + t * stride_ym + col
+    tl.store(py, tl.where(is_q, r1, x1), mask=mh)
+    tl.store(py + HALF, tl.where(is_q, r2, x2), mask=mh)
+    stored = h * 0 + slot >= 0  # [BLOCK_H, 1] (a scalar mask term upsets the interpreter)
+    blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    hk = tl.maximum(h - HQ, 0)  # k head
+    mk = (h >= HQ) & (h < HQ + HK) & stored
+    ck = kc_ptr + blk * skc_b + off * skc_s + hk * skc_h + d
+    tl.store(ck, r1, mask=mk)
+    tl.store(ck + HALF, r2, mask=mk)
+    hv = tl.maximum(h - HQ - HK, 0)  # v head
+    mv = (h >= HQ + HK) & mh & stored
+    cv = vc_ptr + blk * svc_b + off * svc_s + hv * svc_h + d
+    tl.store(cv, x1, mask=mv)
+    tl.store(cv + HALF, x2, mask=mv)
+
+
+def reduce_rope_store_(partials: torch.Tensor, bias: torch.Tensor | None,
+                       positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                       num_heads: int, num_kv_heads: int, force_triton: bool = False
+                       ) -> torch.Tensor:
+    """The QKV projection's split-K reduce, RoPE and K/V cache store in one kernel (one launch
+    instead of gemv's reduce plus ``rope_store_``): ``partials`` [S, T, N] float32 from
+    ``kernels.gemv.gemv_partials`` (N = (num_heads + 2 num_kv_heads) * D), ``bias`` [N] or
+    None. Returns qkv [T, N] in the caches' dtype with q rotated and k, v as summed; the rotated
+    k and v go to their cache slots [T] (-1: not stored). positions [T]; cos / sin [max_pos, D]
+    float32 (rotate-half layout); k_cache, v_cache [num_blocks, block_size, num_kv_heads, D].
+    Bit-identical to ``gemv(x, w, bias)`` (same launch configuration) followed by
+    ``rope_store_``. CPU tensors (without ``force_triton``) take the torch reference."""
+    S, T, N = partials.shape
+    D = k_cache.shape[-1]
+    if (partials.dtype != torch.float32 or N != (num_heads + 2 * num_kv_heads) * D
+            or k_cache.shape[2] != num_kv_heads or v_cache.shape != k_cache.shape
+            or k_cache.stride(-1) != 1 or partials.stride(-1) != 1 or D % 2):
+        raise ValueError(f"reduce_rope_store_: partials {tuple(partials.shape)} "
+                         f"{partials.dtype} do not hold {num_heads} q and 2 x {num_kv_heads} "
+                         f"kv heads of the caches' {tuple(k_cache.shape)}")
+    dtype = k_cache.dtype
+    if not use_triton([partials, k_cache], force_triton):
+        return _reduce_rope_store_ref(partials, bias, positions, cos, sin, k_cache, v_cache,
+                                      slots, num_heads, num_kv_heads)
+    y = torch.empty(T, N, dtype=dtype, device=partials.device)
+    heads = num_heads + 2 * num_kv_heads
+    # 8 heads a program (T x 6 programs for Llama-3.2-1B / -3-8B heads): H100, the 1B draft's
+    # greedy propose graph at batch 4 / 8 / 16 (.diag A/B against the unfused path, us):
+    # 3258 / 3385 / 3541 -> 3188 / 3310 / 3507; all heads in one program: 3229 / 3333 / 3500
+    block_h = min(next_pow2(heads), 8)
+    if T:
+        _reduce_rope_kernel[(T, -(-heads // block_h))](
+            partials, bias if bias is not None else y, y, cos, sin, positions, slots, k_cache,
+            v_cache, partials.stride(0), partials.stride(1), y.stride(0), cos.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+            v_cache.stride(1), v_cache.stride(2), num_heads, num_kv_heads, HALF=D // 2,
+            BLOCK_H=block_h, BLOCK_SIZE=k_cache.shape[1],
+            SPLIT_K=S, HAS_BIAS=bias is not None, num_warps=4, **pdl_launch(partials.device))
+    return y
+
+
+def _reduce_rope_store_ref(partials, bias, positions, cos, sin, k_cache, v_cache, slots,
+                           num_heads, num_kv_heads) -> torch.Tensor:
+    """Torch reference of ``reduce_rope_store_`` (same sums, roundings and rotation)."""
+    S, T, N = partials.shape
+    D = k_cache.shape[-1]
+    acc = torch.zeros(T, N, dtype=torch.float32, device=partials.device)
+    for s in range(S):
+        acc = acc + partials[s]
+    if bias is not None:
+        acc = acc + bias.float()
+    y = acc.to(k_cache.dtype)
+    heads = y.view(T, num_heads + 2 * num_kv_heads, D)
+    c = cos[positions, : D // 2].unsqueeze(1)  # [T, 1, D / 2]
+    s_ = sin[positions, : D // 2].unsqueeze(1)
+    f1, f2 = heads[..., : D // 2].float(), heads[..., D // 2:].float()
+    rot = torch.cat([(f1 * c - f2 * s_).to(y.dtype), (f2 * c + f1 * s_).to(y.dtype)], dim=-1)
+    out = heads.clone()
+    out[:, :num_heads] = rot[:, :num_heads]
+    keep = slots >= 0
+    idx = slots[keep].long()
+    bs = k_cache.shape[1]
+    kv = num_heads + num_kv_heads
+    k_cache[idx // bs, idx % bs] = rot[keep][:, num_heads:kv]
+    v_cache[idx // bs, idx % bs] = heads[keep][:, kv:]
+    return out.view(T, N)
 
 
 @lazy_jit

@@ -11,7 +11,9 @@ from speculant.kernels.gemv import (
     GemvConfig,
     choose_config,
     gemv,
+    gemv_partials,
     gemv_reference,
+    gemv_split,
 )
 from speculant.models import fused
 
@@ -538,3 +540,49 @@ def test_gemv_out_norm_validation(device):
     r = torch.randn(M, K, device=device)
     with pytest.raises(ValueError, match="residual .* and out_residual .* not supported"):
         gemv(x, w, prologue="rmsnorm", norm_weight=nw, residual=r, **ekw)
+
+
+# ------------------------------------------------------------------------- gemv_partials
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 2, 5, 16])
+@pytest.mark.parametrize(
+    "config",
+    [
+        GemvConfig(block_n=32, block_k=32, split_k=3, use_dot=True, swap_ab=True, pad_rows=False),
+        GemvConfig(block_n=16, block_k=64, split_k=2, use_dot=True),
+        GemvConfig(block_n=16, block_k=64, use_dot=True),  # one piece
+    ],
+)
+def test_gemv_partials_reduce_to_gemv(device, M, config, dtype):
+    """The unreduced split-K pieces: summed from 0 in order (plus the bias) and rounded, they are
+    bit-identical to gemv's output with the same configuration; the piece count is gemv_split's."""
+    N, K = 72, 160  # K: 5 chunks of 32 (3 pieces, the last one short) or 3 of 64
+    x, w, b, _ = _inputs("none", M, N, K, dtype, device, bias=True)
+    p = gemv_partials(x, w, config=config, force_triton=True)
+    want_split = {3: 3, 2: 2, 1: 1}[config.split_k]
+    assert p.shape == (want_split, M, N) and p.dtype == torch.float32
+    acc = torch.zeros(M, N, dtype=torch.float32, device=device)
+    for piece in p:
+        acc = acc + piece
+    y = gemv(x, w, b, config=config, force_triton=True)
+    assert torch.equal((acc + b.float()).to(dtype), y)
+    if HAS_CUDA:
+        assert gemv_split(x, w, config=config) == want_split
+    else:  # CPU tensors: gemv takes the torch path unless forced
+        assert gemv_split(x, w, config=config) == 0
+
+
+def test_gemv_partials_torch_path_and_bounds(device):
+    x, w, _, _ = _inputs("none", 3, 40, 64, torch.float32, device)
+    if not HAS_CUDA:  # the torch path: one piece, F.linear
+        p = gemv_partials(x, w)
+        assert p.shape == (1, 3, 40)
+        torch.testing.assert_close(p[0], x @ w.T, atol=1e-5, rtol=1e-5)
+    big = _nz(MAX_ROWS + 1, 64).to(device)
+    assert gemv_split(big, w) == 0
+    assert gemv_partials(big, w).shape == (1, MAX_ROWS + 1, 40)  # torch path
+    with pytest.raises(ValueError, match="at most"):
+        gemv_partials(big, w, force_triton=True)
+    assert gemv_partials(x[:0], w, force_triton=True).shape == (1, 0, 40)
+    with pytest.raises(ValueError, match="weight"):
+        gemv_partials(x, w[:, :10], force_triton=True)
