@@ -150,16 +150,15 @@ def propose_graph(
         def greedy(h: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows]
             return row_argmax(model.compute_logits(h))
 
-    S, i32 = K - 1, torch.int32
-    ids, pos, slots, ctx, qsl, last, spos, sslots, sctx, sqsl, tables = ints.split(
-        _sizes(Bp, Q, K, W)
-    )
-    tables = tables.view(Bp, W).to(i32)
-    fctx = _fctx(slots, tables, ctx.to(i32), qsl.to(i32), Q, bs, kv_caches)
+    S, sizes = K - 1, _sizes(Bp, Q, K, W)
+    ids, pos, slots, _, _, last, spos, sslots, _, _, _ = ints.split(sizes)
+    # the int32 inputs (lengths, query starts, block tables) from ONE conversion kernel
+    _, _, _, ctx, qsl, _, _, _, sctx, sqsl, tables = ints.to(torch.int32).split(sizes)
+    tables = tables.view(Bp, W)
+    fctx = _fctx(slots, tables, ctx, qsl, Q, bs, kv_caches)
     hidden = model(ids, pos, fctx)  # [Bp * Q, hidden]
     tok = greedy(gather_rows(hidden, last))  # [Bp]
-    sqsl = sqsl.to(i32)
-    spos, sslots, sctx = spos.view(S, Bp), sslots.view(S, Bp), sctx.view(S, Bp).to(i32)
+    spos, sslots, sctx = spos.view(S, Bp), sslots.view(S, Bp), sctx.view(S, Bp)
     out = [tok]
     for j in range(S):
         x = model(tok, spos[j], _fctx(sslots[j], tables, sctx[j], sqsl, 1, bs, kv_caches))

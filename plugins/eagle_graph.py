@@ -137,11 +137,12 @@ def propose_graph(
     M, bs = Bp * Q, strat.cache.block_size
     o = 3 * M
     ids, pos, slots = ints[:M], ints[M : 2 * M], ints[2 * M : o]
-    ctx = ints[o : o + Bp].to(torch.int32)
-    qsl = ints[o + Bp : o + 2 * Bp + 1].to(torch.int32)
+    i32 = ints.to(torch.int32)  # lengths, query starts and block tables: one conversion kernel
+    ctx = i32[o : o + Bp]
+    qsl = i32[o + Bp : o + 2 * Bp + 1]
     last = ints[o + 2 * Bp + 1 : o + 3 * Bp + 1]
     chain = ints[o + 3 * Bp + 1 :]
-    tables = chain[chain.numel() - Bp * W :].view(Bp, W).to(torch.int32)
+    tables = i32[i32.numel() - Bp * W :].view(Bp, W)
     meta = AttentionMetadata.padded(slots, tables, ctx, qsl, Q, bs)
     fctx = ForwardContext(meta=meta, kv_caches=strat.cache.kv_caches)
     out = strat.draft(strat._embed(ids), feats, pos, fctx, True)  # [M, H]
