@@ -297,21 +297,21 @@ class DraftModelStrategy:
         if not active:
             return Proposal(token_ids=[[] for _ in seqs])
 
-        sampler = DraftSampler(
-            [seqs[i] for i in active], [ks[i] for i in active], self.generator, self.device
-        )
         states = [self.states[seqs[i].seq_id] for i in active]
-        if sampler.all_greedy and self.graphs.enabled:  # catch-up and k steps in one graph
-            toks = fused_greedy(self, states, feeds, [ks[i] for i in active])  # [rows, K] | None
+        active_ks = [ks[i] for i in active]
+        if self.graphs.enabled and all(seqs[i].sampling_params.is_greedy for i in active):
+            # catch-up and k steps in one graph; only what its inputs need runs before the
+            # launch, the rest of the bookkeeping while the GPU drafts (before the read-back)
+            toks = fused_greedy(self, states, feeds, active_ks)  # [rows, K] | None
             if toks is not None:
-                drafts = split_drafts(
-                    toks, active, [ks[i] for i in active], len(seqs), self.graphs
-                )
-                for st, f, i in zip(states, feeds, active):
+                for st, f in zip(states, feeds):
                     st.tokens.extend(f)
                     st.checked = len(st.tokens)  # the sequence's tokens up to its last
+                drafts = split_drafts(toks, active, active_ks, len(seqs), self.graphs)
+                for st, i in zip(states, active):
                     st.tokens.extend(drafts[i][: ks[i] - 1])
                 return Proposal(token_ids=drafts)
+        sampler = DraftSampler([seqs[i] for i in active], active_ks, self.generator, self.device)
         hidden = self._forward(states, feeds)  # [sum(len(feed)), hidden]
         for st, f in zip(states, feeds):
             st.tokens.extend(f)
@@ -373,15 +373,17 @@ class DraftModelStrategy:
             del st.tokens[common:]
         st.checked = common
         need = n + k - 1
-        if not self.block_manager.can_reserve(st, need):
-            # reclaim caches of sequences that are not running now (e.g. waiting after preemption)
-            for sid in [sid for sid in self.states if sid not in in_batch]:
-                self._drop(sid)
-        if not self.block_manager.can_reserve(st, need):
-            logger.debug("draft KV cache full: no drafts for sequence %d this step", s.seq_id)
-            self._drop(s.seq_id)
-            return None
-        self.block_manager.reserve(st, need)
+        bm = self.block_manager
+        if bm.blocks_needed(st, need):  # most steps: the blocks are there already
+            if not bm.can_reserve(st, need):
+                # reclaim caches of sequences not running now (e.g. waiting after preemption)
+                for sid in [sid for sid in self.states if sid not in in_batch]:
+                    self._drop(sid)
+            if not bm.can_reserve(st, need):
+                logger.debug("draft KV cache full: no drafts for sequence %d this step", s.seq_id)
+                self._drop(s.seq_id)
+                return None
+            bm.reserve(st, need)
         return list(s.token_ids[common:])
 
     def _forward(
