@@ -396,7 +396,7 @@ def build_token_map_from_corpus(
 # using a token map
 # --------------------------------------------------------------------------------------------
 def scatter_hot(
-    small: torch.Tensor,  # [rows, N] float (any row_argmax dtype): logits of the hot ids
+    small: torch.Tensor,  # [rows, N] float32: logits of the hot ids
     ids: torch.Tensor,  # [N] int64 on small's device: the hot ids, ascending
     vocab_size: int,
 ) -> torch.Tensor:  # [rows, vocab] float32, -inf outside the hot ids

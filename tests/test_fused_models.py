@@ -82,28 +82,15 @@ def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch, path):
     SiLU*up prologues, kernels/gemv.py; RoPE fused with the K/V store). ``fused``: the
     multi-row path that carries the residual stream into the RMSNorm kernels
     (``forward_fused``)."""
-    from speculant.engine.model_runner import ModelRunner
-    from speculant.engine.sequence import Sequence
     from speculant.models import llama
     from speculant.models.loader import load_config, load_model
-    from speculant.outputs import RequestMetrics
-    from speculant.sampling_params import SamplingParams
 
     cfg = load_config(tiny_llama)
     model = load_model(tiny_llama, cfg, torch.float32, torch.device("cpu"), 256)
     model._cpu_plan = False  # the layer loop, not the CPU fast path
 
     def run(cuda_path: bool):
-        gemv_on = cuda_path and path == "gemv"
-        monkeypatch.setattr(fused, "gemv_enabled", lambda x: gemv_on and x.shape[0] == 1)
-        monkeypatch.setattr(fused, "enabled", lambda x: cuda_path)  # + rope_store_, fused norms
-        runner = ModelRunner(model, 8, 16, torch.device("cpu"), torch.float32)
-        seqs = [Sequence("r", 0, [1, 5, 9, 200, 7], SamplingParams(), RequestMetrics(0.0), None)]
-        seqs[0].block_table = [0, 1]
-        outs = [runner.forward(seqs, [seqs[0].token_ids], (1,))]
-        for toks in ([11], [300], [4, 77, 12], list(range(20, 40))):
-            outs.append(runner.forward(seqs, [toks], (1,)))
-        return outs
+        return _forward_steps(model, monkeypatch, cuda_path, cuda_path and path == "gemv")
 
     ref = run(False)
     calls = _triton_gemv(monkeypatch)
@@ -124,6 +111,27 @@ def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch, path):
     for (h, aux), (h_ref, aux_ref) in zip(got, ref):
         torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(aux, aux_ref, atol=1e-4, rtol=1e-4)
+
+
+def _forward_steps(model, monkeypatch, cuda_path: bool, one_row_gemv: bool) -> list:
+    """(hidden, aux hidden) of ``model`` over a prefill of 5 tokens, 2 decode steps, a 3-token
+    step and a 20-token one, on the CUDA layer paths (``fused.enabled``: rope_store_, fused
+    norms, forward_fused; ``one_row_gemv``: the one-row steps as forward_gemv) or the torch
+    ones."""
+    from speculant.engine.model_runner import ModelRunner
+    from speculant.engine.sequence import Sequence
+    from speculant.outputs import RequestMetrics
+    from speculant.sampling_params import SamplingParams
+
+    monkeypatch.setattr(fused, "gemv_enabled", lambda x: one_row_gemv and x.shape[0] == 1)
+    monkeypatch.setattr(fused, "enabled", lambda x: cuda_path)
+    runner = ModelRunner(model, 8, 16, torch.device("cpu"), torch.float32)
+    seqs = [Sequence("r", 0, [1, 5, 9, 200, 7], SamplingParams(), RequestMetrics(0.0), None)]
+    seqs[0].block_table = [0, 1]
+    outs = [runner.forward(seqs, [seqs[0].token_ids], (1,))]
+    for toks in ([11], [300], [4, 77, 12], list(range(20, 40))):
+        outs.append(runner.forward(seqs, [toks], (1,)))
+    return outs
 
 
 def _triton_gemv(monkeypatch) -> list[int]:
@@ -282,7 +290,8 @@ def test_reduce_rope_store_equals_gemv_then_rope_store(split, bias, heads):
         assert torch.equal(flat[~written], flat0[~written])
         assert not torch.equal(flat[written], flat0[written])
     ref_c = [c.clone() for c in caches]
-    ref = fused._reduce_rope_store_ref(p, b, pos, cos, sin, ref_c[0], ref_c[1], slots, Hq, Hk)
+    ref = fused._reduce_rope_store_ref(p, b, pos, cos, sin, ref_c[0], ref_c[1], slots, Hq, Hk,
+                                       torch.float32)
     torch.testing.assert_close(ref, got, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(ref_c[0], got_c[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(ref_c[1], got_c[1], atol=0, rtol=0)
@@ -299,28 +308,16 @@ def test_llama_fused_qkv_rope_path_equals_layer_path(tiny_llama, monkeypatch):
     prefill, decode steps, a 3-token step and a 20-token one; the switch turns it off."""
     import functools
 
-    from speculant.engine.model_runner import ModelRunner
-    from speculant.engine.sequence import Sequence
     from speculant.kernels.gemv import GemvConfig, gemv_partials
     from speculant.models import llama
     from speculant.models.loader import load_config, load_model
-    from speculant.outputs import RequestMetrics
-    from speculant.sampling_params import SamplingParams
 
     cfg = load_config(tiny_llama)
     model = load_model(tiny_llama, cfg, torch.float32, torch.device("cpu"), 256)
     model._cpu_plan = False
 
     def run(cuda_path: bool):
-        monkeypatch.setattr(fused, "gemv_enabled", lambda x: False)
-        monkeypatch.setattr(fused, "enabled", lambda x: cuda_path)
-        runner = ModelRunner(model, 8, 16, torch.device("cpu"), torch.float32)
-        seqs = [Sequence("r", 0, [1, 5, 9, 200, 7], SamplingParams(), RequestMetrics(0.0), None)]
-        seqs[0].block_table = [0, 1]
-        outs = [runner.forward(seqs, [seqs[0].token_ids], (1,))]
-        for toks in ([11], [300], [4, 77, 12], list(range(20, 40))):
-            outs.append(runner.forward(seqs, [toks], (1,)))
-        return outs
+        return _forward_steps(model, monkeypatch, cuda_path, False)
 
     ref = run(False)
     _triton_gemv(monkeypatch)
@@ -340,3 +337,22 @@ def test_llama_fused_qkv_rope_path_equals_layer_path(tiny_llama, monkeypatch):
     monkeypatch.setenv("SPECULANT_QKV_ROPE", "0")
     run(True)
     assert fused_calls[0] == 5 * cfg.num_hidden_layers
+
+
+def test_reduce_rope_store_output_dtype_and_cache_dtype():
+    """qkv comes back in the dtype asked for (the layer's), the caches get their own dtype."""
+    g = torch.Generator().manual_seed(7)
+    T, Hq, Hk, D, nb, bs = 3, 4, 2, 16, 4, 4
+    p = torch.randn(2, T, (Hq + 2 * Hk) * D, generator=g).to(DEV)
+    pos, slots = torch.tensor([1, 4, 7], device=DEV), torch.tensor([0, 5, -1], device=DEV)
+    cos, sin = _rope_tables(D)
+    got_c = [torch.zeros(nb, bs, Hk, D, dtype=torch.float64, device=DEV) for _ in range(2)]
+    ref_c = [c.clone() for c in got_c]
+    got = fused.reduce_rope_store_(p, None, pos, cos, sin, got_c[0], got_c[1], slots, Hq, Hk,
+                                   dtype=torch.float32, force_triton=True)
+    ref = fused._reduce_rope_store_ref(p, None, pos, cos, sin, ref_c[0], ref_c[1], slots, Hq, Hk,
+                                       torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_c[0], ref_c[0], atol=1e-6, rtol=1e-6)
+    assert torch.equal(got_c[1], ref_c[1]) and got_c[1].abs().sum() > 0

@@ -231,11 +231,12 @@ def _reduce_rope_kernel(p_ptr, b_ptr, y_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr
                         BLOCK_SIZE: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                         GDC: tl.constexpr):
     # p [SPLIT_K, T, (HQ + 2 HK) * 2 HALF] fp32 partials of the QKV projection (heads q | k | v);
-    # b [N] bias; y [T, N] out in the cache's dtype: q rotated, k and v as summed (k unrotated,
+    # b [N] bias; y [T, N] out in the layer's dtype: q rotated, k and v as summed (k unrotated,
     # as rope_store_ leaves it); cos, sin [max_pos, 2 HALF] f32; pos, slot [T] (slot -1: not
     # stored); kc, vc [num_blocks, BLOCK_SIZE, HK, 2 HALF]. Program (t, j): token t, heads
-    # j * BLOCK_H .. (j + 1) * BLOCK_H - 1 of the q | k | v row as the rows of one tile. Sums as gemv's _split_reduce_kernel (from 0, piece by piece, then the
-    # bias), rounds to y's dtype, then _rope_kernel's arithmetic: bit-identical to gemv + rope_store_.
+    # j * BLOCK_H .. (j + 1) * BLOCK_H - 1 of the q | k | v row as the rows of one tile. Sums as
+    # gemv's _split_reduce_kernel (from 0, piece by piece, then the bias), rounds to y's dtype,
+    # then _rope_kernel's arithmetic: bit-identical to gemv + rope_store_.
     if GDC:  # launched with PDL: the partials are the previous kernel's
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -271,24 +272,25 @@ def _reduce_rope_kernel(p_ptr, b_ptr, y_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr
     hk = tl.maximum(h - HQ, 0)  # k head
     mk = (h >= HQ) & (h < HQ + HK) & stored
     ck = kc_ptr + blk * skc_b + off * skc_s + hk * skc_h + d
-    tl.store(ck, r1, mask=mk)
-    tl.store(ck + HALF, r2, mask=mk)
+    cty = kc_ptr.dtype.element_ty
+    tl.store(ck, r1.to(cty), mask=mk)
+    tl.store(ck + HALF, r2.to(cty), mask=mk)
     hv = tl.maximum(h - HQ - HK, 0)  # v head
     mv = (h >= HQ + HK) & mh & stored
     cv = vc_ptr + blk * svc_b + off * svc_s + hv * svc_h + d
-    tl.store(cv, x1, mask=mv)
-    tl.store(cv + HALF, x2, mask=mv)
+    tl.store(cv, x1.to(cty), mask=mv)
+    tl.store(cv + HALF, x2.to(cty), mask=mv)
 
 
 def reduce_rope_store_(partials: torch.Tensor, bias: torch.Tensor | None,
                        positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                       num_heads: int, num_kv_heads: int, force_triton: bool = False
-                       ) -> torch.Tensor:
+                       num_heads: int, num_kv_heads: int, dtype: torch.dtype | None = None,
+                       force_triton: bool = False) -> torch.Tensor:
     """The QKV projection's split-K reduce, RoPE and K/V cache store in one kernel (one launch
     instead of gemv's reduce plus ``rope_store_``): ``partials`` [S, T, N] float32 from
     ``kernels.gemv.gemv_partials`` (N = (num_heads + 2 num_kv_heads) * D), ``bias`` [N] or
-    None. Returns qkv [T, N] in the caches' dtype with q rotated and k, v as summed; the rotated
+    None. Returns qkv [T, N] in ``dtype`` (the layer's; default the caches') with q rotated and k, v as summed; the rotated
     k and v go to their cache slots [T] (-1: not stored). positions [T]; cos / sin [max_pos, D]
     float32 (rotate-half layout); k_cache, v_cache [num_blocks, block_size, num_kv_heads, D].
     Bit-identical to ``gemv(x, w, bias)`` (same launch configuration) followed by
@@ -301,15 +303,15 @@ def reduce_rope_store_(partials: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"reduce_rope_store_: partials {tuple(partials.shape)} "
                          f"{partials.dtype} do not hold {num_heads} q and 2 x {num_kv_heads} "
                          f"kv heads of the caches' {tuple(k_cache.shape)}")
-    dtype = k_cache.dtype
+    dtype = dtype or k_cache.dtype
     if not use_triton([partials, k_cache], force_triton):
         return _reduce_rope_store_ref(partials, bias, positions, cos, sin, k_cache, v_cache,
-                                      slots, num_heads, num_kv_heads)
+                                      slots, num_heads, num_kv_heads, dtype)
     y = torch.empty(T, N, dtype=dtype, device=partials.device)
     heads = num_heads + 2 * num_kv_heads
     # 8 heads a program (T x 6 programs for Llama-3.2-1B / -3-8B heads): H100, the 1B draft's
-    # greedy propose graph at batch 4 / 8 / 16 (.diag A/B against the unfused path, us):
-    # 3258 / 3385 / 3541 -> 3188 / 3310 / 3507; all heads in one program: 3229 / 3333 / 3500
+    # greedy propose graph at batch 4 / 8 / 16 (an A/B as bench/draft_graph_ab.py's, us): unfused
+    # 3258 / 3385 / 3541, 8 heads 3188 / 3310 / 3507, all heads in one program 3229 / 3333 / 3500
     block_h = min(next_pow2(heads), 8)
     if T:
         _reduce_rope_kernel[(T, -(-heads // block_h))](
@@ -323,7 +325,7 @@ def reduce_rope_store_(partials: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _reduce_rope_store_ref(partials, bias, positions, cos, sin, k_cache, v_cache, slots,
-                           num_heads, num_kv_heads) -> torch.Tensor:
+                           num_heads, num_kv_heads, dtype) -> torch.Tensor:
     """Torch reference of ``reduce_rope_store_`` (same sums, roundings and rotation)."""
     S, T, N = partials.shape
     D = k_cache.shape[-1]
@@ -332,7 +334,7 @@ def _reduce_rope_store_ref(partials, bias, positions, cos, sin, k_cache, v_cache
         acc = acc + partials[s]
     if bias is not None:
         acc = acc + bias.float()
-    y = acc.to(k_cache.dtype)
+    y = acc.to(dtype)
     heads = y.view(T, num_heads + 2 * num_kv_heads, D)
     c = cos[positions, : D // 2].unsqueeze(1)  # [T, 1, D / 2]
     s_ = sin[positions, : D // 2].unsqueeze(1)
@@ -344,8 +346,8 @@ def _reduce_rope_store_ref(partials, bias, positions, cos, sin, k_cache, v_cache
     idx = slots[keep].long()
     bs = k_cache.shape[1]
     kv = num_heads + num_kv_heads
-    k_cache[idx // bs, idx % bs] = rot[keep][:, num_heads:kv]
-    v_cache[idx // bs, idx % bs] = heads[keep][:, kv:]
+    k_cache[idx // bs, idx % bs] = rot[keep][:, num_heads:kv].to(k_cache.dtype)
+    v_cache[idx // bs, idx % bs] = heads[keep][:, kv:].to(v_cache.dtype)
     return out.view(T, N)
 
 
