@@ -299,23 +299,22 @@ class DraftModelStrategy:
 
         states = [self.states[seqs[i].seq_id] for i in active]
         active_ks = [ks[i] for i in active]
+        toks = hidden = None
         if self.graphs.enabled and all(seqs[i].sampling_params.is_greedy for i in active):
             # catch-up and k steps in one graph; only what its inputs need runs before the
             # launch, the rest of the bookkeeping while the GPU drafts (before the read-back)
             toks = fused_greedy(self, states, feeds, active_ks)  # [rows, K] | None
-            if toks is not None:
-                for st, f in zip(states, feeds):
-                    st.tokens.extend(f)
-                    st.checked = len(st.tokens)  # the sequence's tokens up to its last
-                drafts = split_drafts(toks, active, active_ks, len(seqs), self.graphs)
-                for st, i in zip(states, active):
-                    st.tokens.extend(drafts[i][: ks[i] - 1])
-                return Proposal(token_ids=drafts)
-        sampler = DraftSampler([seqs[i] for i in active], active_ks, self.generator, self.device)
-        hidden = self._forward(states, feeds)  # [sum(len(feed)), hidden]
-        for st, f in zip(states, feeds):
+        if toks is None:
+            hidden = self._forward(states, feeds)  # [sum(len(feed)), hidden]
+        for st, f in zip(states, feeds):  # the catch-up is queued on the GPU: its tokens
             st.tokens.extend(f)
             st.checked = len(st.tokens)  # the sequence's tokens up to its last
+        if toks is not None:
+            drafts = split_drafts(toks, active, active_ks, len(seqs), self.graphs)
+            for st, i in zip(states, active):
+                st.tokens.extend(drafts[i][: ks[i] - 1])
+            return Proposal(token_ids=drafts)
+        sampler = DraftSampler([seqs[i] for i in active], active_ks, self.generator, self.device)
         if any(len(f) != 1 for f in feeds):  # the last row of each sequence's feed
             ends = list(itertools.accumulate(len(f) for f in feeds))
             hidden = hidden[to_device_async([e - 1 for e in ends], torch.long, self.device)]

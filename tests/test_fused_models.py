@@ -356,3 +356,19 @@ def test_reduce_rope_store_output_dtype_and_cache_dtype():
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got_c[0], ref_c[0], atol=1e-6, rtol=1e-6)
     assert torch.equal(got_c[1], ref_c[1]) and got_c[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("0", False), ("NO", False),
+                                      (" off ", False), ("False", False)])
+def test_gemv_switch_parses_like_the_kernel_switches(monkeypatch, value, on):
+    """SPECULANT_GEMV goes through the kernels' parser: ``no`` / ``OFF`` turn the GEMV paths off
+    too (they were ignored before)."""
+    if value is None:
+        monkeypatch.delenv("SPECULANT_GEMV", raising=False)
+    else:
+        monkeypatch.setenv("SPECULANT_GEMV", value)
+    assert fused.gemv_switch() is on
+    monkeypatch.setattr(fused, "enabled", lambda x: True)
+    x = torch.zeros(1, 4)
+    assert fused.gemv_enabled(x) is on and fused.gemv_in_enabled(x) is on
+    assert fused.gemv_few_enabled(x) is on

@@ -60,18 +60,25 @@ def _rows_limit(env: str, default: int) -> int:
     return int(v) if v else default
 
 
+def gemv_switch() -> bool:
+    """The layers' GEMV paths at all (``gemv_enabled`` / ``gemv_few_enabled`` /
+    ``gemv_in_enabled``): off with ``SPECULANT_GEMV=0`` (or ``false`` / ``no`` / ``off``, any
+    case: the kernels' switch parser, ``_triton_utils.env_switch``)."""
+    return env_switch("SPECULANT_GEMV")
+
+
 def gemv_few_enabled(x: torch.Tensor) -> bool:
     """``forward_fused``'s o_proj / down_proj as GEMVs (see ``GEMV_FEW_ROWS``;
     ``SPECULANT_GEMV_FEW_ROWS`` overrides it), unless ``SPECULANT_GEMV=0``."""
     return (x.shape[0] <= _rows_limit("SPECULANT_GEMV_FEW_ROWS", GEMV_FEW_ROWS) and enabled(x)
-            and os.environ.get("SPECULANT_GEMV", "1") not in ("0", "false", "off"))
+            and gemv_switch())
 
 
 def gemv_in_enabled(x: torch.Tensor) -> bool:
     """``forward_fused``'s qkv and gate/up, and the LM head of 3 or more rows, as GEMVs (see
     ``GEMV_IN_ROWS``; ``SPECULANT_GEMV_IN_ROWS`` overrides it), unless ``SPECULANT_GEMV=0``."""
     return (x.shape[0] <= _rows_limit("SPECULANT_GEMV_IN_ROWS", GEMV_IN_ROWS) and enabled(x)
-            and os.environ.get("SPECULANT_GEMV", "1") not in ("0", "false", "off"))
+            and gemv_switch())
 
 
 def gemv_enabled(x: torch.Tensor) -> bool:
@@ -80,7 +87,7 @@ def gemv_enabled(x: torch.Tensor) -> bool:
     products, SiLU * up inside the down product), unless ``SPECULANT_GEMV=0``. The row count is a
     shape, so a CUDA graph takes one path."""
     return (x.shape[0] <= GEMV_MAX_ROWS and enabled(x)
-            and os.environ.get("SPECULANT_GEMV", "1") not in ("0", "false", "off"))
+            and gemv_switch())
 
 
 def linear(
