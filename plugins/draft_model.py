@@ -365,15 +365,18 @@ class DraftModelStrategy:
         st = self.states.get(s.seq_id)
         if st is None:
             st = self.states[s.seq_id] = _DraftSeq()
-        n = s.num_tokens
-        common = min(_common_prefix(st.tokens, s.token_ids, st.checked), n - 1)
+        toks = s.token_ids
+        n = len(toks)
+        common = min(_common_prefix(st.tokens, toks, st.checked), n - 1)
         if common < st.num_cached_tokens:
             self.block_manager.rollback(st, common)
             del st.tokens[common:]
         st.checked = common
         need = n + k - 1
         bm = self.block_manager
-        if bm.blocks_needed(st, need):  # most steps: the blocks are there already
+        # most steps the blocks are there already (BlockManager.blocks_needed, inlined: this
+        # runs per sequence while the GPU waits for the draft graph)
+        if -(-need // bm.block_size) > len(st.block_table):
             if not bm.can_reserve(st, need):
                 # reclaim caches of sequences not running now (e.g. waiting after preemption)
                 for sid in [sid for sid in self.states if sid not in in_batch]:
@@ -383,7 +386,7 @@ class DraftModelStrategy:
                 self._drop(s.seq_id)
                 return None
             bm.reserve(st, need)
-        return list(s.token_ids[common:])
+        return toks[common:]  # a new list
 
     def _forward(
         self, states: list[_DraftSeq], feeds: list[list[int]], token_ids: torch.Tensor | None = None

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,10 @@ def test_bench_cli_writes_json_and_png(tiny_factory, tmp_path, capsys):
     assert sure["draws"] == "stratified" and "draws" not in runs[("plain", 1)]
     # every target step emits k + 1 tokens except possibly the last (19 tokens after prefill)
     assert sure["steps"] == 5 and sure["mean_accepted_length"] == pytest.approx(19 / 5)
-    assert 0 <= sure["c"] < 1
+    assert 0 <= sure["c"] < 1 and 0 <= sure["c_all"] < 1 and sure["first_propose_s"] > 0
+    # one first call out of 5: the mean over all calls weighs it 1/5
+    assert sure["propose_s_per_step_all"] == pytest.approx(
+        (sure["first_propose_s"] + 4 * sure["propose_s_per_step"]) / 5)
     assert sure["theoretical_speedup"] == pytest.approx(theoretical_speedup(1.0, 3, sure["c"]))
     never = runs[("oracle a=0.0 k=2", 2)]
     assert never["acceptance"] == 0.0 and never["mean_accepted_length"] == 1.0
@@ -149,3 +153,28 @@ def test_draft_graph_ab_variants_and_cpu_exit():
         r = subprocess.run([sys.executable, str(bench / "draft_graph_ab.py"), "--variant", "a",
                             "--variant", "b:A=1"], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0 and "no CUDA device" in r.stdout
+
+
+def test_step_timer_keeps_first_proposes_apart():
+    """A call carrying a sequence's first propose (a draft's prompt prefill) is counted apart from
+    the steady-state calls; a new sequence joining a running batch makes its call a first one."""
+    from types import SimpleNamespace
+
+    from speculant.bench import _StepTimer
+
+    timer = _StepTimer(torch.device("cpu"))
+
+    def call(ids, secs):
+        gen = timer.propose(SimpleNamespace(seqs=[SimpleNamespace(seq_id=i) for i in ids]))
+        next(gen)
+        time.sleep(secs)
+        with pytest.raises(StopIteration):
+            gen.send("proposal")
+
+    call([1, 2], 0.05)  # first
+    call([1, 2], 0.0)
+    call([2, 3], 0.05)  # 3 is new
+    call([2, 3], 0.0)
+    call([3], 0.0)
+    assert timer.propose_calls == 5 and timer.first_calls == 2
+    assert timer.first_s >= 0.1 and timer.propose_s - timer.first_s < 0.05

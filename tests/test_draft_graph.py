@@ -8,6 +8,8 @@ paged attention skips empty query ranges), which is what the Triton kernels do i
 
 from __future__ import annotations
 
+import os
+import random
 from pathlib import Path
 
 import numpy as np
@@ -119,18 +121,45 @@ def test_one_graph_propose_equals_eager(target, weak_draft, monkeypatch, which):
         assert any(short) and not all(short)
 
 
-def test_fused_ints_layout():
+class _St:
+    def __init__(self, cached, table):
+        self.num_cached_tokens, self.block_table = cached, table
+
+
+def _stagers():
+    """fused_ints' two builders: Python always, C where the extension is built (CI builds it:
+    tests/test_staging_ext_built checks)."""
+    out = [pytest.param(draft_graph.fused_ints_py, id="python")]
+    ext = draft_graph._staging_ext()
+    if ext is not None:
+        out.append(
+            pytest.param(
+                lambda o, st, *a: ext.draft_ints(
+                    o, [s.block_table for s in st], [s.num_cached_tokens for s in st], *a
+                ),
+                id="c",
+            )
+        )
+    return out
+
+
+def test_staging_ext_built():
+    """The C staging extension builds with the project (setup-time, optional elsewhere)."""
+    if os.environ.get("CI") and draft_graph._staging_ext() is None:
+        pytest.fail("speculant._staging was not built: fused_ints runs its Python version")
+    if draft_graph._staging_ext() is None:
+        pytest.skip("speculant._staging not built here")
+
+
+@pytest.mark.parametrize("stage", _stagers())
+def test_fused_ints_layout(stage):
     """Two sequences (catch-ups of 2 and 1 tokens, 3 and 1 drafts) padded to Bp=2, Q=2, K=3."""
-
-    class St:
-        def __init__(self, cached, table):
-            self.num_cached_tokens, self.block_table = cached, table
-
+    St = _St
     bs, W = 4, 3
     states = [St(5, [2, 7, 9]), St(2, [4])]  # blocks for n + k - 1 positions
     M, S, Bp = 4, 2, 2
     a = np.full(3 * M + 3 * Bp + 1 + 3 * S * Bp + Bp + 1 + Bp * W, 99, np.int64)
-    draft_graph.fused_ints(a, states, [[11, 12], [13]], [3, 1], 2, 2, 3, W, bs)
+    stage(a, states, [[11, 12], [13]], [3, 1], 2, 2, 3, W, bs)
     parts = np.split(a, np.cumsum([M, M, M, Bp, Bp + 1, Bp, S * Bp, S * Bp, S * Bp, Bp + 1]))
     ids, pos, slots, ctx, qsl, last, spos, sslots, sctx, sqsl, tables = parts
     assert ids.tolist() == [11, 12, 13, 0]
@@ -142,6 +171,60 @@ def test_fused_ints_layout():
     assert sctx.reshape(S, Bp).tolist() == [[8, 3], [9, 3]]
     assert sqsl.tolist() == [0, 1, 2]
     assert tables.reshape(Bp, W).tolist() == [[2, 7, 9], [4, 0, 0]]
+
+
+@pytest.mark.skipif(draft_graph._staging_ext() is None, reason="speculant._staging not built")
+def test_fused_ints_c_equals_python():
+    """The C staging writes exactly what the Python one does, on random batches: ragged
+    catch-ups, rows drafting 1..K tokens, tables up to the graph's width, positions past the
+    last block for the steps a row skips, large block ids; and rejects bad inputs by name."""
+    ext = draft_graph._staging_ext()
+    rng = random.Random(0)
+    for _ in range(300):
+        bs, K, W = rng.choice([1, 4, 16]), rng.randint(1, 6), rng.randint(1, 40)
+        Bp, Q = rng.choice([1, 2, 4, 8, 16, 32]), rng.choice([1, 2, 4, 8, 16])
+        A = rng.randint(1, Bp)
+        states, feeds, ks, rows = [], [], [], 0
+        for _ in range(A):
+            nf = rng.randint(1, max(1, min(Q, W * bs, Bp * Q - rows - (A - len(states) - 1))))
+            k = rng.randint(1, K)
+            n = rng.randint(nf, max(nf, (W * bs) - (k - 1)))  # tokens after the catch-up
+            need = min(W, -(-(n + k - 1) // bs))
+            table = [rng.randint(0, 2**40) for _ in range(need)]
+            states.append(_St(n - nf, table))
+            feeds.append([rng.randint(0, 2**31) for _ in range(nf)])
+            ks.append(k)
+            rows += nf
+        size = sum(draft_graph._sizes(Bp, Q, K, W))
+        a, b = np.full(size, 7, np.int64), np.full(size, -7, np.int64)
+        draft_graph.fused_ints_py(a, states, feeds, ks, Bp, Q, K, W, bs)
+        ext.draft_ints(
+            b,
+            [s.block_table for s in states],
+            [s.num_cached_tokens for s in states],
+            feeds,
+            ks,
+            Bp,
+            Q,
+            K,
+            W,
+            bs,
+        )
+        assert a.tolist() == b.tolist(), (Bp, Q, K, W, bs, A)
+    good = np.zeros(sum(draft_graph._sizes(1, 2, 2, 2)), np.int64)
+    args = ([[3]], [2], [[5]], [2], 1, 2, 2, 2, 4)
+    ext.draft_ints(good, *args)
+    for bad, msg in [
+        ((np.zeros(good.size + 1, np.int64),) + args, "int64 of"),
+        ((good.astype(np.int32),) + args, "int64 of"),
+        ((good, [[3, 4, 5]], [2], [[5]], [2], 1, 2, 2, 2, 4), "block table of 3 blocks"),
+        ((good, [[3]], [4], [[5]], [2], 1, 2, 2, 2, 4), "past its 1 blocks"),
+        ((good, [[3]], [0], [[5, 6, 7]], [2], 1, 2, 2, 2, 4), "catch-up rows"),
+        ((good, [[3], [4]], [0, 0], [[5], [6]], [1, 1], 1, 2, 2, 2, 4), "batch bucket"),
+        ((good, [[3]], [2], [[5]], [2, 2], 1, 2, 2, 2, 4), "differ in length"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            ext.draft_ints(*bad)
 
 
 def test_graph_cache_inflight_protocol():

@@ -1,0 +1,156 @@
+/* speculant host staging (the optional extension ``speculant._staging``).
+ *
+ * draft_ints: the int64 input vector of the draft model's one-graph greedy propose
+ * (plugins/draft_graph.py, whose docstring gives the layout; ``fused_ints`` there is the Python
+ * version and the reference the tests compare this with, value for value). The GPU waits for
+ * this host work before the draft graph runs: at batch 16 the Python version took ~55 us on the
+ * development machine and 90-150 us on the lent H100 hosts; this is one pass over the inputs.
+ *
+ *   draft_ints(out, tables, cached, feeds, ks, Bp, Q, K, W, bs)
+ *     out:    writable C-contiguous int64 buffer of exactly the layout's length (written in full)
+ *     tables: list of A block tables (lists of int, each at most W long)
+ *     cached: list of A ints, tokens in each draft cache before the catch-up
+ *     feeds:  list of A lists of int, the catch-up tokens of each sequence (>= 1 each)
+ *     ks:     list of A ints, drafts of each sequence (1..K)
+ *
+ * Errors (a table wider than W, a position past a sequence's table, more catch-up rows than
+ * Bp * Q, more sequences than Bp) raise ValueError naming the bad value; ``out`` is then
+ * partly written (the caller runs its eager path or fails).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+typedef long long i64;
+
+/* item i of a list / tuple as a C integer; -1 with an exception set on failure */
+static int item_i64(PyObject *seq, Py_ssize_t i, i64 *v) {
+    *v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+    return (*v == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static PyObject *py_draft_ints(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10)
+        return PyErr_Format(PyExc_TypeError,
+                            "draft_ints(out, tables, cached, feeds, ks, Bp, Q, K, W, bs)");
+    i64 dims[5];
+    for (int d = 0; d < 5; d++) {
+        dims[d] = PyLong_AsLongLong(args[5 + d]);
+        if (dims[d] == -1 && PyErr_Occurred()) return NULL;
+        if (dims[d] < 1) return PyErr_Format(PyExc_ValueError, "draft_ints: Bp, Q, K, W, bs >= 1");
+    }
+    const i64 Bp = dims[0], Q = dims[1], K = dims[2], W = dims[3], bs = dims[4];
+    const i64 M = Bp * Q, S = K - 1;
+    const i64 head = 3 * M + 3 * Bp + 1 + 3 * S * Bp + Bp + 1; /* entries before the tables */
+    PyObject *res = NULL, *tables = NULL, *cached = NULL, *feeds = NULL, *ks = NULL;
+    Py_buffer ob;
+    if (PyObject_GetBuffer(args[0], &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (ob.itemsize != 8 || ob.format == NULL || (strcmp(ob.format, "q") && strcmp(ob.format, "l"))
+        || ob.len != (head + Bp * W) * 8) {
+        PyErr_Format(PyExc_ValueError, "draft_ints: out must be int64 of %lld entries",
+                     (long long)(head + Bp * W));
+        goto done;
+    }
+    tables = PySequence_Fast(args[1], "draft_ints: tables must be a list");
+    cached = PySequence_Fast(args[2], "draft_ints: cached must be a list");
+    feeds = PySequence_Fast(args[3], "draft_ints: feeds must be a list");
+    ks = PySequence_Fast(args[4], "draft_ints: ks must be a list");
+    if (!tables || !cached || !feeds || !ks) goto done;
+    const Py_ssize_t A = PySequence_Fast_GET_SIZE(tables);
+    if (PySequence_Fast_GET_SIZE(cached) != A || PySequence_Fast_GET_SIZE(feeds) != A
+        || PySequence_Fast_GET_SIZE(ks) != A) {
+        PyErr_SetString(PyExc_ValueError, "draft_ints: tables, cached, feeds, ks differ in length");
+        goto done;
+    }
+    if (A > Bp) {
+        PyErr_Format(PyExc_ValueError, "draft_ints: %zd sequences > batch bucket %lld", A, Bp);
+        goto done;
+    }
+    i64 *o = (i64 *)ob.buf;
+    i64 *ids = o, *pos = o + M, *slots = o + 2 * M, *ctx = o + 3 * M, *qsl = ctx + Bp;
+    i64 *last = qsl + Bp + 1, *spos = last + Bp, *sslots = spos + S * Bp, *sctx = sslots + S * Bp;
+    i64 *sqsl = sctx + S * Bp, *tab = sqsl + Bp + 1;
+    /* defaults: padding rows and sequences, unused steps (slot -1 writes no K/V) */
+    memset(o, 0, (size_t)(head + Bp * W) * 8);
+    for (i64 i = 0; i < M; i++) slots[i] = -1;
+    for (i64 i = 0; i < S * Bp; i++) sslots[i] = -1;
+    i64 t = 0;
+    for (Py_ssize_t r = 0; r < A; r++) {
+        PyObject *bt = PySequence_Fast(PySequence_Fast_GET_ITEM(tables, r), "a block table must be a list");
+        if (!bt) goto done;
+        const Py_ssize_t nb = PySequence_Fast_GET_SIZE(bt);
+        if (nb > W) {
+            PyErr_Format(PyExc_ValueError, "draft_ints: block table of %zd blocks > width %lld", nb, W);
+            Py_DECREF(bt);
+            goto done;
+        }
+        i64 *row = tab + r * W;
+        for (Py_ssize_t b = 0; b < nb; b++)
+            if (item_i64(bt, b, row + b) < 0) { Py_DECREF(bt); goto done; }
+        i64 c0, k;
+        if (item_i64(cached, r, &c0) < 0 || item_i64(ks, r, &k) < 0) { Py_DECREF(bt); goto done; }
+        PyObject *feed = PySequence_Fast(PySequence_Fast_GET_ITEM(feeds, r), "a feed must be a list");
+        if (!feed) { Py_DECREF(bt); goto done; }
+        const Py_ssize_t nf = PySequence_Fast_GET_SIZE(feed);
+        const i64 n = c0 + nf; /* tokens in the draft cache after the catch-up */
+        if (t + nf > M || (nf > 0 && (n - 1) / bs >= nb)) {
+            PyErr_Format(PyExc_ValueError,
+                         "draft_ints: sequence %zd: %lld catch-up rows over %lld, or position %lld "
+                         "past its %zd blocks",
+                         r, (long long)(t + nf), (long long)M, (long long)(n - 1), nb);
+            Py_DECREF(feed);
+            Py_DECREF(bt);
+            goto done;
+        }
+        for (Py_ssize_t f = 0; f < nf; f++) {
+            const i64 p = c0 + f;
+            if (item_i64(feed, f, ids + t + f) < 0) { Py_DECREF(feed); Py_DECREF(bt); goto done; }
+            pos[t + f] = p;
+            slots[t + f] = row[p / bs] * bs + p % bs;
+        }
+        Py_DECREF(feed);
+        Py_DECREF(bt);
+        ctx[r] = n;
+        t += nf;
+        qsl[r + 1] = t;
+        last[r] = t - 1;
+        /* step j feeds draft j at position n + j; rows with k - 1 <= j skip it (no write) */
+        for (i64 j = 0; j < S; j++) {
+            i64 *sp = spos + j * Bp + r, *ss = sslots + j * Bp + r, *sc = sctx + j * Bp + r;
+            if (j < k - 1) {
+                const i64 q = n + j;
+                i64 b = q / bs;
+                if (b > W - 1) b = W - 1;
+                *sp = q;
+                *ss = (b < nb ? row[b] : 0) * bs + q % bs;
+                *sc = q + 1;
+            } else {
+                *sc = n;
+            }
+        }
+    }
+    for (i64 r = A; r < Bp; r++) qsl[r + 1] = t;
+    for (i64 r = 0; r <= Bp; r++) sqsl[r] = r < A ? r : A;
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    Py_XDECREF(tables);
+    Py_XDECREF(cached);
+    Py_XDECREF(feeds);
+    Py_XDECREF(ks);
+    PyBuffer_Release(&ob);
+    return res;
+}
+
+static PyMethodDef methods[] = {
+    {"draft_ints", (PyCFunction)(void (*)(void))py_draft_ints, METH_FASTCALL,
+     "draft_ints(out, tables, cached, feeds, ks, Bp, Q, K, W, bs): the draft model's one-graph "
+     "propose inputs (plugins/draft_graph.py)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_staging",
+                                    "speculant host staging of CUDA-graph inputs", -1, methods};
+
+PyMODINIT_FUNC PyInit__staging(void) { return PyModule_Create(&module); }
