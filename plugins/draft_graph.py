@@ -26,7 +26,6 @@ vector of its own (``pinned_copy``: the host only writes that vector; M = Bp * Q
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import numpy as np
@@ -35,7 +34,7 @@ import torch
 from speculant.engine.attention import AttentionMetadata, ForwardContext
 from speculant.engine.cuda_graph import BATCH_BUCKETS, QUERY_BUCKETS
 from speculant.engine.gather import gather_rows
-from speculant.kernels._triton_utils import env_switch
+from speculant.engine.staging import staging_ext
 from speculant.kernels.logprobs import row_argmax
 from speculant.kernels.stage_copy import pinned_copy
 
@@ -63,23 +62,6 @@ def _sizes(Bp: int, Q: int, K: int, W: int) -> list[int]:
     return [M, M, M, Bp, Bp + 1, Bp, S * Bp, S * Bp, S * Bp, Bp + 1, Bp * W]
 
 
-def _staging_ext():
-    """The C staging (``speculant._staging``, framework/csrc/staging.c) or None: not built, or
-    ``SPECULANT_C_STAGING=0`` (the Python below then builds the same inputs)."""
-    global _ext
-    if _ext is None:
-        _ext = False
-        if env_switch("SPECULANT_C_STAGING", True):
-            try:
-                _ext = importlib.import_module("speculant._staging")
-            except ImportError:
-                pass
-    return _ext or None
-
-
-_ext = None
-
-
 def fused_ints(
     out: np.ndarray,  # [sum(_sizes)] int64, written in full (layout above)
     states: list,  # _DraftSeq of each drafting sequence (num_cached_tokens: before the catch-up)
@@ -94,7 +76,7 @@ def fused_ints(
     """The graph's int inputs into ``out``: one pass in C where the extension is built (batch
     16 on the development machine: 55 -> 6 us), else ``fused_ints_py``; the two agree value for
     value (tested)."""
-    ext = _staging_ext()
+    ext = staging_ext()
     if ext is None:
         return fused_ints_py(out, states, feeds, ks, Bp, Q, K, W, bs)
     ext.draft_ints(

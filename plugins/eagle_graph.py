@@ -29,6 +29,7 @@ import torch
 
 from speculant.engine.attention import AttentionMetadata, ForwardContext
 from speculant.engine.gather import gather_rows
+from speculant.engine.staging import staging_ext
 from speculant.kernels.stage_copy import pinned_copy
 from speculant.plugins.mlp_speculator import bucket, to_device_async
 
@@ -76,6 +77,18 @@ def fused_ints(strat, batch, order: list, A: int, Bp: int, Q: int, K: int, W: in
     return ids + [0] * pad + pos + [0] * pad + slots + [-1] * pad + ctx + qsl + last + chain
 
 
+def fused_rows(batch, order: list) -> tuple[list, ...]:
+    """Per row of ``order`` (the _Plan rows): block table, cache offset, first catch-up
+    position, token count and token ids: ``_staging.eagle_ints``' row arguments."""
+    return (
+        [p.st.table for p in order],
+        [p.st.offset for p in order],
+        [p.start for p in order],
+        [p.n for p in order],
+        [batch.seqs[p.i].token_ids for p in order],
+    )
+
+
 def fused_greedy(
     strat,
     batch,
@@ -106,7 +119,11 @@ def fused_greedy(
 
     key = ("fused", Bp, Q, K)
     ints_buf, feats_buf, host = strat.graphs.buffers(key, make)  # [n_ints], [M, F], [n_ints]
-    strat.graphs.writable(host)[:] = fused_ints(strat, batch, order, A, Bp, Q, K, W)
+    out, ext = strat.graphs.writable(host), staging_ext()
+    if ext is None:
+        out[:] = fused_ints(strat, batch, order, A, Bp, Q, K, W)
+    else:  # the same numbers in one C pass (batch 16 on the development machine: 35 -> 4 us)
+        ext.eagle_ints(out, *fused_rows(batch, order), A, Bp, Q, K, W, strat.cache.block_size)
     rows = [r for p in order for r in range(p.row, p.row + p.count)]
     T = len(rows)
     if rows == list(range(feats.shape[0])):

@@ -20,6 +20,7 @@ from test_eagle_graph import _kernel_attention
 import speculant.engine.attention as attention_mod
 import speculant.plugins.draft_graph as draft_graph
 from speculant import LLM, SamplingParams
+from speculant.engine.staging import staging_ext
 
 V = 64
 # at most 4 running: later prompts join running ones, their first catch-up (the whole prompt)
@@ -130,7 +131,7 @@ def _stagers():
     """fused_ints' two builders: Python always, C where the extension is built (CI builds it:
     tests/test_staging_ext_built checks)."""
     out = [pytest.param(draft_graph.fused_ints_py, id="python")]
-    ext = draft_graph._staging_ext()
+    ext = staging_ext()
     if ext is not None:
         out.append(
             pytest.param(
@@ -145,9 +146,9 @@ def _stagers():
 
 def test_staging_ext_built():
     """The C staging extension builds with the project (setup-time, optional elsewhere)."""
-    if os.environ.get("CI") and draft_graph._staging_ext() is None:
+    if os.environ.get("CI") and staging_ext() is None:
         pytest.fail("speculant._staging was not built: fused_ints runs its Python version")
-    if draft_graph._staging_ext() is None:
+    if staging_ext() is None:
         pytest.skip("speculant._staging not built here")
 
 
@@ -173,12 +174,12 @@ def test_fused_ints_layout(stage):
     assert tables.reshape(Bp, W).tolist() == [[2, 7, 9], [4, 0, 0]]
 
 
-@pytest.mark.skipif(draft_graph._staging_ext() is None, reason="speculant._staging not built")
+@pytest.mark.skipif(staging_ext() is None, reason="speculant._staging not built")
 def test_fused_ints_c_equals_python():
     """The C staging writes exactly what the Python one does, on random batches: ragged
     catch-ups, rows drafting 1..K tokens, tables up to the graph's width, positions past the
     last block for the steps a row skips, large block ids; and rejects bad inputs by name."""
-    ext = draft_graph._staging_ext()
+    ext = staging_ext()
     rng = random.Random(0)
     for _ in range(300):
         bs, K, W = rng.choice([1, 4, 16]), rng.randint(1, 6), rng.randint(1, 40)

@@ -8,6 +8,7 @@ Triton kernels do inside the graph; both runs use them."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from checkpoints import make_eagle1, make_eagle3
 import speculant.engine.attention as attention_mod
 import speculant.plugins.eagle_graph as eagle_graph
 from speculant import LLM, SamplingParams
+from speculant.engine.staging import staging_ext
 from speculant.kernels.kv_cache import store_kv_ref
 from speculant.kernels.paged_attention import paged_attention_ref
 
@@ -144,3 +146,44 @@ def test_fused_ints_layout():
     assert cctx == [9, 6, 0, 0, 10, 7, 0, 0]
     assert cqsl == [0, 1, 2, 2, 2]
     assert tables == [5, 6, 1, 3, 2, 0, 8, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.skipif(staging_ext() is None, reason="speculant._staging not built")
+def test_eagle_ints_c_equals_python():
+    """The C staging (``_staging.eagle_ints``) writes exactly what ``eagle_graph.fused_ints``
+    builds, on random calls: drafting rows first, then catch-up-only rows, ragged catch-ups,
+    cache offsets, catch-up and draft positions past the table (block 0), large block ids."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from speculant.plugins.eagle import _EagleBase, _Plan, _SeqState
+
+    ext, rng = staging_ext(), random.Random(1)
+    for _ in range(300):
+        bs, K, W = rng.choice([1, 4, 16]), rng.randint(1, 6), rng.randint(1, 30)
+        Bp, Q = rng.choice([1, 2, 4, 8, 16, 32]), rng.choice([1, 2, 4, 8, 16])
+        R = rng.randint(1, Bp)
+        A = rng.randint(0, R)
+        seqs, order, used = [], [], 0
+        for r in range(R):
+            cnt = rng.randint(1, max(1, min(Q, Bp * Q - used - (R - r - 1))))
+            used += cnt
+            off = rng.randint(0, 50)
+            start = off + rng.randint(0, W * bs)
+            n = start + cnt + 1
+            table = [rng.randint(0, 2**40) for _ in range(rng.randint(0, W))]
+            seqs.append(SimpleNamespace(token_ids=[rng.randint(0, 2**31) for _ in range(n)]))
+            order.append(_Plan(r, _SeqState(table, off, start), 0, cnt, start, n, int(r < A)))
+        strat = SimpleNamespace(cache=SimpleNamespace(block_size=bs))
+        strat._chain_ints = lambda rows, K, Bp, W, s=strat: _EagleBase._chain_ints(s, rows, K, Bp, W)
+        batch = SimpleNamespace(seqs=seqs)
+        want = eagle_graph.fused_ints(strat, batch, order, A, Bp, Q, K, W)
+        got = np.full(len(want), -5, np.int64)
+        ext.eagle_ints(got, *eagle_graph.fused_rows(batch, order), A, Bp, Q, K, W, bs)
+        assert got.tolist() == want, (Bp, Q, K, W, bs, R, A)
+    out = np.zeros(len(want), np.int64)
+    with pytest.raises(ValueError, match="int64 of"):
+        ext.eagle_ints(out[:-1], *eagle_graph.fused_rows(batch, order), A, Bp, Q, K, W, bs)
+    with pytest.raises(ValueError, match=rf"{R} rows \({R + 1} drafting\)"):
+        ext.eagle_ints(out, *eagle_graph.fused_rows(batch, order), R + 1, Bp, Q, K, W, bs)

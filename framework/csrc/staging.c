@@ -1,4 +1,5 @@
-/* speculant host staging (the optional extension ``speculant._staging``).
+/* speculant host staging (the optional extension ``speculant._staging``): the int inputs of the
+ * proposers' one-graph greedy proposes (draft model, EAGLE), written into their pinned vectors.
  *
  * draft_ints: the int64 input vector of the draft model's one-graph greedy propose
  * (plugins/draft_graph.py, whose docstring gives the layout; ``fused_ints`` there is the Python
@@ -143,10 +144,126 @@ done:
     return res;
 }
 
+/* eagle_ints: the int64 input vector of the one-graph greedy EAGLE propose
+ * (plugins/eagle_graph.py, layout in its docstring; ``fused_ints`` there is the Python version
+ * and the reference). Rows are the call's sequences in graph order, the A drafting ones first.
+ *
+ *   eagle_ints(out, tables, offsets, starts, ns, tokens, A, Bp, Q, K, W, bs)
+ *     tables:  list of block tables (lists of int, at most W long) of the draft cache
+ *     offsets: first position each draft cache holds;  starts: first position of the catch-up
+ *     ns:      tokens of each sequence (the catch-up covers positions start .. n - 2)
+ *     tokens:  each sequence's token ids (a list; the catch-up feeds tokens[start + 1 : n])
+ * A catch-up position past its table reads block 0 (as a zero-padded table row does). */
+static PyObject *py_eagle_ints(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 12)
+        return PyErr_Format(PyExc_TypeError,
+                            "eagle_ints(out, tables, offsets, starts, ns, tokens, A, Bp, Q, K, W, bs)");
+    i64 dims[6];
+    for (int d = 0; d < 6; d++) {
+        dims[d] = PyLong_AsLongLong(args[6 + d]);
+        if (dims[d] == -1 && PyErr_Occurred()) return NULL;
+        if (dims[d] < (d == 0 ? 0 : 1))
+            return PyErr_Format(PyExc_ValueError, "eagle_ints: A >= 0 and Bp, Q, K, W, bs >= 1");
+    }
+    const i64 A = dims[0], Bp = dims[1], Q = dims[2], K = dims[3], W = dims[4], bs = dims[5];
+    const i64 M = Bp * Q, S = K - 1;
+    const i64 total = 3 * M + 3 * Bp + 1 + 3 * S * Bp + Bp + 1 + Bp * W;
+    PyObject *res = NULL, *l[5] = {NULL, NULL, NULL, NULL, NULL};
+    Py_buffer ob;
+    if (PyObject_GetBuffer(args[0], &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (ob.itemsize != 8 || ob.format == NULL || (strcmp(ob.format, "q") && strcmp(ob.format, "l"))
+        || ob.len != total * 8) {
+        PyErr_Format(PyExc_ValueError, "eagle_ints: out must be int64 of %lld entries",
+                     (long long)total);
+        goto done;
+    }
+    for (int j = 0; j < 5; j++)
+        if (!(l[j] = PySequence_Fast(args[1 + j], "eagle_ints: tables, offsets, starts, ns and "
+                                                  "tokens must be lists")))
+            goto done;
+    const Py_ssize_t R = PySequence_Fast_GET_SIZE(l[0]);
+    for (int j = 1; j < 5; j++)
+        if (PySequence_Fast_GET_SIZE(l[j]) != R) {
+            PyErr_SetString(PyExc_ValueError, "eagle_ints: the row lists differ in length");
+            goto done;
+        }
+    if (R > Bp || A > R) {
+        PyErr_Format(PyExc_ValueError, "eagle_ints: %zd rows (%lld drafting) for batch bucket %lld",
+                     R, (long long)A, (long long)Bp);
+        goto done;
+    }
+    i64 *o = (i64 *)ob.buf;
+    i64 *ids = o, *pos = o + M, *slots = o + 2 * M, *ctx = o + 3 * M, *qsl = ctx + Bp;
+    i64 *last = qsl + Bp + 1, *spos = last + Bp, *sslots = spos + S * Bp, *sctx = sslots + S * Bp;
+    i64 *sqsl = sctx + S * Bp, *tab = sqsl + Bp + 1;
+    memset(o, 0, (size_t)total * 8);
+    for (i64 i = 0; i < M; i++) slots[i] = -1;
+    for (i64 i = 0; i < S * Bp; i++) sslots[i] = -1;
+    i64 t = 0;
+    for (Py_ssize_t r = 0; r < R; r++) {
+        i64 off, start, n;
+        if (item_i64(l[1], r, &off) < 0 || item_i64(l[2], r, &start) < 0
+            || item_i64(l[3], r, &n) < 0)
+            goto done;
+        PyObject *bt = PySequence_Fast(PySequence_Fast_GET_ITEM(l[0], r), "a block table must be a list");
+        if (!bt) goto done;
+        const Py_ssize_t nb = PySequence_Fast_GET_SIZE(bt);
+        PyObject *tk = PySequence_Fast(PySequence_Fast_GET_ITEM(l[4], r), "token ids must be a list");
+        if (!tk) { Py_DECREF(bt); goto done; }
+        const i64 cnt = n - 1 - start; /* catch-up rows: positions start .. n - 2 */
+        if (nb > W || cnt < 0 || t + cnt > M || n > PySequence_Fast_GET_SIZE(tk) || start < off) {
+            PyErr_Format(PyExc_ValueError,
+                         "eagle_ints: row %zd: table of %zd blocks (width %lld), catch-up %lld .. "
+                         "%lld (offset %lld, %zd tokens), %lld rows over %lld",
+                         r, nb, (long long)W, (long long)start, (long long)(n - 2), (long long)off,
+                         PySequence_Fast_GET_SIZE(tk), (long long)(t + cnt), (long long)M);
+            Py_DECREF(tk);
+            Py_DECREF(bt);
+            goto done;
+        }
+        i64 *row = tab + r * W;
+        int bad = 0;
+        for (Py_ssize_t b = 0; b < nb && !bad; b++) bad = item_i64(bt, b, row + b) < 0;
+        for (i64 f = 0; f < cnt && !bad; f++) {
+            const i64 q = start + f, idx = q - off, b = idx / bs;
+            bad = item_i64(tk, start + 1 + f, ids + t + f) < 0;
+            pos[t + f] = q;
+            slots[t + f] = (b < nb ? row[b] : 0) * bs + idx % bs;
+        }
+        Py_DECREF(tk);
+        Py_DECREF(bt);
+        if (bad) goto done;
+        ctx[r] = n - 1 - off;
+        t += cnt;
+        qsl[r + 1] = t;
+        if (r < A) {
+            last[r] = t - 1;
+            for (i64 j = 0; j < S; j++) { /* draft step j writes position n - 1 + j */
+                const i64 idx = n - 1 + j - off, b = idx / bs;
+                spos[j * Bp + r] = n - 1 + j;
+                sslots[j * Bp + r] = (b < nb ? row[b] : 0) * bs + idx % bs;
+                sctx[j * Bp + r] = idx + 1;
+            }
+        }
+    }
+    for (i64 r = R; r < Bp; r++) qsl[r + 1] = t;
+    for (i64 r = 0; r <= Bp; r++) sqsl[r] = r < A ? r : A;
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    for (int j = 0; j < 5; j++) Py_XDECREF(l[j]);
+    PyBuffer_Release(&ob);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"draft_ints", (PyCFunction)(void (*)(void))py_draft_ints, METH_FASTCALL,
      "draft_ints(out, tables, cached, feeds, ks, Bp, Q, K, W, bs): the draft model's one-graph "
      "propose inputs (plugins/draft_graph.py)"},
+    {"eagle_ints", (PyCFunction)(void (*)(void))py_eagle_ints, METH_FASTCALL,
+     "eagle_ints(out, tables, offsets, starts, ns, tokens, A, Bp, Q, K, W, bs): the EAGLE "
+     "one-graph propose inputs (plugins/eagle_graph.py)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -11,10 +11,32 @@ GPU computes. On the CPU it is a plain tensor constructor.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Sequence
 
 import torch
+
+_ext = None
+
+
+def staging_ext():
+    """The C staging of the one-graph proposes' int inputs (``speculant._staging``,
+    framework/csrc/staging.c: ``draft_ints``, ``eagle_ints``), or None: not built (it is an
+    optional extension) or ``SPECULANT_C_STAGING=0`` (read once). Without it the same inputs are
+    built in Python (``draft_graph.fused_ints_py``, ``eagle_graph.fused_ints``), which the tests
+    compare with it value for value."""
+    global _ext
+    if _ext is None:
+        _ext = False
+        if os.environ.get("SPECULANT_C_STAGING", "1").strip().lower() not in (
+            "0", "false", "no", "off"
+        ):
+            try:
+                _ext = importlib.import_module("speculant._staging")
+            except ImportError:
+                pass
+    return _ext or None
 
 
 def to_device(
