@@ -74,7 +74,7 @@ def fused_ints(
     bs: int,
 ) -> None:
     """The graph's int inputs into ``out``: one pass in C where the extension is built (batch
-    16 on the development machine: 55 -> 6 us), else ``fused_ints_py``; the two agree value for
+    16 on the development machine: 45 -> 4 us), else ``fused_ints_py``; the two agree value for
     value (tested)."""
     ext = staging_ext()
     if ext is None:

@@ -18,6 +18,7 @@ import torch
 from test_eagle_graph import _kernel_attention
 
 import speculant.engine.attention as attention_mod
+import speculant.engine.staging as staging_mod
 import speculant.plugins.draft_graph as draft_graph
 from speculant import LLM, SamplingParams
 from speculant.engine.staging import staging_ext
@@ -104,8 +105,13 @@ def _run(target: Path, draft: Path, fused: bool, monkeypatch) -> tuple:
     return [list(o.outputs[0].token_ids) for o in outs], seen, (calls, short)
 
 
+@pytest.mark.parametrize("staging", ["c", "python"])
 @pytest.mark.parametrize("which", ["self", "weak"])
-def test_one_graph_propose_equals_eager(target, weak_draft, monkeypatch, which):
+def test_one_graph_propose_equals_eager(target, weak_draft, monkeypatch, which, staging):
+    if staging == "python":  # the fallback builder of the graph's inputs (no C extension)
+        monkeypatch.setattr(staging_mod, "_ext", False)
+    elif staging_ext() is None:
+        pytest.skip("speculant._staging not built")
     monkeypatch.setattr(attention_mod, "attention", _kernel_attention)
     draft = target if which == "self" else weak_draft
     out_e, seen_e, _ = _run(target, draft, False, monkeypatch)

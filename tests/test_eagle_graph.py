@@ -16,6 +16,7 @@ import torch
 from checkpoints import make_eagle1, make_eagle3
 
 import speculant.engine.attention as attention_mod
+import speculant.engine.staging as staging_mod
 import speculant.plugins.eagle_graph as eagle_graph
 from speculant import LLM, SamplingParams
 from speculant.engine.staging import staging_ext
@@ -85,8 +86,13 @@ def _run(target: Path, head: Path, fused: bool, monkeypatch) -> tuple[list, list
     return [list(o.outputs[0].token_ids) for o in outs], seen, calls
 
 
+@pytest.mark.parametrize("staging", ["c", "python"])
 @pytest.mark.parametrize("version", [1, 3])
-def test_one_graph_propose_equals_eager(target, tmp_path, monkeypatch, version):
+def test_one_graph_propose_equals_eager(target, tmp_path, monkeypatch, version, staging):
+    if staging == "python":  # the fallback builder of the graph's inputs (no C extension)
+        monkeypatch.setattr(staging_mod, "_ext", False)
+    elif staging_ext() is None:
+        pytest.skip("speculant._staging not built")
     monkeypatch.setattr(attention_mod, "attention", _kernel_attention)
     if version == 1:
         head = make_eagle1(tmp_path / "e1", target, V, "safetensors", seed=2, copy=True)

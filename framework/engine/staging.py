@@ -29,9 +29,9 @@ def staging_ext():
     global _ext
     if _ext is None:
         _ext = False
-        if os.environ.get("SPECULANT_C_STAGING", "1").strip().lower() not in (
-            "0", "false", "no", "off"
-        ):
+        from speculant.kernels._triton_utils import env_switch
+
+        if env_switch("SPECULANT_C_STAGING"):
             try:
                 _ext = importlib.import_module("speculant._staging")
             except ImportError:
