@@ -30,29 +30,45 @@ static int item_i64(PyObject *seq, Py_ssize_t i, i64 *v) {
     return (*v == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
+/* the n integer arguments args[0 .. n-1] into dims, each at least mins[d]; -1 with an exception */
+static int int_args(PyObject *const *args, int n, i64 *dims, const i64 *mins, const char *msg) {
+    for (int d = 0; d < n; d++) {
+        dims[d] = PyLong_AsLongLong(args[d]);
+        if (dims[d] == -1 && PyErr_Occurred()) return -1;
+        if (dims[d] < mins[d]) {
+            PyErr_SetString(PyExc_ValueError, msg);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* o as a writable C-contiguous int64 buffer of exactly n entries; -1 with an exception (nothing
+ * to release then) */
+static int out_buffer(PyObject *o, i64 n, Py_buffer *ob, const char *fn) {
+    if (PyObject_GetBuffer(o, ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    if (ob->itemsize != 8 || ob->format == NULL
+        || (strcmp(ob->format, "q") && strcmp(ob->format, "l")) || ob->len != n * 8) {
+        PyErr_Format(PyExc_ValueError, "%s: out must be int64 of %lld entries", fn, (long long)n);
+        PyBuffer_Release(ob);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_draft_ints(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 10)
         return PyErr_Format(PyExc_TypeError,
                             "draft_ints(out, tables, cached, feeds, ks, Bp, Q, K, W, bs)");
     i64 dims[5];
-    for (int d = 0; d < 5; d++) {
-        dims[d] = PyLong_AsLongLong(args[5 + d]);
-        if (dims[d] == -1 && PyErr_Occurred()) return NULL;
-        if (dims[d] < 1) return PyErr_Format(PyExc_ValueError, "draft_ints: Bp, Q, K, W, bs >= 1");
-    }
+    static const i64 mins[5] = {1, 1, 1, 1, 1};
+    if (int_args(args + 5, 5, dims, mins, "draft_ints: Bp, Q, K, W, bs >= 1") < 0) return NULL;
     const i64 Bp = dims[0], Q = dims[1], K = dims[2], W = dims[3], bs = dims[4];
     const i64 M = Bp * Q, S = K - 1;
     const i64 head = 3 * M + 3 * Bp + 1 + 3 * S * Bp + Bp + 1; /* entries before the tables */
     PyObject *res = NULL, *tables = NULL, *cached = NULL, *feeds = NULL, *ks = NULL;
     Py_buffer ob;
-    if (PyObject_GetBuffer(args[0], &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return NULL;
-    if (ob.itemsize != 8 || ob.format == NULL || (strcmp(ob.format, "q") && strcmp(ob.format, "l"))
-        || ob.len != (head + Bp * W) * 8) {
-        PyErr_Format(PyExc_ValueError, "draft_ints: out must be int64 of %lld entries",
-                     (long long)(head + Bp * W));
-        goto done;
-    }
+    if (out_buffer(args[0], head + Bp * W, &ob, "draft_ints") < 0) return NULL;
     tables = PySequence_Fast(args[1], "draft_ints: tables must be a list");
     cached = PySequence_Fast(args[2], "draft_ints: cached must be a list");
     feeds = PySequence_Fast(args[3], "draft_ints: feeds must be a list");
@@ -159,25 +175,15 @@ static PyObject *py_eagle_ints(PyObject *self, PyObject *const *args, Py_ssize_t
         return PyErr_Format(PyExc_TypeError,
                             "eagle_ints(out, tables, offsets, starts, ns, tokens, A, Bp, Q, K, W, bs)");
     i64 dims[6];
-    for (int d = 0; d < 6; d++) {
-        dims[d] = PyLong_AsLongLong(args[6 + d]);
-        if (dims[d] == -1 && PyErr_Occurred()) return NULL;
-        if (dims[d] < (d == 0 ? 0 : 1))
-            return PyErr_Format(PyExc_ValueError, "eagle_ints: A >= 0 and Bp, Q, K, W, bs >= 1");
-    }
+    static const i64 mins[6] = {0, 1, 1, 1, 1, 1};
+    if (int_args(args + 6, 6, dims, mins, "eagle_ints: A >= 0 and Bp, Q, K, W, bs >= 1") < 0)
+        return NULL;
     const i64 A = dims[0], Bp = dims[1], Q = dims[2], K = dims[3], W = dims[4], bs = dims[5];
     const i64 M = Bp * Q, S = K - 1;
     const i64 total = 3 * M + 3 * Bp + 1 + 3 * S * Bp + Bp + 1 + Bp * W;
     PyObject *res = NULL, *l[5] = {NULL, NULL, NULL, NULL, NULL};
     Py_buffer ob;
-    if (PyObject_GetBuffer(args[0], &ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return NULL;
-    if (ob.itemsize != 8 || ob.format == NULL || (strcmp(ob.format, "q") && strcmp(ob.format, "l"))
-        || ob.len != total * 8) {
-        PyErr_Format(PyExc_ValueError, "eagle_ints: out must be int64 of %lld entries",
-                     (long long)total);
-        goto done;
-    }
+    if (out_buffer(args[0], total, &ob, "eagle_ints") < 0) return NULL;
     for (int j = 0; j < 5; j++)
         if (!(l[j] = PySequence_Fast(args[1 + j], "eagle_ints: tables, offsets, starts, ns and "
                                                   "tokens must be lists")))
