@@ -1,4 +1,5 @@
-"""CUDA-graph timing shared by the kernel benchmarks (bench_kernels.py, bench_gemv.py)."""
+"""CUDA-graph capture and timing shared by the benchmarks (bench_kernels.py, bench_gemv.py,
+bench_pdl.py, read_ceiling.py, draft_graph_ab.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ import torch
 
 def capture(fn) -> torch.cuda.CUDAGraph:
     """``fn`` captured in a CUDA graph after two warm-up calls on a side stream."""
+    return capture_output(fn)[0]
+
+
+def capture_output(fn):
+    """``(graph, out)``: ``fn`` captured as in ``capture``, and the output tensors of the captured
+    call (static: each replay rewrites them)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -16,9 +23,9 @@ def capture(fn) -> torch.cuda.CUDAGraph:
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
+        out = fn()
     torch.cuda.synchronize()
-    return g
+    return g, out
 
 
 def replay_median_ms(g, rep: int, warmup: int, before=None) -> float:

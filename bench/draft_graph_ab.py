@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 from _checkout import use_checkout  # bench/
+from _graph_timing import capture_output  # bench/
 
 use_checkout()
 
@@ -117,15 +118,7 @@ def main() -> int:
                 return dg.propose_graph(model, kv, ints, B, Q, K, W, bs, hot.greedy)
 
             with torch.no_grad():
-                fn()  # compiles this variant's kernels
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    fn()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = fn()
+                graph, out = capture_output(fn)  # warm-ups compile this variant's kernels
             return graph, out, ints  # ints: the graph reads it, keep it alive
         finally:
             for k, v in old.items():

@@ -73,41 +73,17 @@ def fused_ints(
     W: int,
     bs: int,
 ) -> None:
-    """The graph's int inputs into ``out``: one pass in C where the extension is built (batch
-    16 on the development machine: 45 -> 4 us), else ``fused_ints_py``; the two agree value for
-    value (tested)."""
+    """One pass in C where the extension is built (``_staging.draft_ints``; batch 16 on the
+    development machine: 45 -> 4 us), else the Python below, which the tests compare it with
+    value for value. In Python the block tables go straight into ``out`` (one numpy row write per
+    sequence); the few numbers before them are built as Python lists and written with one slice
+    assignment, where ~40 numpy calls cost more (the GPU waits for this host work before the
+    draft graph runs)."""
     ext = staging_ext()
-    if ext is None:
-        return fused_ints_py(out, states, feeds, ks, Bp, Q, K, W, bs)
-    ext.draft_ints(
-        out,
-        [st.block_table for st in states],
-        [st.num_cached_tokens for st in states],
-        feeds,
-        ks,
-        Bp,
-        Q,
-        K,
-        W,
-        bs,
-    )
-
-
-def fused_ints_py(
-    out: np.ndarray,  # [sum(_sizes)] int64, written in full (layout above)
-    states: list,  # _DraftSeq of each drafting sequence (num_cached_tokens: before the catch-up)
-    feeds: list[list[int]],  # catch-up tokens of each
-    ks: list[int],  # drafts of each (1..K)
-    Bp: int,
-    Q: int,
-    K: int,
-    W: int,
-    bs: int,
-) -> None:
-    """The block tables go straight into ``out`` (one numpy row write per sequence); the few
-    numbers before them are built as Python lists and written with one slice assignment, where
-    ~40 numpy calls cost more (the GPU waits for this host work before the draft graph runs).
-    Batch 16, W = 66: 46 -> 30 us on the development machine (another job running)."""
+    if ext is not None:
+        tables = [st.block_table for st in states]
+        cached = [st.num_cached_tokens for st in states]
+        return ext.draft_ints(out, tables, cached, feeds, ks, Bp, Q, K, W, bs)
     A, S, M = len(states), K - 1, Bp * Q
     ids: list[int] = []
     pos: list[int] = []

@@ -25,6 +25,7 @@ sequences, no drafting sequence) return None and the caller runs its eager path.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from speculant.engine.attention import AttentionMetadata, ForwardContext
@@ -48,10 +49,32 @@ def _slot(table: list[int], idx: int, bs: int) -> int:
     return (table[b] if b < len(table) else 0) * bs + idx % bs
 
 
-def fused_ints(strat, batch, order: list, A: int, Bp: int, Q: int, K: int, W: int) -> list[int]:
-    """The ``ints`` of one call (layout above); ``order``: the _Plan rows, the ``A`` drafting
-    ones first. A Python list (a few hundred numbers: numpy's per-call cost dominated)."""
+def fused_ints(
+    out: np.ndarray,  # [n_ints] int64, written in full (layout above)
+    strat,
+    batch,
+    order: list,  # the _Plan rows, the ``A`` drafting ones first
+    A: int,
+    Bp: int,
+    Q: int,
+    K: int,
+    W: int,
+) -> None:
+    """The ``ints`` of one call into ``out``: one pass in C where the extension is built
+    (``_staging.eagle_ints``; batch 16 on the development machine: 35 -> 4 us), else built as a
+    Python list (a few hundred numbers: numpy's per-call cost dominated) and written at once; the
+    tests compare the two value for value."""
     bs, M = strat.cache.block_size, Bp * Q
+    ext = staging_ext()
+    if ext is not None:
+        rows = (
+            [p.st.table for p in order],
+            [p.st.offset for p in order],
+            [p.start for p in order],
+            [p.n for p in order],
+            [batch.seqs[p.i].token_ids for p in order],
+        )
+        return ext.eagle_ints(out, *rows, A, Bp, Q, K, W, bs)
     chain = strat._chain_ints(order[:A], K, Bp, W)
     t0 = len(chain) - Bp * W  # the shared block tables: rows of non-drafting sequences too
     ids: list[int] = []
@@ -74,19 +97,7 @@ def fused_ints(strat, batch, order: list, A: int, Bp: int, Q: int, K: int, W: in
             last[r] = t - 1
     qsl[len(order) + 1 :] = [t] * (Bp - len(order))
     pad = M - t
-    return ids + [0] * pad + pos + [0] * pad + slots + [-1] * pad + ctx + qsl + last + chain
-
-
-def fused_rows(batch, order: list) -> tuple[list, ...]:
-    """Per row of ``order`` (the _Plan rows): block table, cache offset, first catch-up
-    position, token count and token ids: ``_staging.eagle_ints``' row arguments."""
-    return (
-        [p.st.table for p in order],
-        [p.st.offset for p in order],
-        [p.start for p in order],
-        [p.n for p in order],
-        [batch.seqs[p.i].token_ids for p in order],
-    )
+    out[:] = ids + [0] * pad + pos + [0] * pad + slots + [-1] * pad + ctx + qsl + last + chain
 
 
 def fused_greedy(
@@ -119,11 +130,7 @@ def fused_greedy(
 
     key = ("fused", Bp, Q, K)
     ints_buf, feats_buf, host = strat.graphs.buffers(key, make)  # [n_ints], [M, F], [n_ints]
-    out, ext = strat.graphs.writable(host), staging_ext()
-    if ext is None:
-        out[:] = fused_ints(strat, batch, order, A, Bp, Q, K, W)
-    else:  # the same numbers in one C pass (batch 16 on the development machine: 35 -> 4 us)
-        ext.eagle_ints(out, *fused_rows(batch, order), A, Bp, Q, K, W, strat.cache.block_size)
+    fused_ints(strat.graphs.writable(host), strat, batch, order, A, Bp, Q, K, W)
     rows = [r for p in order for r in range(p.row, p.row + p.count)]
     T = len(rows)
     if rows == list(range(feats.shape[0])):

@@ -15,10 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_eagle_graph import _kernel_attention
+from test_eagle_graph import _kernel_attention, use_staging
 
 import speculant.engine.attention as attention_mod
-import speculant.engine.staging as staging_mod
 import speculant.plugins.draft_graph as draft_graph
 from speculant import LLM, SamplingParams
 from speculant.engine.staging import staging_ext
@@ -108,10 +107,7 @@ def _run(target: Path, draft: Path, fused: bool, monkeypatch) -> tuple:
 @pytest.mark.parametrize("staging", ["c", "python"])
 @pytest.mark.parametrize("which", ["self", "weak"])
 def test_one_graph_propose_equals_eager(target, weak_draft, monkeypatch, which, staging):
-    if staging == "python":  # the fallback builder of the graph's inputs (no C extension)
-        monkeypatch.setattr(staging_mod, "_ext", False)
-    elif staging_ext() is None:
-        pytest.skip("speculant._staging not built")
+    use_staging(monkeypatch, staging)
     monkeypatch.setattr(attention_mod, "attention", _kernel_attention)
     draft = target if which == "self" else weak_draft
     out_e, seen_e, _ = _run(target, draft, False, monkeypatch)
@@ -133,23 +129,6 @@ class _St:
         self.num_cached_tokens, self.block_table = cached, table
 
 
-def _stagers():
-    """fused_ints' two builders: Python always, C where the extension is built (CI builds it:
-    tests/test_staging_ext_built checks)."""
-    out = [pytest.param(draft_graph.fused_ints_py, id="python")]
-    ext = staging_ext()
-    if ext is not None:
-        out.append(
-            pytest.param(
-                lambda o, st, *a: ext.draft_ints(
-                    o, [s.block_table for s in st], [s.num_cached_tokens for s in st], *a
-                ),
-                id="c",
-            )
-        )
-    return out
-
-
 def test_staging_ext_built():
     """The C staging extension builds with the project (setup-time, optional elsewhere)."""
     if os.environ.get("CI") and staging_ext() is None:
@@ -158,15 +137,16 @@ def test_staging_ext_built():
         pytest.skip("speculant._staging not built here")
 
 
-@pytest.mark.parametrize("stage", _stagers())
-def test_fused_ints_layout(stage):
+@pytest.mark.parametrize("staging", ["c", "python"])
+def test_fused_ints_layout(monkeypatch, staging):
     """Two sequences (catch-ups of 2 and 1 tokens, 3 and 1 drafts) padded to Bp=2, Q=2, K=3."""
     St = _St
     bs, W = 4, 3
     states = [St(5, [2, 7, 9]), St(2, [4])]  # blocks for n + k - 1 positions
     M, S, Bp = 4, 2, 2
     a = np.full(3 * M + 3 * Bp + 1 + 3 * S * Bp + Bp + 1 + Bp * W, 99, np.int64)
-    stage(a, states, [[11, 12], [13]], [3, 1], 2, 2, 3, W, bs)
+    use_staging(monkeypatch, staging)
+    draft_graph.fused_ints(a, states, [[11, 12], [13]], [3, 1], 2, 2, 3, W, bs)
     parts = np.split(a, np.cumsum([M, M, M, Bp, Bp + 1, Bp, S * Bp, S * Bp, S * Bp, Bp + 1]))
     ids, pos, slots, ctx, qsl, last, spos, sslots, sctx, sqsl, tables = parts
     assert ids.tolist() == [11, 12, 13, 0]
@@ -181,7 +161,7 @@ def test_fused_ints_layout(stage):
 
 
 @pytest.mark.skipif(staging_ext() is None, reason="speculant._staging not built")
-def test_fused_ints_c_equals_python():
+def test_fused_ints_c_equals_python(monkeypatch):
     """The C staging writes exactly what the Python one does, on random batches: ragged
     catch-ups, rows drafting 1..K tokens, tables up to the graph's width, positions past the
     last block for the steps a row skips, large block ids; and rejects bad inputs by name."""
@@ -204,19 +184,9 @@ def test_fused_ints_c_equals_python():
             rows += nf
         size = sum(draft_graph._sizes(Bp, Q, K, W))
         a, b = np.full(size, 7, np.int64), np.full(size, -7, np.int64)
-        draft_graph.fused_ints_py(a, states, feeds, ks, Bp, Q, K, W, bs)
-        ext.draft_ints(
-            b,
-            [s.block_table for s in states],
-            [s.num_cached_tokens for s in states],
-            feeds,
-            ks,
-            Bp,
-            Q,
-            K,
-            W,
-            bs,
-        )
+        for which, out in (("python", a), ("c", b)):
+            use_staging(monkeypatch, which)
+            draft_graph.fused_ints(out, states, feeds, ks, Bp, Q, K, W, bs)
         assert a.tolist() == b.tolist(), (Bp, Q, K, W, bs, A)
     good = np.zeros(sum(draft_graph._sizes(1, 2, 2, 2)), np.int64)
     args = ([[3]], [2], [[5]], [2], 1, 2, 2, 2, 4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from checkpoints import make_eagle1, make_eagle3
@@ -37,6 +38,20 @@ def _kernel_attention(q, k, v, k_cache, v_cache, meta, scale):
         q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, scale,
         out=out,
     )
+
+
+def use_staging(monkeypatch, which: str) -> None:
+    """Make the one-graph proposes build their int inputs with ``which``: "c" (the extension
+    speculant._staging; skips the test where it was not built) or "python" (the fallback)."""
+    if which == "python":
+        monkeypatch.setattr(staging_mod, "_ext", False)
+    elif _STAGING is None:
+        pytest.skip("speculant._staging not built")
+    else:
+        monkeypatch.setattr(staging_mod, "_ext", _STAGING)
+
+
+_STAGING = staging_ext()  # the extension as loaded at collection (None: not built)
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +104,7 @@ def _run(target: Path, head: Path, fused: bool, monkeypatch) -> tuple[list, list
 @pytest.mark.parametrize("staging", ["c", "python"])
 @pytest.mark.parametrize("version", [1, 3])
 def test_one_graph_propose_equals_eager(target, tmp_path, monkeypatch, version, staging):
-    if staging == "python":  # the fallback builder of the graph's inputs (no C extension)
-        monkeypatch.setattr(staging_mod, "_ext", False)
-    elif staging_ext() is None:
-        pytest.skip("speculant._staging not built")
+    use_staging(monkeypatch, staging)
     monkeypatch.setattr(attention_mod, "attention", _kernel_attention)
     if version == 1:
         head = make_eagle1(tmp_path / "e1", target, V, "safetensors", seed=2, copy=True)
@@ -115,7 +127,8 @@ def test_query_buckets():
     assert eagle_graph.query_bucket(17) is None
 
 
-def test_fused_ints_layout():
+@pytest.mark.parametrize("staging", ["c", "python"])
+def test_fused_ints_layout(monkeypatch, staging):
     """The graph's int inputs for two drafting sequences and one catching up only, padded to
     Bp=4, Q=3, K=3, written out by hand (the graph-vs-eager test above cannot see a layout error
     in ``_chain_ints``: the eager path uses it too)."""
@@ -133,10 +146,12 @@ def test_fused_ints_layout():
         _Plan(1, _SeqState([3, 2], 0, 4), 2, 1, 4, 6, 2),  # position 4
         _Plan(2, _SeqState([8], 0, 2), 3, 2, 2, 5, 0),  # positions 2, 3: no drafts
     ]
-    ints = eagle_graph.fused_ints(strat, batch, plans, 2, Bp, Q, K, W)
+    use_staging(monkeypatch, staging)
     M, S = Bp * Q, K - 1
     sizes = [M, M, M, Bp, Bp + 1, Bp, S * Bp, S * Bp, S * Bp, Bp + 1, Bp * W]
-    assert len(ints) == sum(sizes)
+    out = np.full(sum(sizes), 99, np.int64)
+    eagle_graph.fused_ints(out, strat, batch, plans, 2, Bp, Q, K, W)
+    ints = out.tolist()
     parts, o = [], 0
     for n in sizes:
         parts.append(ints[o : o + n])
@@ -155,13 +170,12 @@ def test_fused_ints_layout():
 
 
 @pytest.mark.skipif(staging_ext() is None, reason="speculant._staging not built")
-def test_eagle_ints_c_equals_python():
+def test_eagle_ints_c_equals_python(monkeypatch):
     """The C staging (``_staging.eagle_ints``) writes exactly what ``eagle_graph.fused_ints``
-    builds, on random calls: drafting rows first, then catch-up-only rows, ragged catch-ups,
-    cache offsets, catch-up and draft positions past the table (block 0), large block ids."""
+    builds in Python, on random calls: drafting rows first, then catch-up-only rows, ragged
+    catch-ups, cache offsets, catch-up and draft positions past the table (block 0), large block
+    ids; and rejects bad inputs by name."""
     from types import SimpleNamespace
-
-    import numpy as np
 
     from speculant.plugins.eagle import _EagleBase, _Plan, _SeqState
 
@@ -184,12 +198,15 @@ def test_eagle_ints_c_equals_python():
         strat = SimpleNamespace(cache=SimpleNamespace(block_size=bs))
         strat._chain_ints = lambda rows, K, Bp, W, s=strat: _EagleBase._chain_ints(s, rows, K, Bp, W)
         batch = SimpleNamespace(seqs=seqs)
-        want = eagle_graph.fused_ints(strat, batch, order, A, Bp, Q, K, W)
-        got = np.full(len(want), -5, np.int64)
-        ext.eagle_ints(got, *eagle_graph.fused_rows(batch, order), A, Bp, Q, K, W, bs)
-        assert got.tolist() == want, (Bp, Q, K, W, bs, R, A)
-    out = np.zeros(len(want), np.int64)
+        size = 3 * Bp * Q + 3 * Bp + 1 + 3 * (K - 1) * Bp + Bp + 1 + Bp * W
+        want, got = np.full(size, 5, np.int64), np.full(size, -5, np.int64)
+        for which, out in (("python", want), ("c", got)):
+            use_staging(monkeypatch, which)
+            eagle_graph.fused_ints(out, strat, batch, order, A, Bp, Q, K, W)
+        assert got.tolist() == want.tolist(), (Bp, Q, K, W, bs, R, A)
+    rows = ([p.st.table for p in order], [p.st.offset for p in order], [p.start for p in order],
+            [p.n for p in order], [s.token_ids for s in seqs])
     with pytest.raises(ValueError, match="int64 of"):
-        ext.eagle_ints(out[:-1], *eagle_graph.fused_rows(batch, order), A, Bp, Q, K, W, bs)
+        ext.eagle_ints(got[:-1], *rows, A, Bp, Q, K, W, bs)
     with pytest.raises(ValueError, match=rf"{R} rows \({R + 1} drafting\)"):
-        ext.eagle_ints(out, *eagle_graph.fused_rows(batch, order), R + 1, Bp, Q, K, W, bs)
+        ext.eagle_ints(got, *rows, R + 1, Bp, Q, K, W, bs)

@@ -11,11 +11,12 @@ GPU computes. On the CPU it is a plain tensor constructor.
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Sequence
 
 import torch
+
+from speculant._extensions import import_extension
 
 _ext = None
 
@@ -23,19 +24,12 @@ _ext = None
 def staging_ext():
     """The C staging of the one-graph proposes' int inputs (``speculant._staging``,
     framework/csrc/staging.c: ``draft_ints``, ``eagle_ints``), or None: not built (it is an
-    optional extension) or ``SPECULANT_C_STAGING=0`` (read once). Without it the same inputs are
-    built in Python (``draft_graph.fused_ints_py``, ``eagle_graph.fused_ints``), which the tests
-    compare with it value for value."""
+    optional extension) or ``SPECULANT_C_STAGING=0`` (read once). Without it ``draft_graph`` and
+    ``eagle_graph``'s ``fused_ints`` build the same inputs in Python, which the tests compare
+    with the C value for value."""
     global _ext
     if _ext is None:
-        _ext = False
-        from speculant.kernels._triton_utils import env_switch
-
-        if env_switch("SPECULANT_C_STAGING"):
-            try:
-                _ext = importlib.import_module("speculant._staging")
-            except ImportError:
-                pass
+        _ext = import_extension("speculant._staging", "SPECULANT_C_STAGING") or False
     return _ext or None
 
 

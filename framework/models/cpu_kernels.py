@@ -22,11 +22,10 @@ causal prefix), which lets a verification pass reproduce the plain decode steps 
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import numpy as np
 import torch
+
+from speculant._extensions import import_extension
 
 BLOCK = 16  # output columns per weight block (the C kernel's BW)
 
@@ -36,15 +35,8 @@ _ext = None
 def _load():
     global _ext
     if _ext is None:
-        _ext = False
-        if os.environ.get("SPECULANT_CPU_KERNELS", "1") in ("", "0"):
-            return None
-        try:
-            ext = importlib.import_module("speculant._cpu_kernels")
-        except ImportError:
-            return None
-        if ext.supported():
-            _ext = ext
+        ext = import_extension("speculant._cpu_kernels", "SPECULANT_CPU_KERNELS")
+        _ext = ext if ext is not None and ext.supported() else False
     return _ext or None
 
 
