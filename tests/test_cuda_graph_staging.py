@@ -51,9 +51,9 @@ def test_small_step_staging_matches_numpy_staging(monkeypatch, seed, on_device):
         r.host.copy_(torch.randint(0, 255, r.host.shape, dtype=torch.uint8))
     b.host.copy_(a.host)
     seqs = _seqs(rng, n, query_lens)
-    a._fill(seqs, new_tokens, query_lens, B, Q, on_device)
-    b._fill_small(seqs, new_tokens, query_lens, B, Q, on_device)
     M, N = B * Q, a.max_tokens
+    a._fill(seqs, new_tokens, query_lens, B, M, on_device)
+    b._fill_small(seqs, new_tokens, query_lens, B, M, on_device)
     for lo in (0, N, 2 * N):  # ids, positions, slots: the rows the graph reads
         assert a.np64[lo : lo + M].tolist() == b.np64[lo : lo + M].tolist()
     c, q, t = a.o32
@@ -90,10 +90,10 @@ def test_segments_start_at_layer_boundaries(layers):
     assert sizes[0] == min(layers, cuda_graph.FIRST_SEGMENT_LAYERS)
 
 
-def _ring_copy(r: CudaGraphRunner, B: int, Q: int) -> None:
+def _ring_copy(r: CudaGraphRunner, B: int, M: int) -> None:
     """What the graph's first kernel does (its torch reference, kernels/stage_copy.py)."""
     stage_copy_reference(r.ring64, r.ring32, r.dev64, r.dev32, r.count, r.ack, r.err,
-                         r._layout(B, Q))
+                         r._layout(B, M))
 
 
 @pytest.mark.parametrize("on_device", [False, True])
@@ -113,13 +113,13 @@ def test_ring_staging_gives_the_graph_what_the_copy_path_gives(monkeypatch, on_d
         seqs = _seqs(rng, n, query_lens)
         twins = [types.SimpleNamespace(**vars(s)) for s in seqs]
         on_dev_ids = torch.tensor([rng.randrange(5, 30000) for _ in range(T)])
-        slot = ring._stage_ring(seqs, new_tokens, query_lens, B, Q, T if on_device else 0)
+        slot = ring._stage_ring(seqs, new_tokens, query_lens, B, M, T if on_device else 0)
         assert slot == (launch - 1) % cuda_graph.STAGE_RING
         if on_device:
             ring.dev64[:T].copy_(on_dev_ids)  # the caller's device-side ids, before the launch
         ring.launches += 1
-        _ring_copy(ring, B, Q)
-        ref._stage(twins, new_tokens, query_lens, B, Q, on_device)
+        _ring_copy(ring, B, M)
+        ref._stage(twins, new_tokens, query_lens, B, M, on_device)
         if on_device:
             ref.dev64[:T].copy_(on_dev_ids)
         assert [s.num_cached_tokens for s in seqs] == [s.num_cached_tokens for s in twins]
@@ -154,3 +154,88 @@ def test_ring_staging_waits_for_an_unconsumed_slot_then_reports_it(monkeypatch):
     r.err[0] = 5
     with pytest.raises(RuntimeError, match="out of step: launch 5"):
         r._stage_ring(seqs, [[7]], [1], 1, 1, 0)
+
+
+def _prefill_runner(monkeypatch, max_prefill: int = 200) -> CudaGraphRunner:
+    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
+    return CudaGraphRunner(None, None, 16, torch.device("cpu"), 40, max_batch=8, max_query=8,
+                           max_prefill=max_prefill)
+
+
+def test_prefill_steps_get_token_bucket_graphs(monkeypatch):
+    """A step whose sequences all feed <= max_query tokens runs a (B, B * Q) decode /
+    verification graph; one with a longer feed (a prompt) a graph of its total token count
+    rounded up to a prefill bucket, up to max_prefill; beyond that it is not supported (eager)."""
+    r = _prefill_runner(monkeypatch)
+    assert r.max_tokens == 200 and r.p_buckets[-1] == 200
+    assert all(b < 200 for b in r.p_buckets[:-1])
+    seqs = _seqs(random.Random(0), 3, [3, 1, 8])
+    assert r.shape([3, 1, 8]) == (4, 32, 8)  # decode-style: B * Q rows
+    assert r.supports(seqs, [3, 1, 8])
+    assert r.shape([9]) == (1, 32, 32)  # a 9-token prompt: the smallest prefill bucket
+    assert r.shape([100, 3]) == (2, 128, 128)  # ragged feeds share one flat bucket
+    assert r.shape([150, 50]) == (2, 200, 200)  # the cap is a bucket of its own
+    long = _seqs(random.Random(1), 2, [150, 51])
+    assert not r.supports(long, [150, 51])  # 201 tokens: eager
+    assert not _prefill_runner(monkeypatch, 0).supports(seqs[:1], [9])  # prefill graphs off
+    # buckets grow by at most 1.5x: padding is at most half the step's tokens
+    b = cuda_graph.PREFILL_BUCKETS
+    assert all(hi <= 1.5 * lo for lo, hi in zip(b, b[1:]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefill_staging_pads_a_flat_token_bucket(monkeypatch, seed):
+    """Ragged prompts (and a decode row) staged into a prefill bucket: every real token's id,
+    position and slot, padding rows after them (slot -1: no K/V write), and padding sequences
+    with empty query ranges and context 0, whichever staging path runs."""
+    rng = random.Random(seed)
+    r = _prefill_runner(monkeypatch)
+    n = rng.randrange(1, 5)
+    query_lens = [rng.randrange(9, 40) for _ in range(n - 1)] + [1]
+    new_tokens = [[rng.randrange(5, 30000) for _ in range(q)] for q in query_lens]
+    seqs = _seqs(rng, n, query_lens)
+    B, M, Q = r.shape(query_lens)
+    T, N = sum(query_lens), r.max_tokens
+    assert M >= T and Q == M and B >= n
+    r.host.copy_(torch.randint(0, 255, r.host.shape, dtype=torch.uint8))  # stale contents
+    starts = [s.num_cached_tokens for s in seqs]
+    r._stage(seqs, new_tokens, query_lens, B, M)
+    ids, pos, slots, ctx, qsl, tables = r._views(B, M)
+    assert ids.tolist() == [t for f in new_tokens for t in f] + [0] * (M - T)
+    want_pos = [p for st, q in zip(starts, query_lens) for p in range(st, st + q)]
+    assert pos.tolist() == want_pos + [0] * (M - T)
+    want_slots = [s.block_table[p // 16] * 16 + p % 16
+                  for s, st, q in zip(seqs, starts, query_lens) for p in range(st, st + q)]
+    assert slots.tolist() == want_slots + [-1] * (M - T)
+    assert ctx.tolist() == [st + q for st, q in zip(starts, query_lens)] + [0] * (B - n)
+    cum = [0]
+    for q in query_lens:
+        cum.append(cum[-1] + q)
+    assert qsl.tolist() == cum + [T] * (B - n)
+    for i, s in enumerate(seqs):
+        assert tables[i, : len(s.block_table)].tolist() == s.block_table
+    assert [s.num_cached_tokens for s in seqs] == [st + q for st, q in zip(starts, query_lens)]
+    assert r.dev64.shape[0] == 3 * N
+
+
+def test_prefill_graph_limit_from_argument_environment_or_default(monkeypatch):
+    monkeypatch.delenv("SPECULANT_PREFILL_GRAPH_TOKENS", raising=False)
+    assert cuda_graph.max_prefill_tokens() == cuda_graph.MAX_PREFILL_TOKENS
+    monkeypatch.setenv("SPECULANT_PREFILL_GRAPH_TOKENS", "256")
+    assert cuda_graph.max_prefill_tokens() == 256
+    assert cuda_graph.max_prefill_tokens(0) == 0  # an explicit value wins
+    monkeypatch.setenv("SPECULANT_PREFILL_GRAPH_TOKENS", "lots")
+    with pytest.raises(ValueError, match="SPECULANT_PREFILL_GRAPH_TOKENS='lots'.*0 to run"):
+        cuda_graph.max_prefill_tokens()
+    with pytest.raises(ValueError, match=">= 0 tokens"):
+        cuda_graph.max_prefill_tokens(-1)
+
+
+def test_prefill_graph_limit_config_is_validated():
+    from pydantic import ValidationError
+
+    from speculant.config import EngineConfig
+
+    assert EngineConfig(max_prefill_graph_tokens=0).max_prefill_graph_tokens == 0
+    with pytest.raises(ValidationError, match="max_prefill_graph_tokens"):
+        EngineConfig(max_prefill_graph_tokens=-5)

@@ -1,9 +1,15 @@
-"""CUDA graphs of the model forward for decode (1 token per sequence) and verification (up to k+1
-tokens per sequence) steps.
+"""CUDA graphs of the model forward for decode (1 token per sequence), verification (up to k+1
+tokens per sequence) and prefill steps.
 
-One graph per (batch bucket B, query bucket Q, aux layers), captured lazily on first use and
-replayed afterwards. All inputs live in static device buffers that the graphs read: token ids,
-positions and slot mapping (int64, ``B * Q`` rows), and context lengths, query start offsets and
+One graph per (batch bucket B, rows M, query bucket Q, aux layers), captured lazily on first use
+and replayed afterwards. Decode and verification graphs have ``M = B * Q`` rows (any query
+lengths up to ``Q``). Prefill graphs (a step in which some sequence feeds more than ``max_query``
+tokens, e.g. a prompt) have ``M`` = the step's total token count rounded up to a
+``PREFILL_BUCKETS`` size (at most ``max_prefill`` tokens), split among up to ``B`` sequences in
+any way, and ``Q = M``: an eager prefill of a short prompt is host-bound (on the H100 machine a
+128-token prompt took 15.9 ms for ~4 ms of GPU work on the Llama-3-8B geometry: ~200 kernel
+launches from Python), a replay is not. All inputs live in static device buffers that the graphs read: token ids,
+positions and slot mapping (int64, ``M`` rows), and context lengths, query start offsets and
 block tables (int32). A step writes them into pinned host memory and replays the graph: no
 device read, no ``.item()``, no per-layer launch. Graphs of up to ``ZERO_COPY_MAX_ROWS`` rows copy
 their inputs themselves: the host writes the next slot of a pinned ring (``_stage_ring``) and the
@@ -23,7 +29,7 @@ for that time, so each forward is captured as several graphs cut at layer bounda
 while the GPU runs the one before. The segments share one memory pool and are always replayed
 in the order they were captured, which is what makes the pool sharing safe.
 
-Padding: a step with ``n <= B`` sequences and ``T <= B * Q`` query tokens (any lengths up to
+Padding: a step with ``n <= B`` sequences and ``T <= M`` query tokens (any lengths up to
 ``Q``, flat in ``query_start_loc`` order) leaves rows ``T..`` as padding: token 0 at position 0
 with slot -1 (``store_kv`` skips it), and sequences ``n..`` with context length 0 and an empty
 query range (the attention kernel skips them). Padded rows of the output are garbage and dropped.
@@ -43,6 +49,26 @@ from speculant.kernels.stage_copy import HEADER, StageLayout, stage_copy
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 # tokens per sequence: decode (1), verification of k drafts (k + 1), draft catch-up (1..k+1)
 QUERY_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+# total tokens of a prefill step (each bucket at most 1.5x the one below)
+PREFILL_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+# the largest prefill step a graph is captured for (ModelRunner's default); larger ones are
+# GPU-bound and run eagerly
+MAX_PREFILL_TOKENS = 1024
+
+
+def max_prefill_tokens(value: int | None = None) -> int:
+    """The prefill graph limit: ``value`` when given, else ``SPECULANT_PREFILL_GRAPH_TOKENS``
+    when set, else ``MAX_PREFILL_TOKENS``; 0 turns prefill graphs off."""
+    if value is None:
+        env = os.environ.get("SPECULANT_PREFILL_GRAPH_TOKENS", "").strip()
+        try:
+            value = int(env) if env else MAX_PREFILL_TOKENS
+        except ValueError:
+            raise ValueError(f"SPECULANT_PREFILL_GRAPH_TOKENS={env!r} is not a whole number of "
+                             "tokens; set it to e.g. 1024, or 0 to run prefill eagerly") from None
+    if value < 0:
+        raise ValueError(f"the prefill graph limit must be >= 0 tokens, got {value}")
+    return value
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -91,6 +117,7 @@ class CudaGraphRunner:
         max_blocks_per_seq: int,
         max_batch: int = 128,
         max_query: int = 16,
+        max_prefill: int = 0,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -101,7 +128,12 @@ class CudaGraphRunner:
         self.q_buckets = tuple(q for q in QUERY_BUCKETS if q < max_query) + (max_query,)
         self.max_batch = max_batch
         self.max_query = max_query
-        self.max_tokens = max_batch * max_query
+        # prefill graphs: total-token buckets up to max_prefill (0: none)
+        self.p_buckets = tuple(t for t in PREFILL_BUCKETS if t < max_prefill)
+        if max_prefill > 0:
+            self.p_buckets += (max_prefill,)
+        self.max_prefill = max_prefill
+        self.max_tokens = max(max_batch * max_query, max_prefill)  # rows of the static buffers
         N, B, W = self.max_tokens, max_batch, self.W
         # int64 region: [ids | positions | slots], N each; int32 region: [ctx | qsl | tables]
         self.o32 = (0, B, 2 * B + 1)
@@ -132,12 +164,12 @@ class CudaGraphRunner:
         self.ack_np, self.err_np = self.ack.numpy(), self.err.numpy()
         self.launches = 0  # ring launches issued by the host
         self._stage_warm = False
-        self.graphs: dict[tuple[int, int, tuple[int, ...]], _Graph] = {}  # (B, Q, aux)
+        self.graphs: dict[tuple[int, int, int, tuple[int, ...]], _Graph] = {}  # (B, M, Q, aux)
         self.pool = None
 
     # ----------------------------------------------------------------- static views
-    def _views(self, B: int, Q: int):
-        N, M = self.max_tokens, B * Q
+    def _views(self, B: int, M: int):
+        N = self.max_tokens
         c, q, t = self.o32
         ids = self.dev64[0:M]  # [B*Q] token ids
         pos = self.dev64[N : N + M]  # [B*Q] positions
@@ -150,9 +182,18 @@ class CudaGraphRunner:
     def supports(self, seqs, query_lens: list[int]) -> bool:
         return (
             0 < len(seqs) <= self.max_batch
-            and max(query_lens) <= self.max_query
+            and (max(query_lens) <= self.max_query or sum(query_lens) <= self.max_prefill)
             and all(len(s.block_table) <= self.W for s in seqs)
         )
+
+    def shape(self, query_lens: list[int]) -> tuple[int, int, int]:
+        """(B, M, Q) of the graph that runs a step with these query lengths (``supports``)."""
+        B = _bucket(len(query_lens), self.buckets)
+        if max(query_lens) <= self.max_query:
+            Q = _bucket(max(query_lens), self.q_buckets)
+            return B, B * Q, Q
+        M = _bucket(sum(query_lens), self.p_buckets)
+        return B, M, M
 
     # ----------------------------------------------------------------- one step
     def run(
@@ -168,19 +209,19 @@ class CudaGraphRunner:
         they are still on the device (e.g. the previous draft step's choices); ``new_tokens``
         then only gives the query lengths (its values are ignored). No device read either way."""
         query_lens = [len(t) for t in new_tokens]
-        n, T = len(seqs), sum(query_lens)
-        B, Q = _bucket(n, self.buckets), _bucket(max(query_lens), self.q_buckets)
-        key = (B, Q, tuple(aux_layers))
-        ring = B * Q <= self.zero_copy_max_rows
+        T = sum(query_lens)
+        B, M, Q = self.shape(query_lens)
+        key = (B, M, Q, tuple(aux_layers))
+        ring = M <= self.zero_copy_max_rows
         g = self.graphs.get(key)
         if ring:
-            slot = self._stage_ring(seqs, new_tokens, query_lens, B, Q,
+            slot = self._stage_ring(seqs, new_tokens, query_lens, B, M,
                                     T if token_ids is not None else 0)
             if g is None:  # the warm-up before the capture reads the device buffers
                 self.dev64.copy_(self.ring64[slot, : self.dev64.shape[0]])
                 self.dev32.copy_(self.ring32[slot])
         else:
-            self._stage(seqs, new_tokens, query_lens, B, Q, token_ids is not None)
+            self._stage(seqs, new_tokens, query_lens, B, M, token_ids is not None)
         if token_ids is not None:  # after the staged placeholder ids (the ring skips them)
             self.dev64[:T].copy_(token_ids)
         g = g or self._capture(*key)
@@ -189,11 +230,11 @@ class CudaGraphRunner:
         g.replay()
         return g.hidden[:T].clone(), (g.aux[:T].clone() if g.aux is not None else None)
 
-    def _layout(self, B: int, Q: int) -> StageLayout:
+    def _layout(self, B: int, M: int) -> StageLayout:
         c, q, t = self.o32
-        return StageLayout(n_max=self.max_tokens, m=B * Q, c=c, q=q, t=t, b=B, w=self.W)
+        return StageLayout(n_max=self.max_tokens, m=M, c=c, q=q, t=t, b=B, w=self.W)
 
-    def _stage_ring(self, seqs, new_tokens, query_lens, B: int, Q: int, ids_on_device: int) -> int:
+    def _stage_ring(self, seqs, new_tokens, query_lens, B: int, M: int, ids_on_device: int) -> int:
         """Write this step's inputs into the next ring slot (the graph's first kernel copies
         them); returns the slot. Waits only if the launch that last used the slot has not
         copied it yet (``STAGE_RING`` launches ahead)."""
@@ -212,7 +253,7 @@ class CudaGraphRunner:
                 raise RuntimeError(f"CUDA-graph input staging: launch {n - R} never copied its "
                                    "ring slot (a bug: please report it)")
         h64, h32 = self.ring64_np[slot], self.ring32_np[slot]
-        self._fill_small(seqs, new_tokens, query_lens, B, Q, ids_on_device > 0, h64, h32)
+        self._fill_small(seqs, new_tokens, query_lens, B, M, ids_on_device > 0, h64, h32)
         N = self.max_tokens
         h64[3 * N] = n
         h64[3 * N + 1] = ids_on_device
@@ -220,22 +261,22 @@ class CudaGraphRunner:
             s.num_cached_tokens += ql
         return slot
 
-    def _stage(self, seqs, new_tokens, query_lens, B: int, Q: int, on_device: bool = False) -> None:
+    def _stage(self, seqs, new_tokens, query_lens, B: int, M: int, on_device: bool = False) -> None:
         self.copied.synchronize()  # the previous step's copy has read the staging buffers
         fill = self._fill_small if sum(query_lens) <= SMALL_STAGE_TOKENS else self._fill
-        fill(seqs, new_tokens, query_lens, B, Q, on_device)
+        fill(seqs, new_tokens, query_lens, B, M, on_device)
         self.dev.copy_(self.host, non_blocking=True)
         self.copied.record()
         for s, ql in zip(seqs, query_lens):
             s.num_cached_tokens += ql
 
-    def _fill_small(self, seqs, new_tokens, query_lens, B: int, Q: int, on_device: bool,
+    def _fill_small(self, seqs, new_tokens, query_lens, B: int, M: int, on_device: bool,
                     h64=None, h32=None) -> None:
         """``_fill`` with Python lists: a few slice writes instead of ~30 numpy calls, which at
         a few tokens per step cost the host ~100 us on the H100 machine (the GPU waits for this
         after every verification step). ``h64`` / ``h32``: where to write (default: the
         staging buffer; a ring slot for ``_stage_ring``)."""
-        N, M, W, bs = self.max_tokens, B * Q, self.W, self.block_size
+        N, W, bs = self.max_tokens, self.W, self.block_size
         h64 = self.np64 if h64 is None else h64
         h32 = self.np32 if h32 is None else h32
         c, q, t = self.o32
@@ -258,9 +299,10 @@ class CudaGraphRunner:
         h32[c : c + B] = ctx + [0] * (B - n)
         h32[q : q + B + 1] = qsl + [T] * (B - n)
 
-    def _fill(self, seqs, new_tokens, query_lens, B: int, Q: int, on_device: bool) -> None:
-        """Write this step's inputs into the pinned staging buffers (numpy, for many tokens)."""
-        N, M, W = self.max_tokens, B * Q, self.W
+    def _fill(self, seqs, new_tokens, query_lens, B: int, M: int, on_device: bool) -> None:
+        """Write this step's inputs into the pinned staging buffers (numpy, for many tokens):
+        ``B`` sequence rows, ``M`` token rows."""
+        N, W = self.max_tokens, self.W
         T = sum(query_lens)
         h64, h32 = self.np64, self.np32
         c, q, t = self.o32
@@ -292,32 +334,33 @@ class CudaGraphRunner:
         h32[q + len(seqs) + 1 : q + B + 1] = T
 
     # ----------------------------------------------------------------- capture
-    def _forward(self, B: int, Q: int, aux_layers: tuple[int, ...], on_layer=None, stage=None):
+    def _forward(self, B: int, M: int, Q: int, aux_layers: tuple[int, ...], on_layer=None,
+                 stage=None):
         if stage is not None:  # captured first: the graph copies its own inputs in
             stage()
-        ids, pos, slots, ctx_lens, qsl, tables = self._views(B, Q)
+        ids, pos, slots, ctx_lens, qsl, tables = self._views(B, M)
         meta = AttentionMetadata.padded(slots, tables, ctx_lens, qsl, Q, self.block_size)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, aux_layers=aux_layers,
                              on_layer=on_layer)
-        hidden = self.model(ids, pos, ctx)  # [B*Q, hidden]
+        hidden = self.model(ids, pos, ctx)  # [M, hidden]
         aux = torch.cat(ctx.aux_hidden, dim=-1) if ctx.aux_hidden else None
         return hidden, aux
 
-    def _capture(self, B: int, Q: int, aux_layers: tuple[int, ...]) -> _Graph:
+    def _capture(self, B: int, M: int, Q: int, aux_layers: tuple[int, ...]) -> _Graph:
         # the staged inputs of the current step are on the device; a warm-up run on them would
         # write their K/V twice (harmless: same values), and compiles the Triton kernels for
         # these shapes outside the capture
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(B, Q, aux_layers)
+            self._forward(B, M, Q, aux_layers)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         stage = None
-        if B * Q <= self.zero_copy_max_rows:
+        if M <= self.zero_copy_max_rows:
             self._warm_stage_kernel()
-            layout = self._layout(B, Q)
+            layout = self._layout(B, M)
 
             def stage() -> None:
                 stage_copy(self.ring64, self.ring32, self.dev64, self.dev32, self.count,
@@ -339,12 +382,12 @@ class CudaGraphRunner:
         with torch.cuda.stream(capture_stream):
             graphs[0].capture_begin(pool=self.pool)
             try:
-                hidden, aux = self._forward(B, Q, aux_layers, next_segment, stage)
+                hidden, aux = self._forward(B, M, Q, aux_layers, next_segment, stage)
             finally:
                 graphs[-1].capture_end()
         torch.cuda.current_stream(self.device).wait_stream(capture_stream)
         g = _Graph(graphs, hidden, aux)
-        self.graphs[(B, Q, aux_layers)] = g
+        self.graphs[(B, M, Q, aux_layers)] = g
         return g
 
     def _warm_stage_kernel(self) -> None:

@@ -54,7 +54,8 @@ class LLMEngine:
         num_blocks = self._num_blocks()
         self.block_manager = BlockManager(num_blocks, self.block_size)
         self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype,
-                                  enforce_eager=config.enforce_eager)
+                                  enforce_eager=config.enforce_eager,
+                                  max_graph_prefill=config.max_prefill_graph_tokens)
         batched = config.max_num_batched_tokens or max(self.max_model_len, 2048)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched)
         self.generator = torch.Generator().manual_seed(config.seed)

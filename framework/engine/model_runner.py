@@ -1,8 +1,9 @@
 """Owns a model and its paged KV cache; runs one flat forward over many sequences.
 
 On CUDA, decode and verification steps (at most ``max_graph_query`` tokens per sequence, at most
-``max_graph_batch`` sequences) replay CUDA graphs (:mod:`speculant.engine.cuda_graph`); prefill
-and everything on the CPU run eagerly. ``enforce_eager=True`` (or ``SPECULANT_ENFORCE_EAGER=1``)
+``max_graph_batch`` sequences) and prefill steps of at most ``max_graph_prefill`` tokens replay
+CUDA graphs (:mod:`speculant.engine.cuda_graph`); larger prefills and everything on the CPU run
+eagerly. ``enforce_eager=True`` (or ``SPECULANT_ENFORCE_EAGER=1``)
 turns graphs off.
 """
 
@@ -24,7 +25,7 @@ def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, enforce_eager: bool = False, max_graph_batch: int = 128,
-                 max_graph_query: int = 16) -> None:
+                 max_graph_query: int = 16, max_graph_prefill: int | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -36,12 +37,13 @@ class ModelRunner:
         self.graphs = None
         eager = enforce_eager or os.environ.get("SPECULANT_ENFORCE_EAGER", "0") not in ("", "0")
         if device.type == "cuda" and not eager:
-            from speculant.engine.cuda_graph import CudaGraphRunner
+            from speculant.engine.cuda_graph import CudaGraphRunner, max_prefill_tokens
 
             max_len = getattr(model, "max_positions", None) or 4096
             width = min(num_blocks, -(-(max_len + max_graph_query) // block_size) + 1)
             self.graphs = CudaGraphRunner(model, self.kv_caches, block_size, device, width,
-                                          max_graph_batch, max_graph_query)
+                                          max_graph_batch, max_graph_query,
+                                          max_prefill_tokens(max_graph_prefill))
 
     @torch.inference_mode()
     def forward(
