@@ -37,7 +37,7 @@ class EngineConfig(BaseModel):
     max_prefill_graph_tokens: int | None = Field(
         None, ge=0, description="on CUDA, prefill steps of up to this many tokens (in all) replay "
         "CUDA graphs captured per token bucket; 0: prefill runs eagerly; None: "
-        "SPECULANT_PREFILL_GRAPH_TOKENS when set, else 1024")
+        "SPECULANT_PREFILL_GRAPH_TOKENS when set, else 2048")
     async_scheduling: bool | None = Field(
         None, description="overlap plain decode steps (queue step N+1 on the device-side tokens "
         "of step N before reading them back); None: on for CUDA with CUDA graphs")

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from speculant import hookimpl
 from speculant.engine.block_manager import BlockManager
+from speculant.engine.cuda_graph import max_prefill_tokens
 from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
 from speculant.kernels.logprobs import row_argmax
 from speculant.plugins.draft_graph import fused_greedy
@@ -203,7 +204,11 @@ class DraftModelStrategy:
         self.block_size = ctx.block_size
         num_blocks = self._num_blocks()
         self.block_manager = BlockManager(num_blocks, self.block_size)
-        self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype)
+        # the draft's first feed of a sequence is its prompt plus the target's first token: a
+        # prefill graph one token per sequence larger than the target's
+        limit = max_prefill_tokens(ctx.max_prefill_graph_tokens)
+        self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype,
+                                  max_graph_prefill=limit and limit + ctx.max_num_seqs)
         self.states: dict[int, _DraftSeq] = {}
         # greedy proposes as one CUDA graph replay each (draft_graph.py); off on the CPU
         self.graphs = GraphCache(self.device, "draft model propose")

@@ -5,8 +5,8 @@ One graph per (batch bucket B, rows M, query bucket Q, aux layers), captured laz
 and replayed afterwards. Decode and verification graphs have ``M = B * Q`` rows (any query
 lengths up to ``Q``). Prefill graphs (a step in which some sequence feeds more than ``max_query``
 tokens, e.g. a prompt) have ``M`` = the step's total token count rounded up to a
-``PREFILL_BUCKETS`` size (at most ``max_prefill`` tokens), split among up to ``B`` sequences in
-any way, and ``Q = M``: an eager prefill of a short prompt is host-bound (on the H100 machine a
+``PREFILL_BUCKETS`` size (at most ``max_prefill`` tokens), split among up to ``B = max_batch``
+sequences in any way (one graph per token bucket), and ``Q = M``: an eager prefill of a short prompt is host-bound (on the H100 machine a
 128-token prompt took 15.9 ms for ~4 ms of GPU work on the Llama-3-8B geometry: ~200 kernel
 launches from Python), a replay is not. All inputs live in static device buffers that the graphs read: token ids,
 positions and slot mapping (int64, ``M`` rows), and context lengths, query start offsets and
@@ -49,11 +49,12 @@ from speculant.kernels.stage_copy import HEADER, StageLayout, stage_copy
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 # tokens per sequence: decode (1), verification of k drafts (k + 1), draft catch-up (1..k+1)
 QUERY_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-# total tokens of a prefill step (each bucket at most 1.5x the one below)
-PREFILL_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
-# the largest prefill step a graph is captured for (ModelRunner's default); larger ones are
-# GPU-bound and run eagerly
-MAX_PREFILL_TOKENS = 1024
+# total tokens of a prefill step (each bucket at most 1.5x the one below, 1.25x from 128)
+PREFILL_BUCKETS = (32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
+                   1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096)
+# the largest prefill step a graph is captured for (ModelRunner's default; ~25 ms of GPU work
+# on the Llama-3-8B geometry, which hides the host's launches anyway); larger ones run eagerly
+MAX_PREFILL_TOKENS = 2048
 
 
 def max_prefill_tokens(value: int | None = None) -> int:
@@ -193,7 +194,7 @@ class CudaGraphRunner:
             Q = _bucket(max(query_lens), self.q_buckets)
             return B, B * Q, Q
         M = _bucket(sum(query_lens), self.p_buckets)
-        return B, M, M
+        return self.max_batch, M, M
 
     # ----------------------------------------------------------------- one step
     def run(

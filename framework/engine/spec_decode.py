@@ -60,6 +60,7 @@ class SpecDecoder:
             device=engine.device, dtype=engine.dtype, block_size=engine.block_size,
             max_model_len=engine.max_model_len, max_num_seqs=engine.config.max_num_seqs,
             tokenizer=engine.tokenizer, eos_token_id=engine.eos_token_id, seed=engine.config.seed,
+            max_prefill_graph_tokens=engine.config.max_prefill_graph_tokens,
         )
         self.ctx = ctx
         cls = get_strategy(spec.method, "proposer")
