@@ -281,6 +281,32 @@ def test_overlapped_steps_equal_torch_path(target, heads, torch_path_greedy, kin
 
 
 @pytest.mark.parametrize("kind", ["plain", "draft_model"])
+def test_prefill_graphs_equal_torch_path(target, heads, torch_path_greedy, kind, monkeypatch):
+    """Prefill steps replay token-bucket CUDA graphs (the six prompts, 589 tokens, in one
+    640-token graph; the draft model's first feeds, one token longer each, in its own runner's)
+    and give the torch path's tokens; with ``max_prefill_graph_tokens=0`` no prefill graph is
+    captured and the tokens are the same."""
+    monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
+    monkeypatch.delenv("SPECULANT_PREFILL_GRAPH_TOKENS", raising=False)
+    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
+    for limit in (None, 0):
+        llm = _llm(target, speculative_config=_spec(kind, heads), max_prefill_graph_tokens=limit)
+        out = _generate(llm, GREEDY)
+        runners = [llm.engine.runner]
+        if kind != "plain":
+            runners.append(llm.engine.spec.strategy.runner)
+        for r in runners:
+            g = r.graphs
+            prefill = [key for key in g.graphs if key[2] > g.max_query]  # (B, M, Q, aux)
+            assert bool(prefill) == (limit is None), list(g.graphs)
+            assert all(M == Q and B == g.max_batch for B, M, Q, _ in prefill)
+        for i, (a, b) in enumerate(zip(out, torch_path_greedy)):
+            assert a == b, f"prefill graphs {limit}, prompt {i}: {a} != torch {b}"
+        del llm
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("kind", ["plain", "draft_model"])
 def test_one_row_gemv_path_equals_torch_path(target, heads, torch_path_greedy, kind, monkeypatch):
     """Batch-1 steps run the Llama layers as GEMVs with fused prologues (kernels/gemv.py) and RoPE
     fused with the K/V store, the draft model's one-row steps too: one prompt at a time, the
