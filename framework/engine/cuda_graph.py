@@ -3,13 +3,16 @@ tokens per sequence) and prefill steps.
 
 One graph per (batch bucket B, rows M, query bucket Q, aux layers), captured lazily on first use
 and replayed afterwards. Decode and verification graphs have ``M = B * Q`` rows (any query
-lengths up to ``Q``). Prefill graphs (a step in which some sequence feeds more than ``max_query``
-tokens, e.g. a prompt) have ``M`` = the step's total token count rounded up to a
+lengths up to ``Q``). Prefill graphs (a step in which some sequence feeds more than
+``max_query`` tokens, e.g. a prompt) have ``M`` = the step's total token count rounded up to a
 ``PREFILL_BUCKETS`` size (at most ``max_prefill`` tokens), split among up to ``B = max_batch``
-sequences in any way (one graph per token bucket), and ``Q = M``: an eager prefill of a short prompt is host-bound (on the H100 machine a
-128-token prompt took 15.9 ms for ~4 ms of GPU work on the Llama-3-8B geometry: ~200 kernel
-launches from Python), a replay is not. All inputs live in static device buffers that the graphs read: token ids,
-positions and slot mapping (int64, ``M`` rows), and context lengths, query start offsets and
+sequences in any way (one graph per token bucket), and ``Q = M``. An eager prefill of a short
+prompt is bound by the host's ~300 kernel launches from Python; a replay is not (on an H100,
+Llama-3-8B geometry, time to first token of a 128-token prompt: 42 ms eager, 9.2 ms replayed;
+``bench/prefill_graphs.py``).
+
+All inputs live in static device buffers that the graphs read: token ids, positions and slot
+mapping (int64, ``M`` rows), and context lengths, query start offsets and
 block tables (int32). A step writes them into pinned host memory and replays the graph: no
 device read, no ``.item()``, no per-layer launch. Graphs of up to ``ZERO_COPY_MAX_ROWS`` rows copy
 their inputs themselves: the host writes the next slot of a pinned ring (``_stage_ring``) and the
@@ -172,9 +175,9 @@ class CudaGraphRunner:
     def _views(self, B: int, M: int):
         N = self.max_tokens
         c, q, t = self.o32
-        ids = self.dev64[0:M]  # [B*Q] token ids
-        pos = self.dev64[N : N + M]  # [B*Q] positions
-        slots = self.dev64[2 * N : 2 * N + M]  # [B*Q] cache slots, -1 = padding
+        ids = self.dev64[0:M]  # [M] token ids
+        pos = self.dev64[N : N + M]  # [M] positions
+        slots = self.dev64[2 * N : 2 * N + M]  # [M] cache slots, -1 = padding
         ctx = self.dev32[c : c + B]  # [B] context lengths after this step's writes
         qsl = self.dev32[q : q + B + 1]  # [B + 1] query start offsets
         tables = self.dev32[t : t + B * self.W].view(B, self.W)  # [B, W] block tables
