@@ -11,8 +11,23 @@ import pytest
 import torch
 
 from speculant.engine import cuda_graph
+from speculant.engine import staging as staging_mod
 from speculant.engine.cuda_graph import CudaGraphRunner, segment_starts
+from speculant.engine.staging import staging_ext
 from speculant.kernels.stage_copy import stage_copy_reference
+
+_STAGING = staging_ext()  # the C extension as loaded at collection (None: not built)
+
+
+def use_staging(monkeypatch, which: str) -> None:
+    """``_fill_small`` writes with ``which``: "c" (speculant._staging's ``ring_ints``; skips
+    where it was not built) or "python"."""
+    if which == "python":
+        monkeypatch.setattr(staging_mod, "_ext", False)
+    elif _STAGING is None:
+        pytest.skip("speculant._staging not built")
+    else:
+        monkeypatch.setattr(staging_mod, "_ext", _STAGING)
 
 
 class _NoEvent:
@@ -37,9 +52,11 @@ def _seqs(rng: random.Random, n: int, query_lens: list[int]):
     return seqs
 
 
+@pytest.mark.parametrize("staging", ["c", "python"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("on_device", [False, True])
-def test_small_step_staging_matches_numpy_staging(monkeypatch, seed, on_device):
+def test_small_step_staging_matches_numpy_staging(monkeypatch, seed, on_device, staging):
+    use_staging(monkeypatch, staging)
     rng = random.Random(seed)
     n = rng.randrange(1, 8)
     query_lens = [rng.randrange(1, 7) for _ in range(n)]
@@ -96,11 +113,13 @@ def _ring_copy(r: CudaGraphRunner, B: int, M: int) -> None:
                          r._layout(B, M))
 
 
+@pytest.mark.parametrize("staging", ["c", "python"])
 @pytest.mark.parametrize("on_device", [False, True])
-def test_ring_staging_gives_the_graph_what_the_copy_path_gives(monkeypatch, on_device):
+def test_ring_staging_gives_the_graph_what_the_copy_path_gives(monkeypatch, on_device, staging):
     """Small steps stage into a pinned ring slot that the graph copies itself: over more launches
     than the ring has slots, the device buffers the graph reads hold what the one-copy path
     puts there (the ids a caller wrote on the device are left alone)."""
+    use_staging(monkeypatch, staging)
     rng = random.Random(1)
     ring, ref = _runner(monkeypatch), _runner(monkeypatch)
     for launch in range(1, 2 * cuda_graph.STAGE_RING + 2):
@@ -184,11 +203,13 @@ def test_prefill_steps_get_token_bucket_graphs(monkeypatch):
     assert all(hi <= (1.5 if lo < 128 else 1.25) * lo for lo, hi in zip(b, b[1:]))
 
 
+@pytest.mark.parametrize("staging", ["c", "python"])
 @pytest.mark.parametrize("seed", range(4))
-def test_prefill_staging_pads_a_flat_token_bucket(monkeypatch, seed):
+def test_prefill_staging_pads_a_flat_token_bucket(monkeypatch, seed, staging):
     """Ragged prompts (and a decode row) staged into a prefill bucket: every real token's id,
     position and slot, padding rows after them (slot -1: no K/V write), and padding sequences
     with empty query ranges and context 0, whichever staging path runs."""
+    use_staging(monkeypatch, staging)
     rng = random.Random(seed)
     r = _prefill_runner(monkeypatch)
     n = rng.randrange(2, 5)
@@ -240,3 +261,62 @@ def test_prefill_graph_limit_config_is_validated():
     assert EngineConfig(max_prefill_graph_tokens=0).max_prefill_graph_tokens == 0
     with pytest.raises(ValidationError, match="max_prefill_graph_tokens"):
         EngineConfig(max_prefill_graph_tokens=-5)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_c_ring_staging_equals_python_on_random_steps(monkeypatch, on_device):
+    """``ring_ints`` (C) writes what ``_fill_small`` in Python writes, over the whole buffers
+    (stale contents outside the written ranges stay as they were), on 300 random steps of 1-8
+    sequences: decode, verification and prefill shapes."""
+    if _STAGING is None:
+        pytest.skip("speculant._staging not built")
+    rng = random.Random(7)
+    a, b = _prefill_runner(monkeypatch), _prefill_runner(monkeypatch)
+    for _ in range(300):
+        n = rng.randrange(1, 9)
+        query_lens = [rng.choice([1, 2, 6, rng.randrange(1, 30)]) for _ in range(n)]
+        if sum(query_lens) > a.max_prefill:
+            continue
+        new_tokens = [[rng.randrange(0, 130000) for _ in range(q)] for q in query_lens]
+        seqs = _seqs(rng, n, query_lens)
+        B, M, _ = a.shape(query_lens)
+        stale = torch.randint(-(2**40), 2**40, a.np64.shape, dtype=torch.int64)
+        for r in (a, b):
+            r.host.copy_(torch.randint(0, 255, r.host.shape, dtype=torch.uint8))
+        b.host.copy_(a.host)
+        a.np64[:] = stale.numpy()
+        b.np64[:] = stale.numpy()
+        monkeypatch.setattr(staging_mod, "_ext", _STAGING)
+        a._fill_small(seqs, new_tokens, query_lens, B, M, on_device)
+        monkeypatch.setattr(staging_mod, "_ext", False)
+        b._fill_small(seqs, new_tokens, query_lens, B, M, on_device)
+        assert a.np64.tolist() == b.np64.tolist()
+        assert a.np32.tolist() == b.np32.tolist()
+
+
+def test_c_ring_staging_names_bad_inputs(monkeypatch):
+    if _STAGING is None:
+        pytest.skip("speculant._staging not built")
+    r = _prefill_runner(monkeypatch)
+    c, q, t = r.o32
+    args = dict(N=r.max_tokens, M=8, B=2, W=r.W, bs=16, c=c, q=q, t=t)
+
+    def call(tables, starts, feeds, h64=r.np64, h32=r.np32, **kw):
+        d = dict(args, **kw)
+        _STAGING.ring_ints(h64, h32, tables, starts, feeds, False, d["N"], d["M"], d["B"],
+                           d["W"], d["bs"], d["c"], d["q"], d["t"])
+
+    call([[3, 4]], [20], [[5, 6]])  # fine: positions 20, 21 in block 4
+    assert r.np64[2 * r.max_tokens : 2 * r.max_tokens + 3].tolist() == [4 * 16 + 4, 4 * 16 + 5, -1]
+    with pytest.raises(ValueError, match="positions 30 .. 32"):
+        call([[3, 4]], [30], [[5, 6, 7]])  # position 32 is past the 2-block table
+    with pytest.raises(ValueError, match="10 rows over 8"):
+        call([[3, 4]], [0], [list(range(10))])
+    with pytest.raises(ValueError, match="3 tables, 3 starts, 3 feeds for a batch bucket of 2"):
+        call([[1]] * 3, [0] * 3, [[1]] * 3)
+    with pytest.raises(ValueError, match="h64 must be int64"):
+        call([[1]], [0], [[1]], h64=r.np32)
+    with pytest.raises(ValueError, match="h32 must be int32"):
+        call([[1]], [0], [[1]], h32=r.np32[:4])
+    with pytest.raises(ValueError, match="table of 50 blocks"):
+        call([list(range(50))], [0], [[1]])

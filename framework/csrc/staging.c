@@ -1,5 +1,6 @@
 /* speculant host staging (the optional extension ``speculant._staging``): the int inputs of the
- * proposers' one-graph greedy proposes (draft model, EAGLE), written into their pinned vectors.
+ * proposers' one-graph greedy proposes (draft model, EAGLE) and of the engine's CUDA-graph
+ * forwards (ring_ints, at the end), written into their pinned buffers.
  *
  * draft_ints: the int64 input vector of the draft model's one-graph greedy propose
  * (plugins/draft_graph.py, whose docstring gives the layout; ``fused_ints`` there is the Python
@@ -263,6 +264,132 @@ done:
     return res;
 }
 
+/* ring_ints: the inputs of one engine forward replayed as a CUDA graph
+ * (engine/cuda_graph.py ``CudaGraphRunner._fill_small``, the Python version and the reference),
+ * written into a pinned staging buffer or ring slot. Between a verification step's read-back and
+ * the next launch the GPU waits for this.
+ *
+ *   ring_ints(h64, h32, tables, starts, feeds, on_device, N, M, B, W, bs, c, q, t)
+ *     h64: int64 buffer of >= 3 * N entries: ids | positions | slots, N each (first M written)
+ *     h32: int32 buffer: ctx at c (B), query starts at q (B + 1), block tables at t (B rows of W;
+ *          only each sequence's own blocks are written)
+ *     tables: list of block tables (lists of int);  starts: tokens cached before this step
+ *     feeds: list of token lists (their lengths are the query lengths; with on_device true their
+ *            ids are written as 0, the caller copies them on the device)
+ * Padding rows get id 0, position 0 and slot -1 (no K/V write); padding sequences context 0 and
+ * an empty query range. */
+static int view_buffer(PyObject *o, Py_ssize_t itemsize, i64 n, Py_buffer *ob, const char *what) {
+    if (PyObject_GetBuffer(o, ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *f = ob->format;
+    int ok = ob->itemsize == itemsize && f != NULL
+             && (itemsize == 8 ? (!strcmp(f, "q") || !strcmp(f, "l") || !strcmp(f, "<q")
+                                  || !strcmp(f, "<l"))
+                               : (!strcmp(f, "i") || !strcmp(f, "<i")));
+    if (!ok || ob->len < n * itemsize) {
+        PyErr_Format(PyExc_ValueError, "ring_ints: %s must be int%d of >= %lld entries", what,
+                     (int)(8 * itemsize), (long long)n);
+        PyBuffer_Release(ob);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_ring_ints(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 14)
+        return PyErr_Format(PyExc_TypeError, "ring_ints(h64, h32, tables, starts, feeds, "
+                                             "on_device, N, M, B, W, bs, c, q, t)");
+    const int on_device = PyObject_IsTrue(args[5]);
+    if (on_device < 0) return NULL;
+    i64 d[8];
+    static const i64 mins[8] = {1, 1, 1, 1, 1, 0, 0, 0};
+    if (int_args(args + 6, 8, d, mins, "ring_ints: N, M, B, W, bs >= 1 and c, q, t >= 0") < 0)
+        return NULL;
+    const i64 N = d[0], M = d[1], B = d[2], W = d[3], bs = d[4], c = d[5], q = d[6], t0 = d[7];
+    if (M > N) return PyErr_Format(PyExc_ValueError, "ring_ints: M=%lld rows > N=%lld", M, N);
+    i64 need32 = t0 + B * W;
+    if (c + B > need32) need32 = c + B;
+    if (q + B + 1 > need32) need32 = q + B + 1;
+    PyObject *res = NULL, *l[3] = {NULL, NULL, NULL};
+    Py_buffer b64, b32;
+    if (view_buffer(args[0], 8, 3 * N, &b64, "h64") < 0) return NULL;
+    if (view_buffer(args[1], 4, need32, &b32, "h32") < 0) {
+        PyBuffer_Release(&b64);
+        return NULL;
+    }
+    for (int j = 0; j < 3; j++)
+        if (!(l[j] = PySequence_Fast(args[2 + j], "ring_ints: tables, starts and feeds must be "
+                                                  "lists")))
+            goto done;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(l[0]);
+    if (PySequence_Fast_GET_SIZE(l[1]) != n || PySequence_Fast_GET_SIZE(l[2]) != n || n > B) {
+        PyErr_Format(PyExc_ValueError, "ring_ints: %zd tables, %zd starts, %zd feeds for a batch "
+                     "bucket of %lld", n, PySequence_Fast_GET_SIZE(l[1]),
+                     PySequence_Fast_GET_SIZE(l[2]), (long long)B);
+        goto done;
+    }
+    i64 *ids = (i64 *)b64.buf, *pos = ids + N, *slots = ids + 2 * N;
+    int *h32 = (int *)b32.buf, *ctx = h32 + c, *qsl = h32 + q, *tab = h32 + t0;
+    i64 T = 0;
+    qsl[0] = 0;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        i64 start;
+        if (item_i64(l[1], r, &start) < 0) goto done;
+        PyObject *bt = PySequence_Fast(PySequence_Fast_GET_ITEM(l[0], r), "a block table must be a list");
+        if (!bt) goto done;
+        PyObject *feed = PySequence_Fast(PySequence_Fast_GET_ITEM(l[2], r), "a feed must be a list");
+        if (!feed) { Py_DECREF(bt); goto done; }
+        const Py_ssize_t nb = PySequence_Fast_GET_SIZE(bt), nf = PySequence_Fast_GET_SIZE(feed);
+        if (nb > W || T + nf > M || start < 0 || (nf > 0 && (start + nf - 1) / bs >= nb)) {
+            PyErr_Format(PyExc_ValueError,
+                         "ring_ints: sequence %zd: table of %zd blocks (width %lld), positions "
+                         "%lld .. %lld, %lld rows over %lld",
+                         r, nb, (long long)W, (long long)start, (long long)(start + nf - 1),
+                         (long long)(T + nf), (long long)M);
+            Py_DECREF(feed);
+            Py_DECREF(bt);
+            goto done;
+        }
+        int *row = tab + r * W;
+        int bad = 0;
+        for (Py_ssize_t b = 0; b < nb && !bad; b++) {
+            i64 v;
+            bad = item_i64(bt, b, &v) < 0;
+            row[b] = (int)v;
+        }
+        for (Py_ssize_t f = 0; f < nf && !bad; f++) {
+            const i64 p = start + f;
+            if (on_device)
+                ids[T + f] = 0;
+            else
+                bad = item_i64(feed, f, ids + T + f) < 0;
+            pos[T + f] = p;
+            slots[T + f] = (i64)row[p / bs] * bs + p % bs;
+        }
+        Py_DECREF(feed);
+        Py_DECREF(bt);
+        if (bad) goto done;
+        T += nf;
+        ctx[r] = (int)(start + nf);
+        qsl[r + 1] = (int)T;
+    }
+    for (i64 i = T; i < M; i++) {
+        ids[i] = 0;
+        pos[i] = 0;
+        slots[i] = -1;
+    }
+    for (i64 r = n; r < B; r++) {
+        ctx[r] = 0;
+        qsl[r + 1] = (int)T;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    for (int j = 0; j < 3; j++) Py_XDECREF(l[j]);
+    PyBuffer_Release(&b32);
+    PyBuffer_Release(&b64);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"draft_ints", (PyCFunction)(void (*)(void))py_draft_ints, METH_FASTCALL,
      "draft_ints(out, tables, cached, feeds, ks, Bp, Q, K, W, bs): the draft model's one-graph "
@@ -270,6 +397,9 @@ static PyMethodDef methods[] = {
     {"eagle_ints", (PyCFunction)(void (*)(void))py_eagle_ints, METH_FASTCALL,
      "eagle_ints(out, tables, offsets, starts, ns, tokens, A, Bp, Q, K, W, bs): the EAGLE "
      "one-graph propose inputs (plugins/eagle_graph.py)"},
+    {"ring_ints", (PyCFunction)(void (*)(void))py_ring_ints, METH_FASTCALL,
+     "ring_ints(h64, h32, tables, starts, feeds, on_device, N, M, B, W, bs, c, q, t): an engine "
+     "forward's CUDA-graph inputs (engine/cuda_graph.py)"},
     {NULL, NULL, 0, NULL},
 };
 

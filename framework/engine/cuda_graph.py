@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from speculant.engine.attention import AttentionMetadata, ForwardContext
+from speculant.engine.staging import staging_ext
 from speculant.kernels.stage_copy import HEADER, StageLayout, stage_copy
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -278,12 +279,19 @@ class CudaGraphRunner:
                     h64=None, h32=None) -> None:
         """``_fill`` with Python lists: a few slice writes instead of ~30 numpy calls, which at
         a few tokens per step cost the host ~100 us on the H100 machine (the GPU waits for this
-        after every verification step). ``h64`` / ``h32``: where to write (default: the
-        staging buffer; a ring slot for ``_stage_ring``)."""
+        after every verification step); with the C staging extension (``staging_ext``) the
+        same writes in one C pass (``ring_ints``). ``h64`` / ``h32``: where to write (default:
+        the staging buffer; a ring slot for ``_stage_ring``)."""
         N, W, bs = self.max_tokens, self.W, self.block_size
         h64 = self.np64 if h64 is None else h64
         h32 = self.np32 if h32 is None else h32
         c, q, t = self.o32
+        ext = staging_ext()
+        if ext is not None:  # the same writes in one C pass (framework/csrc/staging.c)
+            ext.ring_ints(h64, h32, [s.block_table for s in seqs],
+                          [s.num_cached_tokens for s in seqs], new_tokens, on_device,
+                          N, M, B, W, bs, c, q, t)
+            return
         pos: list[int] = []
         slots: list[int] = []
         ctx: list[int] = []
