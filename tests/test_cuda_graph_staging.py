@@ -9,25 +9,13 @@ import types
 
 import pytest
 import torch
+from staging_switch import STAGING as _STAGING
+from staging_switch import use_staging
 
 from speculant.engine import cuda_graph
 from speculant.engine import staging as staging_mod
 from speculant.engine.cuda_graph import CudaGraphRunner, segment_starts
-from speculant.engine.staging import staging_ext
 from speculant.kernels.stage_copy import stage_copy_reference
-
-_STAGING = staging_ext()  # the C extension as loaded at collection (None: not built)
-
-
-def use_staging(monkeypatch, which: str) -> None:
-    """``_fill_small`` writes with ``which``: "c" (speculant._staging's ``ring_ints``; skips
-    where it was not built) or "python"."""
-    if which == "python":
-        monkeypatch.setattr(staging_mod, "_ext", False)
-    elif _STAGING is None:
-        pytest.skip("speculant._staging not built")
-    else:
-        monkeypatch.setattr(staging_mod, "_ext", _STAGING)
 
 
 class _NoEvent:

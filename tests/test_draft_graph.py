@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_eagle_graph import _kernel_attention, use_staging
+from staging_switch import use_staging
+from test_eagle_graph import _kernel_attention
 
 import speculant.engine.attention as attention_mod
 import speculant.plugins.draft_graph as draft_graph

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import make_eagle1, make_eagle3
+from staging_switch import use_staging
 
 import speculant.engine.attention as attention_mod
-import speculant.engine.staging as staging_mod
 import speculant.plugins.eagle_graph as eagle_graph
 from speculant import LLM, SamplingParams
 from speculant.engine.staging import staging_ext
@@ -40,18 +40,6 @@ def _kernel_attention(q, k, v, k_cache, v_cache, meta, scale):
     )
 
 
-def use_staging(monkeypatch, which: str) -> None:
-    """Make the one-graph proposes build their int inputs with ``which``: "c" (the extension
-    speculant._staging; skips the test where it was not built) or "python" (the fallback)."""
-    if which == "python":
-        monkeypatch.setattr(staging_mod, "_ext", False)
-    elif _STAGING is None:
-        pytest.skip("speculant._staging not built")
-    else:
-        monkeypatch.setattr(staging_mod, "_ext", _STAGING)
-
-
-_STAGING = staging_ext()  # the extension as loaded at collection (None: not built)
 
 
 @pytest.fixture(scope="module")
