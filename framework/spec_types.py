@@ -21,11 +21,11 @@ class StrategyContext:
     max_model_len: int
     max_num_seqs: int
     kv_cache_memory: int | None = None  # bytes a strategy may use for its own caches (None: decide)
-    # the target's prefill CUDA-graph limit in tokens (0: prefill runs eagerly; None: the default)
-    max_prefill_graph_tokens: int | None = None
     tokenizer: Any = None
     eos_token_id: int | None = None
     seed: int = 0
+    # the target's prefill CUDA-graph limit in tokens (0: prefill runs eagerly; None: the default)
+    max_prefill_graph_tokens: int | None = None
 
 
 @dataclass

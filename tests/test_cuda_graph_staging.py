@@ -306,5 +306,7 @@ def test_c_ring_staging_names_bad_inputs(monkeypatch):
         call([[1]], [0], [[1]], h64=r.np32)
     with pytest.raises(ValueError, match="h32 must be int32"):
         call([[1]], [0], [[1]], h32=r.np32[:4])
+    with pytest.raises(ValueError, match="block id 4294967296 is not an int32"):
+        call([[1, 2**32]], [0], [[1]])
     with pytest.raises(ValueError, match="table of 50 blocks"):
         call([list(range(50))], [0], [[1]])

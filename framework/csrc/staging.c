@@ -354,6 +354,11 @@ static PyObject *py_ring_ints(PyObject *self, PyObject *const *args, Py_ssize_t 
         for (Py_ssize_t b = 0; b < nb && !bad; b++) {
             i64 v;
             bad = item_i64(bt, b, &v) < 0;
+            if (!bad && (v < 0 || v > 0x7fffffff)) {
+                PyErr_Format(PyExc_ValueError, "ring_ints: sequence %zd: block id %lld is not an "
+                             "int32 block index", r, (long long)v);
+                bad = 1;
+            }
             row[b] = (int)v;
         }
         for (Py_ssize_t f = 0; f < nf && !bad; f++) {
