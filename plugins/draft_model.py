@@ -400,8 +400,9 @@ class DraftModelStrategy:
         token per sequence from there) and return the final hidden states [tokens, hidden].
         Decode steps replay the runner's CUDA graphs with the ids copied in on the device."""
         graphs = self.runner.graphs
-        if graphs is not None and graphs.supports(states, [len(f) for f in feeds]):
-            return graphs.run(states, feeds, (), token_ids)[0]
+        plan = graphs.plan(states, [len(f) for f in feeds]) if graphs is not None else None
+        if plan is not None:
+            return graphs.run(states, feeds, (), token_ids, plan)[0]
         if token_ids is not None:  # the eager path builds its inputs on the host
             feeds = [[t] for t in token_ids.tolist()]
         return self.runner.forward(states, feeds)[0]

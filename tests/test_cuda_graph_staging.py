@@ -176,16 +176,18 @@ def test_prefill_steps_get_token_bucket_graphs(monkeypatch):
     r = _prefill_runner(monkeypatch)
     assert r.max_tokens == 200 and r.p_buckets[-1] == 200
     assert all(b < 200 for b in r.p_buckets[:-1])
-    seqs = _seqs(random.Random(0), 3, [3, 1, 8])
-    assert r.shape([3, 1, 8]) == (4, 32, 8)  # decode-style: B * Q rows
-    assert r.supports(seqs, [3, 1, 8])
+    rng = random.Random(0)
+    assert r.plan(_seqs(rng, 3, [3, 1, 8]), [3, 1, 8]) == (4, 32, 8)  # decode-style: B * Q rows
     # prefill: one graph per token bucket, for up to max_batch sequences
-    assert r.shape([9]) == (8, 32, 32)  # a 9-token prompt: the smallest prefill bucket
-    assert r.shape([100, 3]) == (8, 128, 128)  # ragged feeds share one flat bucket
-    assert r.shape([150, 50]) == (8, 200, 200)  # the cap is a bucket of its own
-    long = _seqs(random.Random(1), 2, [150, 51])
-    assert not r.supports(long, [150, 51])  # 201 tokens: eager
-    assert not _prefill_runner(monkeypatch, 0).supports(seqs[:1], [9])  # prefill graphs off
+    assert r.plan(_seqs(rng, 1, [9]), [9]) == (8, 32, 32)  # the smallest prefill bucket
+    assert r.plan(_seqs(rng, 2, [100, 3]), [100, 3]) == (8, 128, 128)  # ragged: one flat bucket
+    assert r.plan(_seqs(rng, 2, [150, 50]), [150, 50]) == (8, 200, 200)  # the cap is a bucket
+    assert r.plan(_seqs(rng, 2, [150, 51]), [150, 51]) is None  # 201 tokens: eager
+    assert _prefill_runner(monkeypatch, 0).plan(_seqs(rng, 1, [9]), [9]) is None  # graphs off
+    assert r.plan(_seqs(rng, 9, [1] * 9), [1] * 9) is None  # more sequences than max_batch
+    wide = _seqs(rng, 1, [1])
+    wide[0].block_table = list(range(r.W + 1))
+    assert r.plan(wide, [1]) is None  # a table wider than the graphs'
     # buckets grow by at most 1.5x (1.25x from 128): padding is at most half the step's tokens
     b = cuda_graph.PREFILL_BUCKETS
     assert all(hi <= (1.5 if lo < 128 else 1.25) * lo for lo, hi in zip(b, b[1:]))
@@ -204,7 +206,7 @@ def test_prefill_staging_pads_a_flat_token_bucket(monkeypatch, seed, staging):
     query_lens = [rng.randrange(9, 40) for _ in range(n - 1)] + [1]
     new_tokens = [[rng.randrange(5, 30000) for _ in range(q)] for q in query_lens]
     seqs = _seqs(rng, n, query_lens)
-    B, M, Q = r.shape(query_lens)
+    B, M, Q = r.plan(seqs, query_lens)
     T, N = sum(query_lens), r.max_tokens
     assert M >= T and Q == M and B == r.max_batch
     r.host.copy_(torch.randint(0, 255, r.host.shape, dtype=torch.uint8))  # stale contents
@@ -267,7 +269,7 @@ def test_c_ring_staging_equals_python_on_random_steps(monkeypatch, on_device):
             continue
         new_tokens = [[rng.randrange(0, 130000) for _ in range(q)] for q in query_lens]
         seqs = _seqs(rng, n, query_lens)
-        B, M, _ = a.shape(query_lens)
+        B, M, _ = a.plan(seqs, query_lens)
         stale = torch.randint(-(2**40), 2**40, a.np64.shape, dtype=torch.int64)
         for r in (a, b):
             r.host.copy_(torch.randint(0, 255, r.host.shape, dtype=torch.uint8))

@@ -184,20 +184,20 @@ class CudaGraphRunner:
         tables = self.dev32[t : t + B * self.W].view(B, self.W)  # [B, W] block tables
         return ids, pos, slots, ctx, qsl, tables
 
-    def supports(self, seqs, query_lens: list[int]) -> bool:
-        return (
-            0 < len(seqs) <= self.max_batch
-            and (max(query_lens) <= self.max_query or sum(query_lens) <= self.max_prefill)
-            and all(len(s.block_table) <= self.W for s in seqs)
-        )
-
-    def shape(self, query_lens: list[int]) -> tuple[int, int, int]:
-        """(B, M, Q) of the graph that runs a step with these query lengths (``supports``)."""
-        B = _bucket(len(query_lens), self.buckets)
-        if max(query_lens) <= self.max_query:
-            Q = _bucket(max(query_lens), self.q_buckets)
+    def plan(self, seqs, query_lens: list[int]) -> tuple[int, int, int] | None:
+        """(B, M, Q) of the graph that runs a step with these sequences and query lengths, or
+        None when no graph can (the caller runs it eagerly): more sequences than ``max_batch``,
+        a block table wider than the graphs', or a prefill step over ``max_prefill`` tokens."""
+        n, longest = len(seqs), max(query_lens)
+        if not 0 < n <= self.max_batch or any(len(s.block_table) > self.W for s in seqs):
+            return None
+        if longest <= self.max_query:
+            B, Q = _bucket(n, self.buckets), _bucket(longest, self.q_buckets)
             return B, B * Q, Q
-        M = _bucket(sum(query_lens), self.p_buckets)
+        T = sum(query_lens)
+        if T > self.max_prefill:
+            return None
+        M = _bucket(T, self.p_buckets)
         return self.max_batch, M, M
 
     # ----------------------------------------------------------------- one step
@@ -207,15 +207,17 @@ class CudaGraphRunner:
         new_tokens: list[list[int]],
         aux_layers: tuple[int, ...],
         token_ids: torch.Tensor | None = None,
+        plan: tuple[int, int, int] | None = None,
     ):
         """Returns (hidden [T, hidden], aux [T, n_aux * hidden] or None), fresh tensors.
 
         ``token_ids`` ([T] int64 on the device, flat in sequence order): the tokens to feed, when
         they are still on the device (e.g. the previous draft step's choices); ``new_tokens``
-        then only gives the query lengths (its values are ignored). No device read either way."""
+        then only gives the query lengths (its values are ignored). No device read either way.
+        ``plan``: this step's ``plan(...)`` when the caller has it (it must not be None)."""
         query_lens = [len(t) for t in new_tokens]
         T = sum(query_lens)
-        B, M, Q = self.shape(query_lens)
+        B, M, Q = plan or self.plan(seqs, query_lens)
         key = (B, M, Q, tuple(aux_layers))
         ring = M <= self.zero_copy_max_rows
         g = self.graphs.get(key)

@@ -60,8 +60,9 @@ class ModelRunner:
         order); ``new_tokens`` then only gives the query lengths.
         """
         query_lens = [len(t) for t in new_tokens]
-        if self.graphs is not None and self.graphs.supports(seqs, query_lens):
-            return self.graphs.run(seqs, new_tokens, tuple(aux_layers), token_ids)
+        plan = self.graphs.plan(seqs, query_lens) if self.graphs is not None else None
+        if plan is not None:
+            return self.graphs.run(seqs, new_tokens, tuple(aux_layers), token_ids, plan)
         ctx_lens = [s.num_cached_tokens + q for s, q in zip(seqs, query_lens)]
         flat = [t for toks in new_tokens for t in toks]
         positions = [p for s, q in zip(seqs, query_lens) for p in range(s.num_cached_tokens, s.num_cached_tokens + q)]
