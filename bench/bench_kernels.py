@@ -616,6 +616,18 @@ def attention_steady_sweep(hbm_gbps, cases, variants):
         sets = kv_copies(q, kc, vc, torch.empty_like(q), n)
         ref = None
         for ov in variants:
+            if "programs_per_sm" in ov:  # a split count from a programs-per-SM target
+                ov = dict(ov)
+                pps = ov.pop("programs_per_sm")
+                cfg = pa_mod.choose_launch_config(
+                    num_tokens=batch * q_len, num_seqs=batch, num_heads=H, num_kv_heads=Hkv,
+                    head_dim=D, max_query_len=q_len, max_context=bt.shape[1] * 16,
+                    dtype=q.dtype, sm_count=pa_mod.num_sms(DEV),
+                )
+                bn = ov.get("block_n", cfg["block_n"])
+                progs = batch * -(-q_len // cfg["block_q"]) * Hkv
+                want = round(pps * pa_mod.num_sms(DEV) / progs)
+                ov["num_splits"] = max(1, min(64, -(-bt.shape[1] * 16 // bn), want))
             fns = []
             for q_, kc_, vc_, out_ in sets:
 
@@ -656,7 +668,9 @@ def attention_steady_sweep(hbm_gbps, cases, variants):
 
 def steady_sweep_variants(names: str) -> list[dict]:
     """Override sets for ``--steady-sweep``: the default launch config, plus 'splits' (split
-    counts) and/or 'tiles' (block_n x num_warps x num_stages) or 'all'."""
+    counts) and/or 'tiles' (block_n x num_warps x num_stages) or 'all'; 'deep': 5-6 stages,
+    the first counts at which Triton's pipeliner double-buffers the K/V tiles (it gives the
+    block-table load a stage of its own, and below 5 stages keeps one K/V buffer)."""
     out = [{}]
     want = set(names.split(","))
     if want & {"splits", "all"}:
@@ -666,6 +680,23 @@ def steady_sweep_variants(names: str) -> list[dict]:
             for bn in (16, 32, 64):
                 for nw in (2, 4):
                     out.append({"num_splits": sp, "block_n": bn, "num_warps": nw})
+    if "deep" in want:  # K/V double-buffered in shared memory: the index load takes a stage
+        for bn in (32, 64, 128):
+            for nw in (4, 8):
+                for ns in (5, 6):
+                    out.append({"block_n": bn, "num_warps": nw, "num_stages": ns})
+        out += [{"block_n": 64, "num_stages": 5, "num_splits": sp} for sp in (16, 24, 32, 64)]
+        out.append({})  # the default again, timed last: the run's drift
+    if "pps" in want:  # programs per SM x stages, 64-token chunks
+        for pps in (1, 2, 3):
+            for ns in (2, 5):
+                out.append({"block_n": 64, "num_warps": 4, "num_stages": ns, "programs_per_sm": pps})
+        out.append({})
+    if "deepsplits" in want:  # few long splits (about one program per SM), deep pipelines
+        for sp in (8, 12, 16, 20, 32):
+            for bn, nw, ns in ((64, 4, 5), (64, 4, 7), (64, 8, 7), (128, 8, 5), (32, 4, 8)):
+                out.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "num_splits": sp})
+        out.append({})
     if want & {"tiles", "all"}:
         for bn in (32, 64, 128):
             for nw in (2, 4, 8):
@@ -877,7 +908,7 @@ def main():
         "--steady-sweep",
         default="",
         help="after the copy bandwidth, time these override sets (comma list of default, "
-        "splits, tiles, short, all) as graphN on --sweep-cases (default 1:8192:1,1:16384:1,1:32768:1,"
+        "splits, tiles, deep, short, all) as graphN on --sweep-cases (default 1:8192:1,1:16384:1,1:32768:1,"
         "8:8192:1) and stop",
     )
     ap.add_argument(
