@@ -55,15 +55,6 @@ _LOG2E = 1.4426950408889634
 # (128-token chunks, 3 stages: more shared memory each) on every SM; prefetching the next chunk
 # into registers was never faster there (up to 2x slower with 128-token chunks).
 _PROGRAMS_PER_SM = (3, 2)
-# Small decode grids (at most a quarter as many (token, KV head) programs as multiprocessors
-# before splitting: batch 1-4 with 8 KV heads on an H100): one long split per multiprocessor and
-# 5 pipeline stages. Triton's pipeliner gives the block-table load a stage of its own and, below
-# 5 stages, keeps ONE shared-memory buffer per K/V tile, so a program issues chunk i+1's loads
-# only after chunk i's dots; at 5 stages it double-buffers them (72 KB of shared memory at head
-# dim 128). H100 graphN sweep (docs/kernels.md, sixteenth session): batch 1 at 8k / 16k / 32k
-# 19.7 -> 18.6 / 32.3 -> 30.5 / 54.7 -> 53.3 us, batch 2 at 8k 31.4 -> 30.0, batch 4 52.9 -> 52.1;
-# at batch >= 8 5 stages measured within 0.5% of 2, so those grids keep the rule above.
-_SMALL_DECODE = (1, 5)  # (programs per SM, num_stages)
 _PREFETCH_DEFAULT = False
 # program order: the KV heads of one (tile, split) as neighbours (they read the same cache
 # blocks at about the same time) instead of the tiles of one KV head. Measured on the H100:
@@ -424,20 +415,15 @@ def choose_launch_config(
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     # tiles that can hold query tokens (the rest exit at once): exact for uniform q_len
     real_tiles = min(num_tiles, num_seqs * max(1, cdiv(max_query_len, block_q)))
-    per_sm = _PROGRAMS_PER_SM[block_q > 1]
-    if block_q == 1 and half and head_dim <= 128 and 4 * real_tiles * num_kv_heads <= sm_count:
-        per_sm, num_stages = _SMALL_DECODE  # see _SMALL_DECODE
     if num_splits is None:
         programs = max(1, real_tiles * num_kv_heads)
-        # about per_sm programs per SM (_PROGRAMS_PER_SM[multi-token], or _SMALL_DECODE's for
-        # small decode grids; one full wave), at least one
+        # about _PROGRAMS_PER_SM[multi-token] programs per SM (one full wave), at least one
         # chunk of cached tokens per split, at most 64 splits. A program walks its chunks one
-        # after another at ~1.8 us each (H100, 1 split at 8k: 225 us for 128 chunks, 2 stages:
-        # one K/V buffer, so each chunk's loads wait for the previous chunk's dots), so at
+        # after another at ~1.8 us each (H100, 1 split at 8k: 225 us for 128 chunks), so at
         # short contexts (a few hundred tokens, the first steps of every request) the split
         # count, not the bandwidth, sets the time; the earlier floor of 256 tokens per split
         # left batch-1 decode at a 448-token table with 2 splits of 4 chunks
-        target = per_sm * sm_count
+        target = _PROGRAMS_PER_SM[block_q > 1] * sm_count
         want = max(1, round(target / programs))
         cap = max(1, min(64, cdiv(max_context, block_n)))
         num_splits = min(want, cap)

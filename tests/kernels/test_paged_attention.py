@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import sys
 
 import pytest
 import torch
@@ -401,76 +400,3 @@ def test_varying_ints_are_not_specialised(monkeypatch):
     assert not flags["stride_qt"] and not flags["stride_kb"]  # fixed per model: specialised
     reduce = {p.name: p.do_not_specialize for p in mod._paged_attn_reduce_kernel.jitted().params}
     assert reduce["num_seqs"] and reduce["num_splits"] and not reduce["stride_ot"]
-
-
-def _cfg(batch, ctx, q_len=1, dtype=torch.bfloat16, head_dim=128, sms=132):
-    from speculant.kernels.paged_attention import choose_launch_config
-
-    return choose_launch_config(num_tokens=batch * q_len, num_seqs=batch, num_heads=32,
-                                num_kv_heads=8, head_dim=head_dim, max_query_len=q_len,
-                                max_context=ctx, dtype=dtype, sm_count=sms)
-
-
-def test_small_decode_grids_take_one_deep_split_per_sm():
-    """Decode with at most sm_count / 4 (token, KV head) programs: ~1 program per SM, 5 stages;
-    larger grids, verification tiles and fp32 keep ~3 (2) programs per SM and 2 (3) stages."""
-    for batch, splits in ((1, 16), (2, 8), (4, 4)):
-        c = _cfg(batch, 8192)
-        assert (c["num_stages"], c["num_splits"]) == (5, splits), (batch, c)
-    assert (_cfg(1, 32768, head_dim=64)["num_stages"], _cfg(1, 32768)["num_splits"]) == (5, 16)
-    assert _cfg(1, 448)["num_splits"] == 7  # at least one 64-token chunk per split
-    c = _cfg(8, 8192)
-    assert (c["num_stages"], c["num_splits"]) == (2, 6)
-    c = _cfg(1, 8192, q_len=6)
-    assert c["num_stages"] == 3 and c["block_q"] > 1
-    assert _cfg(1, 8192, dtype=torch.float32)["num_stages"] == 2
-    assert _cfg(1, 8192, sms=16)["num_stages"] == 2  # 8 programs > 16 / 4: not small
-
-
-_BUFFERS_SCRIPT = r"""
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from speculant.kernels import paged_attention as _  # noqa: F401
-mod = sys.modules["speculant.kernels.paged_attention"]
-jit = mod._paged_attn_kernel.jitted()
-names = jit.arg_names
-ptrs = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
-        "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "qsl_ptr": "*i32",
-        "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-const = dict(GROUP=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_SIZE=16, SPLIT=True,
-             IEEE_DOT=False, UPCAST_DOT=False, PREFETCH=False, HEADS_FIRST=False, GDC=False)
-sig = {n: ptrs.get(n, "constexpr" if n in const else "fp32" if n == "qk_scale" else "i32")
-       for n in names}
-# what the launcher's tensors give Triton: 16-byte aligned pointers, strides divisible by 16
-aligned = [n for n in names if n in ptrs or (n.startswith("stride_") and n != "stride_bt")]
-attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-out = {}
-for stages in (2, 4, 5):
-    src = ASTSource(fn=jit, signature=sig, constexprs=const, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, num_stages=stages))
-    allocs = re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x64x128xbf16", k.asm["ttgir"])
-    out[stages] = sorted({int(a) for a in allocs})
-print(json.dumps(out))
-"""
-
-
-def test_five_stages_double_buffer_kv():
-    """Why _SMALL_DECODE asks for 5 stages: compiled for sm_90 (no GPU needed), the decode
-    tile's K and V get one shared-memory buffer below 5 stages and two at 5. In a subprocess:
-    a process that imported Triton under TRITON_INTERPRET=1 cannot compile."""
-    import json
-    import os
-    import subprocess
-
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _BUFFERS_SCRIPT], env=env, capture_output=True,
-                       text=True, timeout=300)
-    if r.returncode != 0 and ("ptxas" in r.stderr or "GPUTarget" in r.stderr):
-        pytest.skip(f"this Triton build cannot compile for sm_90: {r.stderr[-300:]}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    buffers = json.loads(r.stdout.strip().splitlines()[-1])
-    assert buffers == {"2": [1], "4": [1], "5": [2]}, buffers
