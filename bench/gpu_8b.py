@@ -128,10 +128,10 @@ def write_config(folder: Path, cfg: dict, seed: int) -> Path:
     return folder
 
 
-def synthetic_target(layers: int, max_model_len: int, prefix: str):
+def synthetic_target(layers: int, max_model_len: int, prefix: str, **engine_kw):
     """An LLM on the synthetic Llama-3-8B target (``layers`` layers; loader patched to make the
     weights on the GPU), batch up to 8, 4 GiB of KV cache: the engine of the small 8B scripts
-    (spec_timeline.py, step_profile.py)."""
+    (spec_timeline.py, step_profile.py). ``engine_kw``: more LLM arguments."""
     import speculant.engine.llm_engine as llm_engine
     import speculant.models.loader as loader
     from speculant import LLM
@@ -147,6 +147,7 @@ def synthetic_target(layers: int, max_model_len: int, prefix: str):
         max_num_seqs=8,
         max_model_len=max_model_len,
         kv_cache_memory=4 << 30,
+        **engine_kw,
     )
 
 

@@ -38,6 +38,11 @@ class EngineConfig(BaseModel):
         None, ge=0, description="on CUDA, prefill steps of up to this many tokens (in all) replay "
         "CUDA graphs captured per token bucket; 0: prefill runs eagerly; None: "
         "SPECULANT_PREFILL_GRAPH_TOKENS when set, else 2048")
+    cuda_graph_capture: Literal["startup", "lazy"] = Field(
+        "startup", description="on CUDA with CUDA graphs: 'startup' captures the graphs of every "
+        "decode, verification and prefill shape the engine can replay before the first request "
+        "(no capture stall mid-serving; a few seconds at start-up); 'lazy' captures each on its "
+        "first step")
     async_scheduling: bool | None = Field(
         None, description="overlap plain decode steps (queue step N+1 on the device-side tokens "
         "of step N before reading them back); None: on for CUDA with CUDA graphs")

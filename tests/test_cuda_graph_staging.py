@@ -312,3 +312,75 @@ def test_c_ring_staging_names_bad_inputs(monkeypatch):
         call([[1, 2**32]], [0], [[1]])
     with pytest.raises(ValueError, match="table of 50 blocks"):
         call([list(range(50))], [0], [[1]])
+
+
+def _startup_runner(monkeypatch, max_prefill=256) -> CudaGraphRunner:
+    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
+    return CudaGraphRunner(None, None, 16, torch.device("cpu"), 12, max_batch=8, max_query=8,
+                           max_prefill=max_prefill)
+
+
+def test_startup_keys_are_the_plans_of_every_step(monkeypatch):
+    """Every step of up to ``max_seqs`` sequences and ``max_query`` tokens each (decode,
+    verification) or of a prefill of up to the token limit (some prompt longer than the
+    runner's max_query) plans a graph among ``startup_keys``, and every key is some step's."""
+    r = _startup_runner(monkeypatch)
+    keys = r.startup_keys(max_seqs=3, max_query=4, aux_layers=(0, 2), max_prefill_tokens=100)
+    assert keys == [(B, B * Q, Q, (0, 2)) for Q in (1, 2, 3, 4) for B in (1, 2, 4)] + [
+        (8, M, M, (0, 2)) for M in (32, 48, 64, 96, 128)
+    ]
+    rng = random.Random(0)
+    planned = set()
+    for _ in range(2000):
+        n = rng.randrange(1, 4)
+        if rng.random() < 0.5:  # decode / verification
+            lens = [rng.randrange(1, 5) for _ in range(n)]
+        else:  # prefill: one prompt over max_query, at most 100 tokens in all
+            lens = [rng.randrange(9, 101)] + [rng.randrange(1, 20) for _ in range(n - 1)]
+            if sum(lens) > 100:
+                continue
+        seqs = [types.SimpleNamespace(block_table=[0]) for _ in lens]
+        planned.add((*r.plan(seqs, lens), (0, 2)))
+    assert planned <= set(keys)
+    assert planned == set(keys)  # 2000 random steps reach every bucket
+    # limits: more sequences than the graphs hold, queries past max_query, no prefill graphs
+    assert r.startup_keys(50, 40)[-1] == (8, 256, 256, ())
+    assert {k[0] for k in r.startup_keys(50, 40) if k[2] <= 8} == {1, 2, 4, 8}
+    assert all(k[2] <= 8 for k in _startup_runner(monkeypatch, 0).startup_keys(3, 4))
+
+
+def test_capture_all_captures_missing_keys_on_an_empty_step(monkeypatch):
+    """``capture_all`` captures each missing key once, in order, after staging a step with no
+    sequence: padding rows (slot -1: no K/V written), zero context lengths, empty queries."""
+    r = _startup_runner(monkeypatch)
+    r.dev.copy_(torch.randint(0, 255, r.dev.shape, dtype=torch.uint8))  # stale contents
+    seen = []
+
+    def capture(B, M, Q, aux):
+        ids, pos, slots, ctx, qsl, tables = r._views(B, M)
+        assert ids.tolist() == pos.tolist() == [0] * M and slots.tolist() == [-1] * M
+        assert ctx.tolist() == [0] * B and qsl.tolist() == [0] * (B + 1)
+        assert tables.abs().sum().item() == 0
+        r.graphs[(B, M, Q, aux)] = "graph"
+        seen.append((B, M, Q, aux))
+
+    monkeypatch.setattr(r, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    keys = r.startup_keys(2, 2)
+    r.graphs[keys[1]] = "captured earlier"
+    assert r.capture_all(keys + keys[:1], progress=False) == len(keys) - 1
+    assert seen == [k for k in keys if k != keys[1]]
+    assert r.capture_all(keys, progress=False) == 0
+
+
+def test_cuda_graph_capture_mode_is_validated_and_cpu_engines_capture_nothing(tiny_llama):
+    from pydantic import ValidationError
+
+    from speculant import LLM
+    from speculant.config import EngineConfig
+
+    assert EngineConfig().cuda_graph_capture == "startup"
+    with pytest.raises(ValidationError, match="cuda_graph_capture"):
+        EngineConfig(cuda_graph_capture="eager")
+    llm = LLM(model=str(tiny_llama), skip_tokenizer_init=True, device="cpu")
+    assert llm.engine.runner.graphs is None and llm.engine.capture_graphs() == 0

@@ -306,6 +306,35 @@ def test_prefill_graphs_equal_torch_path(target, heads, torch_path_greedy, kind,
         torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("kind", ["plain", "ngram", "eagle3"])
+def test_startup_capture_covers_every_step(target, heads, torch_path_greedy, kind, monkeypatch):
+    """``cuda_graph_capture="startup"`` (the default) captures the target's decode,
+    verification (k + 1 rows, EAGLE-3's residual streams included) and prefill graphs before
+    the first request: generating the six ragged prompts then captures no new target graph,
+    and gives the tokens of a lazily capturing engine and of the torch path."""
+    monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
+    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
+    outs = {}
+    for mode in ("startup", "lazy"):
+        llm = _llm(target, speculative_config=_spec(kind, heads), cuda_graph_capture=mode)
+        g = llm.engine.runner.graphs
+        before = set(g.graphs)
+        assert bool(before) == (mode == "startup")
+        if mode == "startup":
+            aux = llm.engine.spec.aux_layers if llm.engine.spec else ()
+            assert all(key[3] == tuple(aux) for key in before)
+            assert any(key[2] > g.max_query for key in before)  # prefill buckets
+        outs[mode] = _generate(llm, GREEDY)
+        if mode == "startup":
+            assert set(g.graphs) == before, sorted(set(g.graphs) - before)
+            startup_keys = before
+        else:
+            assert set(g.graphs) <= startup_keys, sorted(set(g.graphs) - startup_keys)
+        del llm
+        torch.cuda.empty_cache()
+    assert outs["startup"] == outs["lazy"] == torch_path_greedy
+
+
 @pytest.mark.parametrize("kind", ["plain", "draft_model"])
 def test_one_row_gemv_path_equals_torch_path(target, heads, torch_path_greedy, kind, monkeypatch):
     """Batch-1 steps run the Llama layers as GEMVs with fused prologues (kernels/gemv.py) and RoPE

@@ -1,8 +1,11 @@
 """CUDA graphs of the model forward for decode (1 token per sequence), verification (up to k+1
 tokens per sequence) and prefill steps.
 
-One graph per (batch bucket B, rows M, query bucket Q, aux layers), captured lazily on first use
-and replayed afterwards. Decode and verification graphs have ``M = B * Q`` rows (any query
+One graph per (batch bucket B, rows M, query bucket Q, aux layers), replayed for every step of
+its shapes. The engine captures the graphs its steps can use at start-up
+(``EngineConfig.cuda_graph_capture="startup"``, the default: ``startup_keys`` / ``capture_all``);
+any other shape (e.g. a prefill of prompts of at most ``max_query`` tokens, a strategy swapped in
+later) is captured on first use. Decode and verification graphs have ``M = B * Q`` rows (any query
 lengths up to ``Q``). Prefill graphs (a step in which some sequence feeds more than
 ``max_query`` tokens, e.g. a prompt) have ``M`` = the step's total token count rounded up to a
 ``PREFILL_BUCKETS`` size (at most ``max_prefill`` tokens), split among up to ``B = max_batch``
@@ -199,6 +202,53 @@ class CudaGraphRunner:
             return None
         M = _bucket(T, self.p_buckets)
         return self.max_batch, M, M
+
+    # ----------------------------------------------------------------- start-up capture
+    def startup_keys(self, max_seqs: int, max_query: int, aux_layers: tuple[int, ...] = (),
+                     max_prefill_tokens: int | None = None) -> list[tuple]:
+        """The graph keys (B, M, Q, aux) of every step an engine of up to ``max_seqs`` running
+        sequences can replay when its decode and verification steps feed at most ``max_query``
+        tokens per sequence and its prefill steps at most ``max_prefill_tokens`` tokens in all:
+        each (batch bucket, query bucket) up to theirs, then each prefill token bucket up to
+        that limit (at most ``max_prefill``). Prefill steps of prompts no longer than
+        ``max_query`` (which take decode-shaped graphs) are not in it."""
+        top_b = _bucket(min(max_seqs, self.max_batch), self.buckets)
+        top_q = _bucket(min(max_query, self.max_query), self.q_buckets)
+        aux = tuple(aux_layers)
+        keys = [(B, B * Q, Q, aux) for Q in self.q_buckets if Q <= top_q
+                for B in self.buckets if B <= top_b]
+        limit = self.max_prefill if max_prefill_tokens is None else min(self.max_prefill,
+                                                                         max_prefill_tokens)
+        top_m = _bucket(limit, self.p_buckets) if limit > 0 else None
+        if top_m is not None:
+            keys += [(self.max_batch, M, M, aux) for M in self.p_buckets if M <= top_m]
+        return keys
+
+    def capture_all(self, keys, progress: bool = True) -> int:
+        """Capture the graphs of ``keys`` that are not captured yet, each on an empty step (no
+        sequence, every row padding: nothing is written to the KV cache), with a progress bar.
+        Returns how many were captured."""
+        from tqdm.auto import tqdm
+
+        todo = [k for k in dict.fromkeys(keys) if k not in self.graphs]
+        for B, M, Q, aux in tqdm(todo, desc="Capturing CUDA graphs", unit="graph",
+                                 disable=not progress or not todo, dynamic_ncols=True):
+            self._stage_empty(B, M)
+            self._capture(B, M, Q, aux)
+        if todo:
+            torch.cuda.synchronize(self.device)
+        return len(todo)
+
+    def _stage_empty(self, B: int, M: int) -> None:
+        """Device buffers of a step with no sequence: ``M`` padding rows (token 0 at position 0,
+        slot -1) and ``B`` sequences with context length 0 and empty query ranges."""
+        ids, pos, slots, ctx, qsl, tables = self._views(B, M)
+        ids.zero_()
+        pos.zero_()
+        slots.fill_(-1)
+        ctx.zero_()
+        qsl.zero_()
+        tables.zero_()
 
     # ----------------------------------------------------------------- one step
     def run(

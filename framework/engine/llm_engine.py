@@ -67,6 +67,8 @@ class LLMEngine:
 
             self.spec = SpecDecoder(self, config.speculative_config)
         self.async_decoder = AsyncDecoder(self) if self._async_scheduling() else None
+        if config.cuda_graph_capture == "startup":
+            self.capture_graphs()
         logger.info("speculant engine: %s on %s (%s), %d KV blocks of %d", folder, self.device,
                     self.dtype, num_blocks, self.block_size)
 
@@ -89,6 +91,23 @@ class LLMEngine:
                 "max_position_embeddings / sliding_window); lower max_model_len"
             )
         return want
+
+    def capture_graphs(self, progress: bool = True) -> int:
+        """Capture the target's CUDA graphs for every step shape this engine can replay: decode
+        and verification steps of up to ``max_num_seqs`` sequences (up to k + 1 tokens each
+        with a strategy, the residual streams it reads included) and prefill steps of up to
+        ``max_num_batched_tokens``. Called at start-up unless ``cuda_graph_capture="lazy"``;
+        a strategy's own graphs (a draft model's, EAGLE's) are still captured on first use.
+        Returns how many graphs were captured."""
+        max_query, aux = 1, ()
+        if self.spec is not None:
+            max_query, aux = self.spec.k + 1, self.spec.aux_layers
+        t0 = time.perf_counter()
+        n = self.runner.capture_graphs(self.config.max_num_seqs, max_query, aux,
+                                       self.scheduler.max_num_batched_tokens, progress)
+        if n:
+            logger.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
+        return n
 
     def _async_scheduling(self) -> bool:
         """Overlap plain decode steps (engine/async_decode.py): by default where the host work

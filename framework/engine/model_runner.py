@@ -45,6 +45,19 @@ class ModelRunner:
                                           max_graph_batch, max_graph_query,
                                           max_prefill_tokens(max_graph_prefill))
 
+    def capture_graphs(self, max_seqs: int, max_query: int, aux_layers: tuple[int, ...] = (),
+                       max_prefill_tokens: int | None = None, progress: bool = True) -> int:
+        """Capture now the CUDA graphs of every decode, verification (up to ``max_query`` tokens
+        per sequence) and prefill step (up to ``max_prefill_tokens`` tokens) this runner can
+        replay for up to ``max_seqs`` sequences (``CudaGraphRunner.startup_keys``), instead of
+        on each shape's first step. Returns how many were captured (0 without CUDA graphs)."""
+        if self.graphs is None:
+            return 0
+        with torch.inference_mode():
+            keys = self.graphs.startup_keys(max_seqs, max_query, tuple(aux_layers),
+                                            max_prefill_tokens)
+            return self.graphs.capture_all(keys, progress)
+
     @torch.inference_mode()
     def forward(
         self,

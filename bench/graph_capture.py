@@ -1,0 +1,115 @@
+"""Start-up CUDA-graph capture against capture on first use, Llama-3-8B geometry.
+
+    python bench/graph_capture.py --out OUT_DIR --mode startup|lazy [--layers 32]
+
+The synthetic target of ``bench/gpu_8b.py`` (bf16, weights made on the GPU), plain decoding and
+an n-gram strategy (k = 4), ``cuda_graph_capture`` = ``--mode``. It times building the engine
+(start-up capture included), then a sequence of requests that each meet step shapes for the
+first time (batch 1, 3 and 8, 128-token prompts, 32 greedy tokens; the n-gram engine's
+verification steps), each run twice: the first run's wall time minus the second's is what
+capturing on first use costs that request. Run each mode in its own process, after one warm-up
+process (Triton's on-disk kernel cache then serves both alike). Writes graph_capture_<mode>.json;
+``--plot A.json B.json --out DIR`` draws graph_capture.png from the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CASES = ((1, 128), (3, 128), (8, 128))
+TOKENS = 32
+
+
+def run(args) -> dict:
+    import torch
+
+    from gpu_8b import synthetic_target
+    from speculant.bench import _decode_run, _set_strategy, random_prompts
+
+    t0 = time.perf_counter()
+    llm = synthetic_target(args.layers, 512, "speculant-capture-", cuda_graph_capture=args.mode)
+    torch.cuda.synchronize()
+    engine = llm.engine
+    result = {"mode": args.mode, "device": torch.cuda.get_device_name(), "layers": args.layers,
+              "engine_s": time.perf_counter() - t0,
+              "graphs_at_start": len(engine.runner.graphs.graphs), "rows": []}
+    print(f"engine up in {result['engine_s']:.1f}s with {result['graphs_at_start']} graphs",
+          flush=True)
+    for strategy in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+        name = "plain" if strategy is None else "ngram k=4"
+        t = time.perf_counter()
+        _set_strategy(engine, strategy)
+        if strategy is not None and args.mode == "startup":
+            engine.capture_graphs()  # a strategy swapped in: its verification shapes
+        setup_s = time.perf_counter() - t
+        for batch, plen in CASES:
+            prompts = random_prompts(batch, plen, engine.vocab_size, seed=batch)
+            n0 = len(engine.runner.graphs.graphs)
+            runs = []
+            for _ in range(2):
+                t = time.perf_counter()
+                out = _decode_run(engine, prompts, TOKENS)
+                runs.append((time.perf_counter() - t, out["prefill_s"], out["tokens"]))
+            row = {"strategy": name, "batch": batch, "prompt": plen, "tokens": TOKENS,
+                   "first_s": runs[0][0], "repeat_s": runs[1][0],
+                   "first_ttft_s": runs[0][1], "repeat_ttft_s": runs[1][1],
+                   "graphs_captured": len(engine.runner.graphs.graphs) - n0,
+                   "same_tokens": runs[0][2] == runs[1][2], "strategy_setup_s": setup_s}
+            setup_s = 0.0
+            result["rows"].append(row)
+            print(f"{name:10s} b{batch} first {row['first_s'] * 1e3:8.1f} ms repeat "
+                  f"{row['repeat_s'] * 1e3:8.1f} ms (ttft {row['first_ttft_s'] * 1e3:7.1f} / "
+                  f"{row['repeat_ttft_s'] * 1e3:6.1f}) new graphs {row['graphs_captured']}",
+                  flush=True)
+    return result
+
+
+def plot(paths: list[str], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['strategy']} b{r['batch']}" for r in runs[0]["rows"]]
+    width = 0.8 / len(runs)
+    for i, res in enumerate(runs):
+        extra = [1e3 * (r["first_s"] - r["repeat_s"]) for r in res["rows"]]
+        xs = [j + i * width for j in range(len(extra))]
+        ax.bar(xs, extra, width, label=f"{res['mode']} (engine up in {res['engine_s']:.0f} s)")
+    ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(labels))], labels)
+    ax.set_ylabel("first request minus repeat (ms)")
+    ax.set_title(f"CUDA-graph capture cost per request, {runs[0]['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "graph_capture.png", dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--mode", choices=("startup", "lazy"), default="startup")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--plot", nargs=2, metavar="JSON", help="plot two runs' JSON and stop")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.plot:
+        plot(args.plot, out)
+        return 0
+    result = run(args)
+    path = out / f"graph_capture_{args.mode}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
