@@ -3,10 +3,10 @@
     python bench/graph_capture.py --out OUT_DIR --mode startup|lazy [--layers 32]
 
 The synthetic target of ``bench/gpu_8b.py`` (bf16, weights made on the GPU), plain decoding and
-an n-gram strategy (k = 4), ``cuda_graph_capture`` = ``--mode``. It times building the engine
-(start-up capture included), then a sequence of requests that each meet step shapes for the
-first time (batch 1, 3 and 8, 128-token prompts, 32 greedy tokens; the n-gram engine's
-verification steps), each run twice: the first run's wall time minus the second's is what
+then the oracle strategy (a = 0.8, k = 4, replaying the plain runs' tokens: verification steps),
+``cuda_graph_capture`` = ``--mode``. It times building the engine (start-up capture included),
+then a sequence of requests that each meet step shapes for the first time (batch 1, 3 and 8,
+128-token prompts, 32 greedy tokens), each run twice: the first run's wall time minus the second's is what
 capturing on first use costs that request. Run each mode in its own process, after one warm-up
 process (Triton's on-disk kernel cache then serves both alike). Writes graph_capture_<mode>.json;
 ``--plot A.json B.json --out DIR`` draws graph_capture.png from the two.
@@ -28,8 +28,8 @@ TOKENS = 32
 
 def run(args) -> dict:
     import torch
-
     from gpu_8b import synthetic_target
+
     from speculant.bench import _decode_run, _set_strategy, random_prompts
 
     t0 = time.perf_counter()
@@ -41,32 +41,43 @@ def run(args) -> dict:
               "graphs_at_start": len(engine.runner.graphs.graphs), "rows": []}
     print(f"engine up in {result['engine_s']:.1f}s with {result['graphs_at_start']} graphs",
           flush=True)
-    for strategy in (None, {"method": "ngram", "num_speculative_tokens": 4}):
-        name = "plain" if strategy is None else "ngram k=4"
+    refs, recorded = [], {}
+    for name in ("plain", "oracle a=0.8 k=4"):
         t = time.perf_counter()
-        _set_strategy(engine, strategy)
-        if strategy is not None and args.mode == "startup":
-            engine.capture_graphs()  # a strategy swapped in: its verification shapes
+        if name != "plain":  # replays the plain runs' greedy tokens: verification steps
+            _set_strategy(engine, {"method": "oracle", "alpha": 0.8, "num_speculative_tokens": 4,
+                                   "references": refs})
+            if args.mode == "startup":
+                engine.capture_graphs()  # a strategy swapped in: its verification shapes
         setup_s = time.perf_counter() - t
         for batch, plen in CASES:
             prompts = random_prompts(batch, plen, engine.vocab_size, seed=batch)
             n0 = len(engine.runner.graphs.graphs)
+            spec0 = engine.spec.total.num_spec_steps if engine.spec else 0
             runs = []
             for _ in range(2):
                 t = time.perf_counter()
                 out = _decode_run(engine, prompts, TOKENS)
                 runs.append((time.perf_counter() - t, out["prefill_s"], out["tokens"]))
+            if name == "plain":
+                recorded[batch] = runs[0][2]
+                refs += [{"prompt_token_ids": p, "output_token_ids": list(o)}
+                         for p, o in zip(prompts, runs[0][2])]
             row = {"strategy": name, "batch": batch, "prompt": plen, "tokens": TOKENS,
                    "first_s": runs[0][0], "repeat_s": runs[1][0],
                    "first_ttft_s": runs[0][1], "repeat_ttft_s": runs[1][1],
                    "graphs_captured": len(engine.runner.graphs.graphs) - n0,
-                   "same_tokens": runs[0][2] == runs[1][2], "strategy_setup_s": setup_s}
+                   "same_tokens": runs[0][2] == runs[1][2] == recorded[batch],
+                   "strategy_setup_s": setup_s,
+                   "verification_steps": (engine.spec.total.num_spec_steps - spec0
+                                          if engine.spec else 0)}
             setup_s = 0.0
             result["rows"].append(row)
-            print(f"{name:10s} b{batch} first {row['first_s'] * 1e3:8.1f} ms repeat "
+            print(f"{name:17s} b{batch} first {row['first_s'] * 1e3:8.1f} ms repeat "
                   f"{row['repeat_s'] * 1e3:8.1f} ms (ttft {row['first_ttft_s'] * 1e3:7.1f} / "
-                  f"{row['repeat_ttft_s'] * 1e3:6.1f}) new graphs {row['graphs_captured']}",
-                  flush=True)
+                  f"{row['repeat_ttft_s'] * 1e3:6.1f}) new graphs {row['graphs_captured']}, "
+                  f"{row['verification_steps']} verification steps, same tokens "
+                  f"{row['same_tokens']}", flush=True)
     return result
 
 

@@ -373,7 +373,7 @@ def test_capture_all_captures_missing_keys_on_an_empty_step(monkeypatch):
     assert r.capture_all(keys, progress=False) == 0
 
 
-def test_cuda_graph_capture_mode_is_validated_and_cpu_engines_capture_nothing(tiny_llama):
+def test_cuda_graph_capture_mode_is_validated_and_cpu_engines_capture_nothing(tiny_factory):
     from pydantic import ValidationError
 
     from speculant import LLM
@@ -382,5 +382,6 @@ def test_cuda_graph_capture_mode_is_validated_and_cpu_engines_capture_nothing(ti
     assert EngineConfig().cuda_graph_capture == "startup"
     with pytest.raises(ValidationError, match="cuda_graph_capture"):
         EngineConfig(cuda_graph_capture="eager")
-    llm = LLM(model=str(tiny_llama), skip_tokenizer_init=True, device="cpu")
+    tiny = tiny_factory("llama", tokenizer=False)
+    llm = LLM(model=str(tiny), skip_tokenizer_init=True, device="cpu")
     assert llm.engine.runner.graphs is None and llm.engine.capture_graphs() == 0

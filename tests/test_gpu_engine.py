@@ -307,16 +307,20 @@ def test_prefill_graphs_equal_torch_path(target, heads, torch_path_greedy, kind,
 
 
 @pytest.mark.parametrize("kind", ["plain", "ngram", "eagle3"])
-def test_startup_capture_covers_every_step(target, heads, torch_path_greedy, kind, monkeypatch):
+def test_startup_capture_covers_every_step(tiny_factory, target, heads, torch_path_greedy, kind,
+                                           monkeypatch):
     """``cuda_graph_capture="startup"`` (the default) captures the target's decode,
     verification (k + 1 rows, EAGLE-3's residual streams included) and prefill graphs before
     the first request: generating the six ragged prompts then captures no new target graph,
-    and gives the tokens of a lazily capturing engine and of the torch path."""
+    and gives the tokens of a lazily capturing engine (and of the torch path)."""
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
     monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
+    tgt = target
+    if kind == "eagle3":  # three layers for its three residual streams
+        tgt = tiny_factory("llama", seed=0, **{**GEOMETRY, "num_hidden_layers": 3})
     outs = {}
     for mode in ("startup", "lazy"):
-        llm = _llm(target, speculative_config=_spec(kind, heads), cuda_graph_capture=mode)
+        llm = _llm(tgt, speculative_config=_spec(kind, heads), cuda_graph_capture=mode)
         g = llm.engine.runner.graphs
         before = set(g.graphs)
         assert bool(before) == (mode == "startup")
@@ -332,7 +336,9 @@ def test_startup_capture_covers_every_step(target, heads, torch_path_greedy, kin
             assert set(g.graphs) <= startup_keys, sorted(set(g.graphs) - startup_keys)
         del llm
         torch.cuda.empty_cache()
-    assert outs["startup"] == outs["lazy"] == torch_path_greedy
+    assert outs["startup"] == outs["lazy"]
+    if kind != "eagle3":
+        assert outs["startup"] == torch_path_greedy
 
 
 @pytest.mark.parametrize("kind", ["plain", "draft_model"])
