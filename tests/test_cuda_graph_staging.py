@@ -385,3 +385,20 @@ def test_cuda_graph_capture_mode_is_validated_and_cpu_engines_capture_nothing(ti
     tiny = tiny_factory("llama", tokenizer=False)
     llm = LLM(model=str(tiny), skip_tokenizer_init=True, device="cpu")
     assert llm.engine.runner.graphs is None and llm.engine.capture_graphs() == 0
+
+
+def test_startup_capture_out_of_memory_names_the_fix(tiny_factory, monkeypatch):
+    """A start-up capture that runs out of GPU memory raises an error that names the settings
+    to lower and the lazy mode, not torch's allocator message."""
+    from speculant import LLM
+
+    llm = LLM(model=str(tiny_factory("llama", tokenizer=False)), skip_tokenizer_init=True,
+              device="cpu")
+
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(llm.engine.runner, "capture_graphs", oom)
+    with pytest.raises(RuntimeError, match="cuda_graph_capture='lazy'") as e:
+        llm.engine.capture_graphs()
+    assert "gpu_memory_utilization" in str(e.value) and e.value.__cause__ is None

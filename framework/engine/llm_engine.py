@@ -103,8 +103,16 @@ class LLMEngine:
         if self.spec is not None:
             max_query, aux = self.spec.k + 1, self.spec.aux_layers
         t0 = time.perf_counter()
-        n = self.runner.capture_graphs(self.config.max_num_seqs, max_query, aux,
-                                       self.scheduler.max_num_batched_tokens, progress)
+        try:
+            n = self.runner.capture_graphs(self.config.max_num_seqs, max_query, aux,
+                                           self.scheduler.max_num_batched_tokens, progress)
+        except torch.cuda.OutOfMemoryError:
+            raise RuntimeError(
+                "capturing the CUDA graphs at start-up ran out of GPU memory (their activations "
+                "come on top of the weights and the KV cache); lower gpu_memory_utilization or "
+                "kv_cache_memory, max_num_seqs or max_prefill_graph_tokens, or set "
+                "cuda_graph_capture='lazy' to capture each graph on its first step"
+            ) from None
         if n:
             logger.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
         return n
