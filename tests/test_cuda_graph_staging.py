@@ -314,17 +314,11 @@ def test_c_ring_staging_names_bad_inputs(monkeypatch):
         call([list(range(50))], [0], [[1]])
 
 
-def _startup_runner(monkeypatch, max_prefill=256) -> CudaGraphRunner:
-    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
-    return CudaGraphRunner(None, None, 16, torch.device("cpu"), 12, max_batch=8, max_query=8,
-                           max_prefill=max_prefill)
-
-
 def test_startup_keys_are_the_plans_of_every_step(monkeypatch):
     """Every step of up to ``max_seqs`` sequences and ``max_query`` tokens each (decode,
     verification) or of a prefill of up to the token limit (some prompt longer than the
     runner's max_query) plans a graph among ``startup_keys``, and every key is some step's."""
-    r = _startup_runner(monkeypatch)
+    r = _prefill_runner(monkeypatch, 256)
     keys = r.startup_keys(max_seqs=3, max_query=4, aux_layers=(0, 2), max_prefill_tokens=100)
     assert keys == [(B, B * Q, Q, (0, 2)) for Q in (1, 2, 3, 4) for B in (1, 2, 4)] + [
         (8, M, M, (0, 2)) for M in (32, 48, 64, 96, 128)
@@ -346,13 +340,13 @@ def test_startup_keys_are_the_plans_of_every_step(monkeypatch):
     # limits: more sequences than the graphs hold, queries past max_query, no prefill graphs
     assert r.startup_keys(50, 40)[-1] == (8, 256, 256, ())
     assert {k[0] for k in r.startup_keys(50, 40) if k[2] <= 8} == {1, 2, 4, 8}
-    assert all(k[2] <= 8 for k in _startup_runner(monkeypatch, 0).startup_keys(3, 4))
+    assert all(k[2] <= 8 for k in _prefill_runner(monkeypatch, 0).startup_keys(3, 4))
 
 
 def test_capture_all_captures_missing_keys_on_an_empty_step(monkeypatch):
     """``capture_all`` captures each missing key once, in order, after staging a step with no
     sequence: padding rows (slot -1: no K/V written), zero context lengths, empty queries."""
-    r = _startup_runner(monkeypatch)
+    r = _prefill_runner(monkeypatch, 256)
     r.dev.copy_(torch.randint(0, 255, r.dev.shape, dtype=torch.uint8))  # stale contents
     seen = []
 

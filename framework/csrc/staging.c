@@ -46,11 +46,19 @@ static int int_args(PyObject *const *args, int n, i64 *dims, const i64 *mins, co
 
 /* o as a writable C-contiguous int64 buffer of exactly n entries; -1 with an exception (nothing
  * to release then) */
-static int out_buffer(PyObject *o, i64 n, Py_buffer *ob, const char *fn) {
+/* A writable C-contiguous buffer of int64 (itemsize 8) or int32 (itemsize 4) entries: exactly n
+ * of them (exact), or at least n. ``fn`` and ``what`` name the function and argument in errors. */
+static int int_buffer(PyObject *o, Py_ssize_t itemsize, i64 n, int exact, Py_buffer *ob,
+                      const char *fn, const char *what) {
     if (PyObject_GetBuffer(o, ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
-    if (ob->itemsize != 8 || ob->format == NULL
-        || (strcmp(ob->format, "q") && strcmp(ob->format, "l")) || ob->len != n * 8) {
-        PyErr_Format(PyExc_ValueError, "%s: out must be int64 of %lld entries", fn, (long long)n);
+    const char *f = ob->format;
+    int ok = ob->itemsize == itemsize && f != NULL
+             && (itemsize == 8 ? (!strcmp(f, "q") || !strcmp(f, "l") || !strcmp(f, "<q")
+                                  || !strcmp(f, "<l"))
+                               : (!strcmp(f, "i") || !strcmp(f, "<i")));
+    if (!ok || (exact ? ob->len != n * itemsize : ob->len < n * itemsize)) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must be int%d of %s%lld entries", fn, what,
+                     (int)(8 * itemsize), exact ? "" : ">= ", (long long)n);
         PyBuffer_Release(ob);
         return -1;
     }
@@ -69,7 +77,7 @@ static PyObject *py_draft_ints(PyObject *self, PyObject *const *args, Py_ssize_t
     const i64 head = 3 * M + 3 * Bp + 1 + 3 * S * Bp + Bp + 1; /* entries before the tables */
     PyObject *res = NULL, *tables = NULL, *cached = NULL, *feeds = NULL, *ks = NULL;
     Py_buffer ob;
-    if (out_buffer(args[0], head + Bp * W, &ob, "draft_ints") < 0) return NULL;
+    if (int_buffer(args[0], 8, head + Bp * W, 1, &ob, "draft_ints", "out") < 0) return NULL;
     tables = PySequence_Fast(args[1], "draft_ints: tables must be a list");
     cached = PySequence_Fast(args[2], "draft_ints: cached must be a list");
     feeds = PySequence_Fast(args[3], "draft_ints: feeds must be a list");
@@ -184,7 +192,7 @@ static PyObject *py_eagle_ints(PyObject *self, PyObject *const *args, Py_ssize_t
     const i64 total = 3 * M + 3 * Bp + 1 + 3 * S * Bp + Bp + 1 + Bp * W;
     PyObject *res = NULL, *l[5] = {NULL, NULL, NULL, NULL, NULL};
     Py_buffer ob;
-    if (out_buffer(args[0], total, &ob, "eagle_ints") < 0) return NULL;
+    if (int_buffer(args[0], 8, total, 1, &ob, "eagle_ints", "out") < 0) return NULL;
     for (int j = 0; j < 5; j++)
         if (!(l[j] = PySequence_Fast(args[1 + j], "eagle_ints: tables, offsets, starts, ns and "
                                                   "tokens must be lists")))
@@ -278,22 +286,6 @@ done:
  *            ids are written as 0, the caller copies them on the device)
  * Padding rows get id 0, position 0 and slot -1 (no K/V write); padding sequences context 0 and
  * an empty query range. */
-static int view_buffer(PyObject *o, Py_ssize_t itemsize, i64 n, Py_buffer *ob, const char *what) {
-    if (PyObject_GetBuffer(o, ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
-    const char *f = ob->format;
-    int ok = ob->itemsize == itemsize && f != NULL
-             && (itemsize == 8 ? (!strcmp(f, "q") || !strcmp(f, "l") || !strcmp(f, "<q")
-                                  || !strcmp(f, "<l"))
-                               : (!strcmp(f, "i") || !strcmp(f, "<i")));
-    if (!ok || ob->len < n * itemsize) {
-        PyErr_Format(PyExc_ValueError, "ring_ints: %s must be int%d of >= %lld entries", what,
-                     (int)(8 * itemsize), (long long)n);
-        PyBuffer_Release(ob);
-        return -1;
-    }
-    return 0;
-}
-
 static PyObject *py_ring_ints(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 14)
         return PyErr_Format(PyExc_TypeError, "ring_ints(h64, h32, tables, starts, feeds, "
@@ -311,8 +303,8 @@ static PyObject *py_ring_ints(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (q + B + 1 > need32) need32 = q + B + 1;
     PyObject *res = NULL, *l[3] = {NULL, NULL, NULL};
     Py_buffer b64, b32;
-    if (view_buffer(args[0], 8, 3 * N, &b64, "h64") < 0) return NULL;
-    if (view_buffer(args[1], 4, need32, &b32, "h32") < 0) {
+    if (int_buffer(args[0], 8, 3 * N, 0, &b64, "ring_ints", "h64") < 0) return NULL;
+    if (int_buffer(args[1], 4, need32, 0, &b32, "ring_ints", "h32") < 0) {
         PyBuffer_Release(&b64);
         return NULL;
     }

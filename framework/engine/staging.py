@@ -22,11 +22,12 @@ _ext = None
 
 
 def staging_ext():
-    """The C staging of the one-graph proposes' int inputs (``speculant._staging``,
-    framework/csrc/staging.c: ``draft_ints``, ``eagle_ints``), or None: not built (it is an
-    optional extension) or ``SPECULANT_C_STAGING=0`` (read once). Without it ``draft_graph`` and
-    ``eagle_graph``'s ``fused_ints`` build the same inputs in Python, which the tests compare
-    with the C value for value."""
+    """The C staging of CUDA-graph int inputs (``speculant._staging``, framework/csrc/staging.c:
+    the one-graph proposes' ``draft_ints`` and ``eagle_ints``, the engine forwards'
+    ``ring_ints``), or None: not built (it is an optional extension) or ``SPECULANT_C_STAGING=0``
+    (read once). Without it ``draft_graph`` and ``eagle_graph``'s ``fused_ints`` and
+    ``CudaGraphRunner._fill_small`` build the same inputs in Python, which the tests compare with
+    the C value for value."""
     global _ext
     if _ext is None:
         _ext = import_extension("speculant._staging", "SPECULANT_C_STAGING") or False
