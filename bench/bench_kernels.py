@@ -697,6 +697,14 @@ def steady_sweep_variants(names: str) -> list[dict]:
             for bn, nw, ns in ((64, 4, 5), (64, 4, 7), (64, 8, 7), (128, 8, 5), (32, 4, 8)):
                 out.append({"block_n": bn, "num_warps": nw, "num_stages": ns, "num_splits": sp})
         out.append({})
+    if "ahead" in want:  # block-table entries a chunk ahead: K/V double-buffered from 3 stages
+        for bn, nw, ns in ((32, 4, 3), (32, 4, 4), (32, 2, 3), (64, 4, 3), (64, 8, 3), (64, 4, 4)):
+            out.append({"bt_ahead": True, "block_n": bn, "num_warps": nw, "num_stages": ns})
+        for pps in (1, 2):
+            for bn, ns in ((32, 3), (64, 3)):
+                out.append({"bt_ahead": True, "block_n": bn, "num_stages": ns, "programs_per_sm": pps})
+        out.append({"bt_ahead": True})  # the default tiles (2 stages: one K/V buffer either way)
+        out.append({})
     if want & {"tiles", "all"}:
         for bn in (32, 64, 128):
             for nw in (2, 4, 8):
@@ -908,7 +916,7 @@ def main():
         "--steady-sweep",
         default="",
         help="after the copy bandwidth, time these override sets (comma list of default, "
-        "splits, tiles, deep, short, all) as graphN on --sweep-cases (default 1:8192:1,1:16384:1,1:32768:1,"
+        "splits, tiles, deep, deepsplits, pps, ahead, short, all) as graphN on --sweep-cases (default 1:8192:1,1:16384:1,1:32768:1,"
         "8:8192:1) and stop",
     )
     ap.add_argument(

@@ -60,6 +60,10 @@ _PREFETCH_DEFAULT = False
 # blocks at about the same time) instead of the tiles of one KV head. Measured on the H100:
 # within 0.5% either way (bench/results/kernels_h100_order_sweep.json), so off.
 _HEADS_FIRST_DEFAULT = False
+# the block-table entries of a program's next K/V chunk loaded one iteration ahead (a register
+# carried over the loop), so that the K/V loads do not wait on an index load of their own
+# iteration: Triton's pipeliner then needs no stage for the index load
+_BT_AHEAD_DEFAULT = False
 # Tried and removed: a split merge fused into the attention kernel (the last split program of a
 # tile merges, found with a per-tile atomic counter; no merge launch) and an all-heads decode
 # kernel (one token, all KV heads per program, whole cache blocks per load), both added in commit
@@ -161,6 +165,7 @@ if tl is not None:
         UPCAST_DOT: tl.constexpr,  # interpreter + bf16: numpy has no bf16 dot, upcast operands
         PREFETCH: tl.constexpr,  # load chunk i+1 while computing chunk i
         HEADS_FIRST: tl.constexpr,  # grid (num_kv_heads, tiles, splits) instead of (tiles, ...)
+        BT_AHEAD: tl.constexpr,  # block-table entries of chunk i+1 loaded in iteration i
         GDC: tl.constexpr,  # launched with PDL (programmatic dependent launch)
     ):
         if GDC:  # launched with PDL: everything here reads what the previous kernel wrote
@@ -232,6 +237,9 @@ if tl is not None:
             # the current one is used (register double buffering: two chunks of loads in flight
             # per program, which is what small batches at long context need); otherwise K and V
             # of the chunk are both issued at the top of the iteration.
+            if BT_AHEAD:  # the first chunk's block-table entries; later ones a chunk ahead
+                offs_b = kv_lo + tl.arange(0, BLOCK_N)
+                phys_b = tl.load(bt_row + offs_b // BLOCK_SIZE, mask=offs_b < kv_hi, other=0)
             if PREFETCH:
                 offs_n = kv_lo + tl.arange(0, BLOCK_N)
                 n_valid = offs_n < kv_hi
@@ -268,9 +276,16 @@ if tl is not None:
                         other=0.0,
                     )  # [BLOCK_N, HEAD_DIM]
                 else:
-                    phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(
-                        tl.int64
-                    )
+                    if BT_AHEAD:  # this chunk's entries came with the last iteration's
+                        phys = phys_b.to(tl.int64)
+                        offs_b = offs_n + BLOCK_N
+                        phys_b = tl.load(
+                            bt_row + offs_b // BLOCK_SIZE, mask=offs_b < kv_hi, other=0
+                        )
+                    else:
+                        phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(
+                            tl.int64
+                        )
                     within = offs_n % BLOCK_SIZE
                     k = tl.load(
                         k_head + (phys * stride_kb + within * stride_ks)[:, None] + d[None, :],
@@ -439,6 +454,7 @@ def choose_launch_config(
         num_splits=int(num_splits),
         prefetch=bool(prefetch),
         heads_first=_HEADS_FIRST_DEFAULT,
+        bt_ahead=_BT_AHEAD_DEFAULT,
     )
 
 
@@ -587,6 +603,7 @@ def _paged_attention_triton(
         UPCAST_DOT=interpret_mode() and q.dtype == torch.bfloat16,
         PREFETCH=bool(cfg["prefetch"]),
         HEADS_FIRST=heads_first,
+        BT_AHEAD=bool(cfg["bt_ahead"]) and not cfg["prefetch"],
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl,

@@ -330,11 +330,12 @@ def test_kernel_llama3_8b_heads_verification(device, dtype):
     assert rel_err(out, ref) < REL_TOL[dtype]
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("scheme", ["plain", "prefetch", "bt_ahead"])
 @pytest.mark.parametrize("block_n", [16, 64])
-def test_kernel_prefetch_and_chunk_sizes(device, prefetch, block_n):
-    """Both K/V loading schemes (next chunk prefetched or not), chunk sizes smaller and larger
-    than the cache block, with and without split-K; includes a split with no keys."""
+def test_kernel_prefetch_and_chunk_sizes(device, scheme, block_n):
+    """The K/V loading schemes (next chunk prefetched into registers, the next chunk's
+    block-table entries loaded a chunk ahead, or neither), chunk sizes smaller and larger than
+    the cache block, with and without split-K; includes a split with no keys."""
     pa = importlib.import_module("speculant.kernels.paged_attention")  # module, not the fn
     q, kc, vc, bt, cl, qsl = make_batch(
         q_lens=[1, 6, 3, 1],
@@ -353,7 +354,8 @@ def test_kernel_prefetch_and_chunk_sizes(device, prefetch, block_n):
             0.125,
             6,
             out,
-            overrides={"prefetch": prefetch, "block_n": block_n, "num_splits": splits},
+            overrides={"prefetch": scheme == "prefetch", "bt_ahead": scheme == "bt_ahead",
+                       "block_n": block_n, "num_splits": splits, "num_stages": 3},
         )
         assert not torch.isnan(out).any()
         assert rel_err(out, ref) < REL_TOL[torch.float16]
