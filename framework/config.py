@@ -41,8 +41,9 @@ class EngineConfig(BaseModel):
     cuda_graph_capture: Literal["startup", "lazy"] = Field(
         "startup", description="on CUDA with CUDA graphs: 'startup' captures the graphs of every "
         "decode, verification and prefill shape the engine can replay before the first request "
-        "(no capture stall mid-serving; a few seconds at start-up); 'lazy' captures each on its "
-        "first step")
+        "(no capture stall mid-serving; a few seconds at start-up), then the strategy's own "
+        "(its one-graph proposes, a draft model's forwards: the capture_graphs hook); 'lazy' "
+        "captures each on its first use")
     async_scheduling: bool | None = Field(
         None, description="overlap plain decode steps (queue step N+1 on the device-side tokens "
         "of step N before reading them back); None: on for CUDA with CUDA graphs")

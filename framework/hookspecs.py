@@ -130,6 +130,23 @@ def on_requests_finished(seq_ids: list[int]) -> None:
     """
 
 
+@hookspec
+def capture_graphs(max_num_seqs: int, progress: bool) -> int | None:
+    """Capture the strategy's own CUDA graphs now (its one-graph propose, its draft model's
+    forwards), for every batch the engine can ask it to draft for, instead of on first use.
+
+    Collect-all. Called once by the engine at start-up, after the target's graphs, unless
+    ``EngineConfig.cuda_graph_capture`` is ``"lazy"`` (also by ``LLMEngine.capture_graphs()``;
+    on the CPU too, where there is nothing to capture). Capture on padding inputs that write
+    nothing (cache slot -1, context length 0) and leave every per-sequence state as it was.
+    Shapes not captured here are captured on first use, as before. Implementing it is optional.
+
+    :param max_num_seqs: the engine's ``max_num_seqs``: the most sequences a propose gets.
+    :param progress: whether to show a progress bar (tqdm) while capturing.
+    :return: the number of graphs captured (0 when there is nothing to capture), or ``None``.
+    """
+
+
 HOOK_NAMES: tuple[str, ...] = (
     "register_strategies",
     "propose",
@@ -137,6 +154,7 @@ HOOK_NAMES: tuple[str, ...] = (
     "verify",
     "on_batch_size_change",
     "on_requests_finished",
+    "capture_graphs",
 )
 
 __all__ = ["hookimpl", "hookspec", "HOOK_NAMES", "Any"]

@@ -3,10 +3,13 @@ the draft cache misses, normally the accepted drafts and the bonus token), the g
 sequence's last row, then K greedy steps (LM head and argmax, and for the first K - 1 a one-token
 forward of the chosen token). The LM head and argmax are the strategy's ``draft_greedy``: with a
 token map, the argmax over its hot rows' logits only, mapped through the hot ids (no
-full-vocabulary row). One graph per (batch bucket Bp, query bucket Q, K), captured lazily
-in the strategy's ``GraphCache``. Calls that do not fit (catch-ups longer than the largest query
-bucket, more sequences than the largest batch bucket, block tables wider than the graph's)
-return None and the caller runs its eager path.
+full-vocabulary row). One graph per (batch bucket Bp, query bucket Q, K) in the strategy's
+``GraphCache``: at start-up (``capture_all``, the ``capture_graphs`` hook) for every batch bucket
+up to ``max_num_seqs`` and catch-ups of up to k + 1 tokens, on padding inputs
+(``padding_ints``); other shapes (a request's first catch-up: its prompt) on first use. Calls
+that do not fit (catch-ups longer than the largest query bucket, more sequences than the largest
+batch bucket, block tables wider than the graph's) return None and the caller runs its eager
+path.
 
 Shapes follow the draft runner's CUDA graphs (engine/cuda_graph.py) exactly: the same batch and
 query buckets and block-table width, so the catch-up and each draft step run the kernels, tilings
@@ -202,21 +205,75 @@ def fused_greedy(
     Q = _bucket(max(len(f) for f in feeds), query_buckets)
     if Bp is None or Q is None or any(len(st.block_table) > W for st in states):
         return None
-    n_ints, key, dev = sum(_sizes(Bp, Q, K, W)), (Bp, Q, K), strat.device
-    graphs, model, kv = strat.graphs, strat.model, strat.runner.kv_caches
-    greedy = strat.draft_greedy  # LM head and argmax: over the hot rows only with a token map
-    buf, host = graphs.buffers(  # [n_ints] device, [n_ints] pinned host
-        key, lambda: (torch.zeros(n_ints, dtype=torch.long, device=dev), graphs.host_vector(n_ints))
-    )
-    fused_ints(graphs.writable(host), states, feeds, ks, Bp, Q, K, W, bs)  # the graph copies it
-
-    def whole(ints: torch.Tensor, host: torch.Tensor) -> torch.Tensor:  # -> [Bp, K]
-        pinned_copy(host, ints)  # [n_ints] pinned -> device: the graph's first node
-        return propose_graph(model, kv, ints, Bp, Q, K, W, bs, greedy)
-
-    out = graphs.replay(key, whole)
+    key, (buf, host), whole = _entry(strat, Bp, Q, K, W)
+    fused_ints(strat.graphs.writable(host), states, feeds, ks, Bp, Q, K, W, bs)  # graph copies it
+    out = strat.graphs.replay(key, whole)
     if out is None:  # a capture failed: the same function, eagerly
         out = whole(buf, host)
     for st, feed, k in zip(states, feeds, ks):  # after the launch: the GPU is already drafting
         st.num_cached_tokens += len(feed) + k - 1
     return out[:A]
+
+
+def _entry(strat, Bp: int, Q: int, K: int, W: int):
+    """(key, its static inputs ([n_ints] device, [n_ints] pinned host), the function the graph
+    captures) of one (Bp, Q, K) propose graph."""
+    n_ints, dev, bs = sum(_sizes(Bp, Q, K, W)), strat.device, strat.block_size
+    graphs, model, kv = strat.graphs, strat.model, strat.runner.kv_caches
+    greedy = strat.draft_greedy  # LM head and argmax: over the hot rows only with a token map
+    bufs = graphs.buffers(  # [n_ints] device, [n_ints] pinned host
+        (Bp, Q, K),
+        lambda: (torch.zeros(n_ints, dtype=torch.long, device=dev), graphs.host_vector(n_ints)),
+    )
+
+    def whole(ints: torch.Tensor, host: torch.Tensor) -> torch.Tensor:  # -> [Bp, K]
+        pinned_copy(host, ints)  # [n_ints] pinned -> device: the graph's first node
+        return propose_graph(model, kv, ints, Bp, Q, K, W, bs, greedy)
+
+    return (Bp, Q, K), bufs, whole
+
+
+def padding_ints(out: np.ndarray, Bp: int, Q: int, K: int, W: int) -> None:
+    """The ints of a call in which every row is padding (the layout above): token 0 at position
+    0, slot -1 in the catch-up and in every step (no K/V written), context length 0 and empty
+    query ranges everywhere (nothing attended), block tables 0."""
+    out[:] = 0
+    M, S = Bp * Q, (K - 1) * Bp
+    out[2 * M : 3 * M] = -1  # catch-up slots
+    o = 3 * M + 3 * Bp + 1 + S  # after ids, positions, slots, lens, starts, last, step positions
+    out[o : o + S] = -1  # step slots
+
+
+def startup_keys(strat, max_seqs: int) -> list[tuple[int, int, int]]:
+    """(Bp, Q, K) of every greedy propose of up to ``max_seqs`` sequences whose catch-ups feed
+    at most k + 1 tokens (the accepted drafts and the bonus token) and which draft K = k tokens
+    (fewer only near the end of the context): each batch bucket x query bucket up to theirs."""
+    batch_buckets, query_buckets, _ = shapes(strat)
+    K = strat.num_speculative_tokens
+    top_b = _bucket(min(max_seqs, batch_buckets[-1]), batch_buckets)
+    top_q = _bucket(min(K + 1, query_buckets[-1]), query_buckets)
+    return [(Bp, Q, K) for Q in query_buckets if Q <= top_q for Bp in batch_buckets if Bp <= top_b]
+
+
+def capture_all(strat, max_seqs: int, progress: bool = True) -> int:
+    """Capture now, on padding inputs (``padding_ints``: nothing written to the draft cache),
+    every propose graph of ``startup_keys`` not captured yet. Returns how many were captured."""
+    from tqdm.auto import tqdm
+
+    graphs = strat.graphs
+    if not graphs.enabled:
+        return 0
+    W = shapes(strat)[2]
+    todo = [k for k in startup_keys(strat, max_seqs) if k not in graphs.graphs]
+    done = 0
+    for Bp, Q, K in tqdm(todo, desc="Capturing draft-model propose graphs", unit="graph",
+                         disable=not progress or not todo, dynamic_ncols=True):
+        key, (_, host), whole = _entry(strat, Bp, Q, K, W)
+        padding_ints(graphs.writable(host), Bp, Q, K, W)
+        if graphs.replay(key, whole) is None:  # the capture failed: the cache is off now
+            break
+        done += 1
+    if todo and strat.device.type == "cuda":
+        torch.cuda.synchronize(strat.device)
+    graphs.consumed()  # the replays ran: the pinned inputs may be rewritten
+    return done

@@ -38,7 +38,7 @@ from speculant.engine.block_manager import BlockManager
 from speculant.engine.cuda_graph import max_prefill_tokens
 from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
 from speculant.kernels.logprobs import row_argmax
-from speculant.plugins.draft_graph import fused_greedy
+from speculant.plugins.draft_graph import capture_all, fused_greedy
 from speculant.plugins.mlp_speculator import (
     DraftSampler,
     GraphCache,
@@ -356,6 +356,16 @@ class DraftModelStrategy:
     def on_requests_finished(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
             self._drop(i)
+
+    @hookimpl
+    @torch.inference_mode()
+    def capture_graphs(self, max_num_seqs: int, progress: bool) -> int:
+        """The draft runner's graphs (its catch-ups of up to k + 1 tokens and one-token steps
+        for sampled requests, each request's first feed: the prompt's prefill) and the
+        one-graph greedy proposes (``draft_graph.capture_all``)."""
+        n = self.runner.capture_graphs(max_num_seqs, self.num_speculative_tokens + 1, (), None,
+                                       progress)
+        return n + capture_all(self, max_num_seqs, progress)
 
     # ----------------------------------------------------------------- helpers
     def _drop(self, seq_id: int) -> None:

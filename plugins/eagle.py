@@ -105,7 +105,7 @@ from speculant.models import fused
 from speculant.models.layers import RMSNorm, RotaryEmbedding
 from speculant.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, mlp_gemv
 from speculant.models.weights import WeightLoader, WeightLoadError
-from speculant.plugins.eagle_graph import _slot, fused_greedy
+from speculant.plugins.eagle_graph import _slot, capture_all, fused_greedy
 from speculant.plugins.mlp_speculator import (
     DraftSampler,
     GraphCache,
@@ -705,29 +705,46 @@ class _EagleBase:
         A, Bp, W = len(rows), bucket(len(rows)), self.graph_width
         if any(len(p.st.table) > W for p in rows):  # grow() bounds it by max_model_len + k
             raise AssertionError(f"draft block table wider than the graph's ({W} blocks)")
-        dev = x.device
+        key, (ints_buf, x_buf, host), fn = self._chain_entry(Bp, K, W)
+        self.graphs.writable(host)[:] = self._chain_ints(rows, K, Bp, W)  # the graph copies it
+        x_buf[:A].copy_(x)
+        out = self.graphs.replay(key, fn)
+        if out is None:  # the capture failed: eagerly
+            out = fn(ints_buf, x_buf, host)
+        return out[:A]  # [A, K]
+
+    def _chain_entry(self, Bp: int, K: int, W: int):
+        """(key, its static inputs ([n_ints] device, [Bp, H] draft states, [n_ints] pinned
+        host), the function the graph captures) of one (Bp, K) greedy chain graph."""
+        dev = self.ctx.device
         n_ints = 3 * (K - 1) * Bp + Bp + 1 + Bp * W
 
         def make():
             return (
                 torch.zeros(n_ints, dtype=torch.long, device=dev),
-                torch.zeros(Bp, x.shape[1], dtype=self.ctx.dtype, device=dev),
+                torch.zeros(Bp, self.hf.hidden_size, dtype=self.ctx.dtype, device=dev),
                 self.graphs.host_vector(n_ints),
             )
 
         key = (Bp, K)
-        ints_buf, x_buf, host = self.graphs.buffers(key, make)  # [n_ints], [Bp, H], [n_ints]
-        self.graphs.writable(host)[:] = self._chain_ints(rows, K, Bp, W)  # the graph copies it
-        x_buf[:A].copy_(x)
+        bufs = self.graphs.buffers(key, make)  # [n_ints], [Bp, H], [n_ints]
 
         def fn(ints, xs, host):
             pinned_copy(host, ints)  # [n_ints] pinned -> device: the graph's first node
             return self._chain(ints, xs, K, W, None)  # greedy
 
-        out = self.graphs.replay(key, fn)
-        if out is None:  # the capture failed: eagerly
-            out = fn(ints_buf, x_buf, host)
-        return out[:A]  # [A, K]
+        return key, bufs, fn
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features a catch-up row carries (``_features``)."""
+        return self.H_target
+
+    @hookimpl
+    @torch.inference_mode()
+    def capture_graphs(self, max_num_seqs: int, progress: bool) -> int:
+        """The one-graph greedy proposes and draft-step chains (``eagle_graph.capture_all``)."""
+        return capture_all(self, max_num_seqs, progress)
 
 
 class EagleStrategy(_EagleBase):
@@ -895,6 +912,10 @@ class Eagle3Strategy(_EagleBase):
 
     def _features(self, batch: SpecBatch) -> torch.Tensor | None:
         return batch.aux_hidden_states
+
+    @property
+    def feature_width(self) -> int:  # the residual streams of the aux layers, concatenated
+        return len(self.aux_hidden_layers) * self.H_target
 
     def _draft_logits(self, x: torch.Tensor) -> torch.Tensor:  # [rows, H] -> [rows, Vd] fp32
         d = self.draft

@@ -1,7 +1,9 @@
 """The whole greedy EAGLE propose as one CUDA graph replay: the catch-up forward over the verified
 positions (the target's features in), the gather of each drafting sequence's last row, and the K
-greedy draft steps (``_EagleBase._chain``). One graph per (batch bucket Bp, query bucket Q, K),
-captured lazily in the strategy's ``GraphCache``.
+greedy draft steps (``_EagleBase._chain``). One graph per (batch bucket Bp, query bucket Q, K)
+in the strategy's ``GraphCache``: at start-up (``capture_all``, the ``capture_graphs`` hook) for
+every batch bucket up to ``max_num_seqs`` and catch-ups of up to k + 1 rows, with the K-step
+chains that follow longer (eager) catch-ups, on padding inputs; other shapes on first use.
 
 Inputs live in two static buffers per key, filled before each replay: ``ints`` (int64, which the
 graph's first kernel copies from a pinned host vector the host writes: ``pinned_copy``) and ``feats`` ([Bp * Q, F] target features, F = H for EAGLE-1,
@@ -32,7 +34,7 @@ from speculant.engine.attention import AttentionMetadata, ForwardContext
 from speculant.engine.gather import gather_rows
 from speculant.engine.staging import staging_ext
 from speculant.kernels.stage_copy import pinned_copy
-from speculant.plugins.mlp_speculator import bucket, to_device_async
+from speculant.plugins.mlp_speculator import BUCKETS, bucket, to_device_async
 
 QUERY_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)  # catch-up rows per sequence: 1..k+1 normally
 MAX_BATCH = 256
@@ -118,18 +120,7 @@ def fused_greedy(
     Bp, W, dev = bucket(len(plan)), strat.graph_width, feats.device
     if any(len(p.st.table) > W for p in plan):  # grow() bounds it by max_model_len + k
         raise AssertionError(f"draft block table wider than the graph's ({W} blocks)")
-    M, S = Bp * Q, K - 1
-    n_ints = 3 * M + 3 * Bp + 1 + 3 * S * Bp + Bp + 1 + Bp * W
-
-    def make():
-        return (
-            torch.zeros(n_ints, dtype=torch.long, device=dev),
-            torch.zeros(M, feats.shape[1], dtype=strat.ctx.dtype, device=dev),
-            strat.graphs.host_vector(n_ints),
-        )
-
-    key = ("fused", Bp, Q, K)
-    ints_buf, feats_buf, host = strat.graphs.buffers(key, make)  # [n_ints], [M, F], [n_ints]
+    key, (ints_buf, feats_buf, host), fn = _entry(strat, Bp, Q, K, W, feats.shape[1])
     fused_ints(strat.graphs.writable(host), strat, batch, order, A, Bp, Q, K, W)
     rows = [r for p in order for r in range(p.row, p.row + p.count)]
     T = len(rows)
@@ -137,15 +128,86 @@ def fused_greedy(
         feats_buf[:T].copy_(feats)
     else:
         feats_buf[:T].copy_(gather_rows(feats, to_device_async(rows, torch.long, dev)))
+    out = strat.graphs.replay(key, fn)
+    if out is None:  # the capture failed: eagerly
+        out = fn(ints_buf, feats_buf, host)
+    return out[:A]
+
+
+def _entry(strat, Bp: int, Q: int, K: int, W: int, F: int):
+    """(key, its static inputs ([n_ints] device, [Bp * Q, F] features, [n_ints] pinned host),
+    the function the graph captures) of one (Bp, Q, K) propose graph."""
+    M, S, dev = Bp * Q, K - 1, strat.ctx.device
+    n_ints = 3 * M + 3 * Bp + 1 + 3 * S * Bp + Bp + 1 + Bp * W
+
+    def make():
+        return (
+            torch.zeros(n_ints, dtype=torch.long, device=dev),
+            torch.zeros(M, F, dtype=strat.ctx.dtype, device=dev),
+            strat.graphs.host_vector(n_ints),
+        )
+
+    key = ("fused", Bp, Q, K)
+    bufs = strat.graphs.buffers(key, make)
 
     def fn(ints: torch.Tensor, fs: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
         pinned_copy(host, ints)  # [n_ints] pinned -> device: the graph's first node
         return propose_graph(strat, ints, fs, Bp, Q, K, W)
 
-    out = strat.graphs.replay(key, fn)
-    if out is None:  # the capture failed: eagerly
-        out = fn(ints_buf, feats_buf, host)
-    return out[:A]
+    return key, bufs, fn
+
+
+def padding_ints(out: np.ndarray, Bp: int, Q: int, K: int, W: int) -> None:
+    """The ints of a call in which every row is padding (the layout above): token 0 at
+    position 0 and slot -1 in the catch-up and in every chain step (no K/V written), context
+    length 0 and empty query ranges everywhere (nothing attended), block tables 0."""
+    out[:] = 0
+    M = Bp * Q
+    out[2 * M : 3 * M] = -1  # catch-up slots
+    chain_padding(out[3 * M + 3 * Bp + 1 :], Bp, K)
+
+
+def chain_padding(out: np.ndarray, Bp: int, K: int) -> None:
+    """``_EagleBase._chain_ints`` of no sequence: every step's slots -1, the rest 0."""
+    out[:] = 0
+    S = (K - 1) * Bp
+    out[S : 2 * S] = -1
+
+
+def capture_all(strat, max_seqs: int, progress: bool = True) -> int:
+    """Capture now, on padding inputs (nothing written to the draft cache), the greedy propose
+    graphs of up to ``max_seqs`` sequences (at most 256) not captured yet: the one-graph
+    propose of each (batch bucket, catch-up bucket up to k + 1 rows) and the K-step chain
+    (``_EagleBase._greedy_graph``: after a catch-up too long for one graph, e.g. a request's
+    first propose over its prompt) of each batch bucket, K = k. Returns how many were captured."""
+    from tqdm.auto import tqdm
+
+    graphs = strat.graphs
+    if not graphs.enabled:
+        return 0
+    K, W = strat.num_speculative_tokens, strat.graph_width
+    top_b, top_q = bucket(min(max_seqs, MAX_BATCH)), query_bucket(min(K + 1, QUERY_BUCKETS[-1]))
+    batches = [b for b in BUCKETS if b <= top_b]
+    todo = [("fused", b, q) for q in QUERY_BUCKETS if q <= top_q for b in batches]
+    todo += [("chain", b, 0) for b in batches]
+    todo = [t for t in todo if (("fused", t[1], t[2], K) if t[0] == "fused" else (t[1], K))
+            not in graphs.graphs]
+    done = 0
+    for kind, Bp, Q in tqdm(todo, desc=f"Capturing {strat.name} propose graphs", unit="graph",
+                            disable=not progress or not todo, dynamic_ncols=True):
+        if kind == "fused":
+            key, (_, _, host), fn = _entry(strat, Bp, Q, K, W, strat.feature_width)
+            padding_ints(graphs.writable(host), Bp, Q, K, W)
+        else:
+            key, (_, _, host), fn = strat._chain_entry(Bp, K, W)
+            chain_padding(graphs.writable(host), Bp, K)
+        if graphs.replay(key, fn) is None:  # the capture failed: the cache is off now
+            break
+        done += 1
+    if todo and strat.ctx.device.type == "cuda":
+        torch.cuda.synchronize(strat.ctx.device)
+    graphs.consumed()  # the replays ran: the pinned inputs may be rewritten
+    return done
 
 
 def propose_graph(

@@ -62,6 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from speculant import hookimpl
+from speculant.engine.cuda_graph import gc_paused
 from speculant.engine.staging import read_back
 from speculant.kernels.logprobs import row_argmax
 from speculant.kernels.stage_copy import pinned_copy
@@ -194,7 +195,8 @@ def graphs_wanted(device: torch.device) -> bool:
 
 
 class GraphCache:
-    """CUDA graphs of a function over static input buffers, captured lazily, one per key.
+    """CUDA graphs of a function over static input buffers, one per key, captured on first use
+    (or ahead, at start-up, by the strategies' ``capture_graphs`` hooks with padding inputs).
 
     ``buffers(key, make)`` returns the static inputs of ``key`` (made by ``make`` on first use);
     the caller fills them, then ``replay(key, fn)`` captures ``fn(*inputs)`` on first use and
@@ -270,14 +272,17 @@ class GraphCache:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with gc_paused(), torch.cuda.graph(graph, pool=self.pool):
             out = fn(*inputs)
         return graph, out
 
 
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # padded batch sizes of graphs
+
+
 def bucket(n: int) -> int:
     """Padded batch size of a captured draft loop (n <= 256; larger n runs eagerly)."""
-    for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256):
+    for b in BUCKETS:
         if b >= n:
             return b
     return n
@@ -711,29 +716,60 @@ class MLPSpeculatorStrategy:
 
     def _greedy_graph(self, state: torch.Tensor, tokens: list[int], K: int) -> torch.Tensor:
         """All K greedy stages as one CUDA graph replay (batch padded to a bucket)."""
-        n, Bp = state.shape[0], bucket(state.shape[0])
-        dev = state.device
+        n = state.shape[0]
+        key, (st_buf, tok_buf, host), fn = self._entry(bucket(n), K)
+        st_buf[:n].copy_(state)
+        self.graphs.writable(host)[:n] = tokens  # the graph copies it
+        out = self.graphs.replay(key, fn)
+        if out is None:  # the capture failed: eagerly
+            out = fn(st_buf, tok_buf, host)
+        return out[:n]  # [rows, K]
+
+    def _entry(self, Bp: int, K: int):
+        """(key, its static inputs ([Bp, emb_dim] states, [Bp] tokens, [Bp] pinned host
+        tokens), the function the graph captures) of one (Bp, K) greedy stages graph."""
+        dev = self.ctx.device
 
         def make():
             return (
-                torch.zeros(Bp, state.shape[1], dtype=self.ctx.dtype, device=dev),
+                torch.zeros(Bp, self.model.emb_dim, dtype=self.ctx.dtype, device=dev),
                 torch.zeros(Bp, dtype=torch.long, device=dev),
                 self.graphs.host_vector(Bp),
             )
 
         key = (Bp, K)
-        st_buf, tok_buf, host = self.graphs.buffers(key, make)  # [Bp, emb_dim], [Bp], [Bp]
-        st_buf[:n].copy_(state)
-        self.graphs.writable(host)[:n] = tokens  # the graph copies it
+        bufs = self.graphs.buffers(key, make)  # [Bp, emb_dim], [Bp], [Bp]
 
         def fn(st, tok, host):
             pinned_copy(host, tok)  # [Bp] pinned -> device: the graph's first node
             return self._stages(st, tok, K, None)  # greedy
 
-        out = self.graphs.replay(key, fn)
-        if out is None:  # the capture failed: eagerly
-            out = fn(st_buf, tok_buf, host)
-        return out[:n]  # [rows, K]
+        return key, bufs, fn
+
+    @hookimpl
+    @torch.inference_mode()
+    def capture_graphs(self, max_num_seqs: int, progress: bool) -> int:
+        """The greedy stages graph of every batch bucket up to ``max_num_seqs`` sequences (at
+        most 256), K = k, captured on zero states and tokens (it writes no cache)."""
+        from tqdm.auto import tqdm
+
+        graphs, K = self.graphs, self.num_speculative_tokens
+        if not graphs.enabled:
+            return 0
+        top = bucket(min(max_num_seqs, BUCKETS[-1]))
+        todo = [b for b in BUCKETS if b <= top and (b, K) not in graphs.graphs]
+        done = 0
+        for Bp in tqdm(todo, desc="Capturing mlp_speculator propose graphs", unit="graph",
+                       disable=not progress or not todo, dynamic_ncols=True):
+            key, (_, _, host), fn = self._entry(Bp, K)
+            graphs.writable(host)[:] = 0
+            if graphs.replay(key, fn) is None:  # the capture failed: the cache is off now
+                break
+            done += 1
+        if todo and self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        graphs.consumed()
+        return done
 
 
 @hookimpl

@@ -396,3 +396,27 @@ def test_startup_capture_out_of_memory_names_the_fix(tiny_factory, monkeypatch):
     with pytest.raises(RuntimeError, match="cuda_graph_capture='lazy'") as e:
         llm.engine.capture_graphs()
     assert "gpu_memory_utilization" in str(e.value) and e.value.__cause__ is None
+
+
+def test_gc_paused_during_captures():
+    """No cyclic collection may run inside a capture (it could destroy another graph there,
+    which invalidates the capture): ``gc_paused`` turns the collector off and restores it, on
+    error too, and leaves it off where it was off."""
+    import gc
+
+    from speculant.engine.cuda_graph import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError), gc_paused():
+        raise ValueError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

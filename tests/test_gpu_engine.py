@@ -341,6 +341,44 @@ def test_startup_capture_covers_every_step(tiny_factory, target, heads, torch_pa
         assert outs["startup"] == torch_path_greedy
 
 
+@pytest.mark.parametrize("kind", ["draft_model", "draft_model+tm", "eagle", "eagle3",
+                                  "mlp_speculator"])
+def test_strategy_startup_capture(tiny_factory, target, heads, kind, monkeypatch):
+    """At start-up the strategy captures its own graphs too (the ``capture_graphs`` hook): the
+    one-graph greedy proposes of every batch bucket and catch-up of up to k + 1 tokens (EAGLE's
+    chains after longer catch-ups too, the draft model's runner graphs), on padding inputs.
+    Generating the six ragged prompts then captures only the first proposes of the short
+    prompts (catch-ups of 5-16 tokens), writes the tokens of a lazily capturing engine, and a
+    startup engine's draft cache held nothing before the first request."""
+    monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
+    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
+    tgt = target
+    if kind == "eagle3":
+        tgt = tiny_factory("llama", seed=0, **{**GEOMETRY, "num_hidden_layers": 3})
+    outs = {}
+    for mode in ("startup", "lazy"):
+        llm = _llm(tgt, speculative_config=_spec(kind, heads), cuda_graph_capture=mode)
+        strat = llm.engine.spec.strategy
+        before = set(strat.graphs.graphs)
+        assert bool(before) == (mode == "startup")
+        runner = getattr(strat, "runner", None)
+        if mode == "startup" and runner is not None:  # the draft model: its runner's graphs
+            assert runner.graphs.graphs
+            assert not runner.kv_cache.any()  # padding steps wrote no K/V
+        if mode == "startup" and hasattr(strat, "cache"):  # EAGLE's draft cache
+            assert not any(k.any() or v.any() for k, v in strat.cache.kv_caches)
+        outs[mode] = _generate(llm, GREEDY)
+        if mode == "startup":
+            new = set(strat.graphs.graphs) - before
+            k1 = llm.engine.spec.k + 1
+            # first proposes over short prompts only (their whole prompt is the catch-up)
+            assert all(key[-2] > k1 for key in new if len(key) >= 3), sorted(new)
+            assert not [key for key in new if len(key) == 2], sorted(new)  # stages / chains
+        del llm
+        torch.cuda.empty_cache()
+    assert outs["startup"] == outs["lazy"]
+
+
 @pytest.mark.parametrize("kind", ["plain", "draft_model"])
 def test_one_row_gemv_path_equals_torch_path(target, heads, torch_path_greedy, kind, monkeypatch):
     """Batch-1 steps run the Llama layers as GEMVs with fused prologues (kernels/gemv.py) and RoPE

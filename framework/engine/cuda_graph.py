@@ -43,7 +43,10 @@ query range (the attention kernel skips them). Padded rows of the output are gar
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +65,22 @@ PREFILL_BUCKETS = (32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 
 # the largest prefill step a graph is captured for (ModelRunner's default; ~25 ms of GPU work
 # on the Llama-3-8B geometry, which hides the host's launches anyway); larger ones run eagerly
 MAX_PREFILL_TOKENS = 2048
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the duration of a CUDA-graph capture. A
+    collection that ran mid-capture could free another CUDA graph (an engine or strategy
+    dropped earlier, kept alive by a reference cycle): its destructor's cudaGraphExecDestroy is
+    not permitted while a stream captures and invalidates the capture ("operation failed due to
+    a previous error during capture"). What is collectable is collected after the capture."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def max_prefill_tokens(value: int | None = None) -> int:
@@ -443,7 +462,7 @@ class CudaGraphRunner:
         # boundaries
         torch.cuda.synchronize(self.device)
         capture_stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(capture_stream):
+        with gc_paused(), torch.cuda.stream(capture_stream):
             graphs[0].capture_begin(pool=self.pool)
             try:
                 hidden, aux = self._forward(B, M, Q, aux_layers, next_segment, stage)

@@ -96,9 +96,10 @@ class LLMEngine:
         """Capture the target's CUDA graphs for every step shape this engine can replay: decode
         and verification steps of up to ``max_num_seqs`` sequences (up to k + 1 tokens each
         with a strategy, the residual streams it reads included) and prefill steps of up to
-        ``max_num_batched_tokens``. Called at start-up unless ``cuda_graph_capture="lazy"``;
-        a strategy's own graphs (a draft model's, EAGLE's) are still captured on first use.
-        Returns how many graphs were captured."""
+        ``max_num_batched_tokens``; then the strategy's own (a draft model's, EAGLE's, the
+        MLPSpeculator's: the ``capture_graphs`` hook). Called at start-up unless
+        ``cuda_graph_capture="lazy"``, and again by whoever swaps the strategy. Returns how many
+        graphs were captured."""
         max_query, aux = 1, ()
         if self.spec is not None:
             max_query, aux = self.spec.k + 1, self.spec.aux_layers
@@ -106,6 +107,8 @@ class LLMEngine:
         try:
             n = self.runner.capture_graphs(self.config.max_num_seqs, max_query, aux,
                                            self.scheduler.max_num_batched_tokens, progress)
+            if self.spec is not None:
+                n += self.spec.capture_graphs(progress)
         except torch.cuda.OutOfMemoryError:
             raise RuntimeError(
                 "capturing the CUDA graphs at start-up ran out of GPU memory (their activations "

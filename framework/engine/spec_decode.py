@@ -109,6 +109,13 @@ class SpecDecoder:
             return 0
         return self.k if self.enabled else 0
 
+    def capture_graphs(self, progress: bool = True) -> int:
+        """The plugins' ``capture_graphs`` hook (their own CUDA graphs, at start-up): how many
+        they captured."""
+        done = self.pm.hook.capture_graphs(max_num_seqs=self.engine.config.max_num_seqs,
+                                           progress=progress)
+        return sum(int(n or 0) for n in done)
+
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
             self.pending.pop(i, None)
