@@ -26,6 +26,8 @@ class StrategyContext:
     seed: int = 0
     # the target's prefill CUDA-graph limit in tokens (0: prefill runs eagerly; None: the default)
     max_prefill_graph_tokens: int | None = None
+    # EngineConfig.enforce_eager: no CUDA graphs for the strategy's own forwards either
+    enforce_eager: bool = False
 
 
 @dataclass

@@ -208,10 +208,11 @@ class DraftModelStrategy:
         # prefill graph one token per sequence larger than the target's
         limit = max_prefill_tokens(ctx.max_prefill_graph_tokens)
         self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype,
+                                  enforce_eager=ctx.enforce_eager,
                                   max_graph_prefill=limit and limit + ctx.max_num_seqs)
         self.states: dict[int, _DraftSeq] = {}
         # greedy proposes as one CUDA graph replay each (draft_graph.py); off on the CPU
-        self.graphs = GraphCache(self.device, "draft model propose")
+        self.graphs = GraphCache(self.device, "draft model propose", ctx.enforce_eager)
         self.generator = torch.Generator().manual_seed(ctx.seed + 104729)
         logger.info(
             "draft model %s (%s, %d layers) on %s: %d KV blocks of %d",

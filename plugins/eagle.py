@@ -414,7 +414,7 @@ class _EagleBase:
         )
         self.states: dict[int, _SeqState] = {}
         self.generator = torch.Generator().manual_seed(ctx.seed + 15485863)
-        self.graphs = GraphCache(ctx.device, f"{self.name} {folder}")
+        self.graphs = GraphCache(ctx.device, f"{self.name} {folder}", ctx.enforce_eager)
         # block-table width of the captured draft loop: the most blocks a sequence can hold
         self.graph_width = -(-(max_pos + 1) // ctx.block_size) + 1
 

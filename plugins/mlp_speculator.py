@@ -183,11 +183,12 @@ def to_device_async(
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def graphs_wanted(device: torch.device) -> bool:
+def graphs_wanted(device: torch.device, enforce_eager: bool = False) -> bool:
     """CUDA graphs for the proposers' draft loops: on CUDA with the Triton kernels (the torch
-    attention path builds host tensors per call and cannot be captured), unless
-    ``SPECULANT_ENFORCE_EAGER`` is set."""
-    if device.type != "cuda" or os.environ.get("SPECULANT_ENFORCE_EAGER", "0") not in ("", "0"):
+    attention path builds host tensors per call and cannot be captured), unless the engine runs
+    eagerly (``enforce_eager``, the engine's setting) or ``SPECULANT_ENFORCE_EAGER`` is set."""
+    eager = enforce_eager or os.environ.get("SPECULANT_ENFORCE_EAGER", "0") not in ("", "0")
+    if device.type != "cuda" or eager:
         return False
     from speculant.kernels._triton_utils import triton_enabled
 
@@ -205,10 +206,10 @@ class GraphCache:
     (so ``fn`` must be idempotent for given inputs, e.g. write the same K/V twice). If a capture
     fails the cache turns itself off (``enabled`` False) and the caller runs ``fn`` eagerly."""
 
-    def __init__(self, device: torch.device, what: str) -> None:
+    def __init__(self, device: torch.device, what: str, enforce_eager: bool = False) -> None:
         self.device = device
         self.what = what
-        self.enabled = graphs_wanted(device)
+        self.enabled = graphs_wanted(device, enforce_eager)
         self.inputs: dict[Any, tuple[torch.Tensor, ...]] = {}
         self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.pool = None
@@ -653,7 +654,7 @@ class MLPSpeculatorStrategy:
             except TokenMapError as e:
                 raise StrategyError(str(e)) from None
         self.generator = torch.Generator().manual_seed(ctx.seed + 104729)
-        self.graphs = GraphCache(ctx.device, f"mlp_speculator {folder}")
+        self.graphs = GraphCache(ctx.device, f"mlp_speculator {folder}", ctx.enforce_eager)
 
     @hookimpl
     @torch.inference_mode()

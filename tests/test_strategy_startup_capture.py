@@ -190,3 +190,30 @@ def test_engine_calls_the_hook_at_startup(target, monkeypatch, mode):
     finally:
         spec.pm.unregister(name="test:a")
         spec.pm.unregister(name="test:b")
+
+
+def test_enforce_eager_reaches_the_strategies(target, monkeypatch):
+    """``enforce_eager=True`` keeps the strategies' own forwards eager too: it reaches them in
+    the StrategyContext, their graph caches stay off on CUDA, and the draft model's runner is
+    built eager."""
+    from speculant.engine import model_runner
+    from speculant.plugins.mlp_speculator import GraphCache, graphs_wanted
+
+    monkeypatch.delenv("SPECULANT_ENFORCE_EAGER", raising=False)
+    cuda = torch.device("cuda")
+    assert not graphs_wanted(cuda, enforce_eager=True)  # decided before any CUDA call
+    assert not GraphCache(cuda, "test", enforce_eager=True).enabled
+    built = []
+    real = model_runner.ModelRunner.__init__
+
+    def spy(self, *a, **kw):
+        built.append(kw.get("enforce_eager", False))
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "__init__", spy)
+    for eager in (True, False):
+        built.clear()
+        llm = _llm(target, {"model": str(target), "num_speculative_tokens": 3},
+                   enforce_eager=eager)
+        assert llm.engine.spec.ctx.enforce_eager is eager
+        assert built == [eager, eager]  # the target's runner, then the draft model's

@@ -61,6 +61,7 @@ class SpecDecoder:
             max_model_len=engine.max_model_len, max_num_seqs=engine.config.max_num_seqs,
             tokenizer=engine.tokenizer, eos_token_id=engine.eos_token_id, seed=engine.config.seed,
             max_prefill_graph_tokens=engine.config.max_prefill_graph_tokens,
+            enforce_eager=engine.config.enforce_eager,
         )
         self.ctx = ctx
         cls = get_strategy(spec.method, "proposer")
