@@ -258,22 +258,13 @@ def startup_keys(strat, max_seqs: int) -> list[tuple[int, int, int]]:
 def capture_all(strat, max_seqs: int, progress: bool = True) -> int:
     """Capture now, on padding inputs (``padding_ints``: nothing written to the draft cache),
     every propose graph of ``startup_keys`` not captured yet. Returns how many were captured."""
-    from tqdm.auto import tqdm
-
-    graphs = strat.graphs
-    if not graphs.enabled:
+    if not strat.graphs.enabled:
         return 0
     W = shapes(strat)[2]
-    todo = [k for k in startup_keys(strat, max_seqs) if k not in graphs.graphs]
-    done = 0
-    for Bp, Q, K in tqdm(todo, desc="Capturing draft-model propose graphs", unit="graph",
-                         disable=not progress or not todo, dynamic_ncols=True):
-        key, (_, host), whole = _entry(strat, Bp, Q, K, W)
-        padding_ints(graphs.writable(host), Bp, Q, K, W)
-        if graphs.replay(key, whole) is None:  # the capture failed: the cache is off now
-            break
-        done += 1
-    if todo and strat.device.type == "cuda":
-        torch.cuda.synchronize(strat.device)
-    graphs.consumed()  # the replays ran: the pinned inputs may be rewritten
-    return done
+    return strat.graphs.capture_all(
+        startup_keys(strat, max_seqs),
+        lambda key: _entry(strat, *key, W),
+        lambda host, key: padding_ints(host, *key, W),
+        "Capturing draft-model propose graphs",
+        progress,
+    )

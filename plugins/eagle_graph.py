@@ -180,34 +180,27 @@ def capture_all(strat, max_seqs: int, progress: bool = True) -> int:
     propose of each (batch bucket, catch-up bucket up to k + 1 rows) and the K-step chain
     (``_EagleBase._greedy_graph``: after a catch-up too long for one graph, e.g. a request's
     first propose over its prompt) of each batch bucket, K = k. Returns how many were captured."""
-    from tqdm.auto import tqdm
-
-    graphs = strat.graphs
-    if not graphs.enabled:
-        return 0
     K, W = strat.num_speculative_tokens, strat.graph_width
     top_b, top_q = bucket(min(max_seqs, MAX_BATCH)), query_bucket(min(K + 1, QUERY_BUCKETS[-1]))
     batches = [b for b in BUCKETS if b <= top_b]
-    todo = [("fused", b, q) for q in QUERY_BUCKETS if q <= top_q for b in batches]
-    todo += [("chain", b, 0) for b in batches]
-    todo = [t for t in todo if (("fused", t[1], t[2], K) if t[0] == "fused" else (t[1], K))
-            not in graphs.graphs]
-    done = 0
-    for kind, Bp, Q in tqdm(todo, desc=f"Capturing {strat.name} propose graphs", unit="graph",
-                            disable=not progress or not todo, dynamic_ncols=True):
-        if kind == "fused":
-            key, (_, _, host), fn = _entry(strat, Bp, Q, K, W, strat.feature_width)
-            padding_ints(graphs.writable(host), Bp, Q, K, W)
+    items = [(b, q) for q in QUERY_BUCKETS if q <= top_q for b in batches]  # one-graph proposes
+    items += [(b, 0) for b in batches]  # chains (Q = 0)
+
+    def entry(item):
+        Bp, Q = item
+        if Q:
+            return _entry(strat, Bp, Q, K, W, strat.feature_width)
+        return strat._chain_entry(Bp, K, W)
+
+    def pad(host: np.ndarray, item) -> None:
+        Bp, Q = item
+        if Q:
+            padding_ints(host, Bp, Q, K, W)
         else:
-            key, (_, _, host), fn = strat._chain_entry(Bp, K, W)
-            chain_padding(graphs.writable(host), Bp, K)
-        if graphs.replay(key, fn) is None:  # the capture failed: the cache is off now
-            break
-        done += 1
-    if todo and strat.ctx.device.type == "cuda":
-        torch.cuda.synchronize(strat.ctx.device)
-    graphs.consumed()  # the replays ran: the pinned inputs may be rewritten
-    return done
+            chain_padding(host, Bp, K)
+
+    return strat.graphs.capture_all(items, entry, pad, f"Capturing {strat.name} propose graphs",
+                                    progress)
 
 
 def propose_graph(

@@ -263,6 +263,38 @@ class GraphCache:
         self.inflight = True
         return entry[1]
 
+    def capture_all(
+        self,
+        items: list,
+        entry: Callable[[Any], tuple[Any, tuple[torch.Tensor, ...], Callable[..., Any]]],
+        pad: Callable[[np.ndarray, Any], None],
+        desc: str,
+        progress: bool = True,
+    ) -> int:
+        """Capture now the graph of each of ``items`` not captured yet (a strategy's start-up
+        capture, its ``capture_graphs`` hook): ``entry(item)`` gives (key, its static inputs, the
+        last one the pinned host vector, the function to capture), ``pad(host, item)`` writes
+        padding inputs into the host vector (nothing written to a cache, nothing attended). A
+        tqdm bar shows progress. Returns how many were captured (fewer if a capture failed: the
+        cache is then off)."""
+        from tqdm.auto import tqdm
+
+        if not self.enabled:
+            return 0
+        todo = [(item, *entry(item)) for item in items]
+        todo = [t for t in todo if t[1] not in self.graphs]
+        done = 0
+        for item, key, bufs, fn in tqdm(todo, desc=desc, unit="graph",
+                                        disable=not progress or not todo, dynamic_ncols=True):
+            pad(self.writable(bufs[-1]), item)
+            if self.replay(key, fn) is None:
+                break
+            done += 1
+        if todo and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.consumed()  # the replays ran: the pinned inputs may be rewritten
+        return done
+
     def _capture(self, fn, inputs):
         cur = torch.cuda.current_stream(self.device)
         stream = torch.cuda.Stream(self.device)
@@ -752,25 +784,14 @@ class MLPSpeculatorStrategy:
     def capture_graphs(self, max_num_seqs: int, progress: bool) -> int:
         """The greedy stages graph of every batch bucket up to ``max_num_seqs`` sequences (at
         most 256), K = k, captured on zero states and tokens (it writes no cache)."""
-        from tqdm.auto import tqdm
+        K, top = self.num_speculative_tokens, bucket(min(max_num_seqs, BUCKETS[-1]))
 
-        graphs, K = self.graphs, self.num_speculative_tokens
-        if not graphs.enabled:
-            return 0
-        top = bucket(min(max_num_seqs, BUCKETS[-1]))
-        todo = [b for b in BUCKETS if b <= top and (b, K) not in graphs.graphs]
-        done = 0
-        for Bp in tqdm(todo, desc="Capturing mlp_speculator propose graphs", unit="graph",
-                       disable=not progress or not todo, dynamic_ncols=True):
-            key, (_, _, host), fn = self._entry(Bp, K)
-            graphs.writable(host)[:] = 0
-            if graphs.replay(key, fn) is None:  # the capture failed: the cache is off now
-                break
-            done += 1
-        if todo and self.ctx.device.type == "cuda":
-            torch.cuda.synchronize(self.ctx.device)
-        graphs.consumed()
-        return done
+        def zeros(host: np.ndarray, Bp: int) -> None:
+            host[:] = 0
+
+        return self.graphs.capture_all([b for b in BUCKETS if b <= top],
+                                       lambda Bp: self._entry(Bp, K), zeros,
+                                       "Capturing mlp_speculator propose graphs", progress)
 
 
 @hookimpl
