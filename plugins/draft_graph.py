@@ -258,8 +258,6 @@ def startup_keys(strat, max_seqs: int) -> list[tuple[int, int, int]]:
 def capture_all(strat, max_seqs: int, progress: bool = True) -> int:
     """Capture now, on padding inputs (``padding_ints``: nothing written to the draft cache),
     every propose graph of ``startup_keys`` not captured yet. Returns how many were captured."""
-    if not strat.graphs.enabled:
-        return 0
     W = shapes(strat)[2]
     return strat.graphs.capture_all(
         startup_keys(strat, max_seqs),

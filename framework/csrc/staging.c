@@ -44,10 +44,9 @@ static int int_args(PyObject *const *args, int n, i64 *dims, const i64 *mins, co
     return 0;
 }
 
-/* o as a writable C-contiguous int64 buffer of exactly n entries; -1 with an exception (nothing
- * to release then) */
-/* A writable C-contiguous buffer of int64 (itemsize 8) or int32 (itemsize 4) entries: exactly n
- * of them (exact), or at least n. ``fn`` and ``what`` name the function and argument in errors. */
+/* o as a writable C-contiguous buffer of int64 (itemsize 8) or int32 (itemsize 4) entries:
+ * exactly n of them (exact), or at least n. ``fn`` and ``what`` name the function and argument
+ * in errors. -1 with an exception (nothing to release then). */
 static int int_buffer(PyObject *o, Py_ssize_t itemsize, i64 n, int exact, Py_buffer *ob,
                       const char *fn, const char *what) {
     if (PyObject_GetBuffer(o, ob, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
