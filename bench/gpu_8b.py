@@ -556,6 +556,14 @@ def main() -> int:
         torch.cuda.empty_cache()
     strategies += auto
 
+    def progress(row: dict) -> None:
+        print(
+            f"[{time.perf_counter() - t_start:5.0f}s] {row['name']:>28} b{row['batch_size']:<3} "
+            f"speedup {row['speedup']:.3f}  cell {row['cell_s']:5.1f}s (set-up "
+            f"{row['setup_s']:.1f}s)",
+            flush=True,
+        )
+
     result = run_bench(
         engine,
         prompts,
@@ -564,6 +572,7 @@ def main() -> int:
         batch_sizes,
         warmup_tokens=args.warmup_tokens,
         repeats={1: max(1, args.repeats)},
+        progress=progress,
     )
     plain1 = next(r for r in result["runs"] if r["method"] == "plain" and r["batch_size"] == 1)
     extra["plain_batch1_fraction_of_roofline"] = plain1["tokens_per_s"] / roofline

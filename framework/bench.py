@@ -30,6 +30,7 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from speculant.hookspecs import hookimpl
@@ -202,7 +203,8 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int = 0) -> list[
 
 def run_bench(engine, prompts: list[list[int]], strategies: list[dict], max_tokens: int,
               batch_sizes: list[int], warmup_tokens: int = 8, cost_tokens: int | None = None,
-              repeats: int | dict[int, int] = 1) -> dict:
+              repeats: int | dict[int, int] = 1,
+              progress: Callable[[dict], None] | None = None) -> dict:
     """Measure plain decoding and every strategy at every batch size on ``engine``.
     ``strategies``: speculative_config dicts (an optional ``name`` key labels the run).
 
@@ -216,55 +218,89 @@ def run_bench(engine, prompts: list[list[int]], strategies: list[dict], max_toke
     fastest: the acceptance counted in each run stays that run's own), and every run's mean
     step time in ``step_s_runs``; the cost pass is repeated as often and its median taken. A
     single run on a shared machine can carry a few stalled steps (tens of milliseconds) that
-    move a batch-1 row by several percent."""
+    move a batch-1 row by several percent.
+
+    Order: first, per batch size, the plain greedy recording (the oracle's references and the
+    greedy-equivalence reference) and the plain rows; then each strategy over every batch size.
+    A strategy other than the oracle (whose references differ per batch size) is built once and
+    ``SpecDecoder.reset()`` between batch sizes: its weights, caches and CUDA graphs serve them
+    all (a draft model or EAGLE head set up per cell cost most of the 8B bench's wall time).
+    Each row carries ``setup_s`` (building or resetting the strategy) and ``cell_s`` (the whole
+    cell, warm-up and cost passes included); ``progress`` is called with each row. ``runs`` is
+    ordered by batch size, then plain and the strategies in the order given."""
     cost_tokens = cost_tokens or min(max_tokens, 64)
     if max(batch_sizes) > len(prompts):
         raise ValueError(f"batch size {max(batch_sizes)} needs as many prompts, got {len(prompts)}")
     k_max = max([s.get("num_speculative_tokens", 1) for s in strategies] + [1])
-    runs: list[dict] = []
+    rows: dict[tuple[int, int], dict] = {}  # (strategy index (0: plain), batch size) -> row
+    records: dict[int, dict] = {}
+    plains: dict[int, dict] = {}
+
+    def cell(i: int, spec: dict | None, bs: int, dec, setup_s: float, t0: float) -> None:
+        cfg = None if spec is None else spec_cfg(spec, bs)
+        warm = warmup_tokens
+        if cfg is not None and cfg.get("auto_disable"):
+            # auto-disable probes at intervals that depend on their cost: warm up over a
+            # whole back-off cycle and as many tokens as the timed run, so that every
+            # catch-up shape and context length a probe meets (Triton kernel variants, CUDA
+            # graphs) is compiled / captured before timing: one-time costs of a
+            # long-running server (an H100 run paid a 0.6 s kernel compile in a probe
+            # whose context first crossed 256 tokens)
+            warm = max(warmup_tokens, 2 * cfg.get("auto_disable_interval", 64) + 16,
+                       max_tokens)
+        _decode_run(engine, prompts[:bs], warm)  # warm-up: compile, capture graphs
+        n_rep = max(1, repeats.get(bs, 1) if isinstance(repeats, dict) else int(repeats))
+        timed = [_timed_run(engine, dec, prompts[:bs], max_tokens) for _ in range(n_rep)]
+        step_s = [t[0]["decode_s"] / max(t[0]["steps"], 1) for t in timed]
+        r, metrics, counter = timed[sorted(range(n_rep), key=step_s.__getitem__)[n_rep // 2]]
+        timer = None
+        if dec is not None:  # the proposer's cost, synchronised, in passes of their own
+            timers = [_cost_pass(engine, dec, prompts[:bs], cost_tokens) for _ in range(n_rep)]
+            timers.sort(key=lambda t: t.propose_s / max(t.propose_calls, 1))
+            timer = timers[n_rep // 2]
+        # greedy equivalence with the plain recording, over every timed run
+        record = records[bs]
+        same = all(t == ref[: len(t)]
+                   for run, _, _ in timed for t, ref in zip(run["tokens"], record["tokens"]))
+        row = _summarise(spec, bs, r, dec, metrics, counter, timer, plains.get(bs), same)
+        row["step_s_runs"] = step_s
+        row["setup_s"] = setup_s
+        row["cell_s"] = time.perf_counter() - t0
+        rows[(i, bs)] = row
+        if spec is None:
+            plains[bs] = row
+        logger.info("bench %s", row)
+        if progress is not None:
+            progress(row)
+
+    def spec_cfg(spec: dict, bs: int) -> dict:
+        cfg = {k: v for k, v in spec.items() if k != "name"}
+        if cfg["method"] == "oracle" and not {"references", "reference_file"} & set(cfg):
+            cfg["references"] = records[bs]["refs"]
+        return cfg
+
     for bs in batch_sizes:
         # the plain greedy continuation at this batch size (bf16 results may depend on the batch
         # shape): the oracle's references and the reference for greedy equivalence
+        t0 = time.perf_counter()
         _set_strategy(engine, None)
         record = _decode_run(engine, prompts[:bs], max_tokens + k_max)
-        refs = [{"prompt_token_ids": p, "output_token_ids": t}
-                for p, t in zip(prompts, record["tokens"])]
-        plain = None
-        for spec in [None, *strategies]:
-            cfg = None
-            if spec is not None:
-                cfg = {k: v for k, v in spec.items() if k != "name"}
-                if cfg["method"] == "oracle" and not {"references", "reference_file"} & set(cfg):
-                    cfg["references"] = refs
-            dec = _set_strategy(engine, cfg)
-            warm = warmup_tokens
-            if cfg is not None and cfg.get("auto_disable"):
-                # auto-disable probes at intervals that depend on their cost: warm up over a
-                # whole back-off cycle and as many tokens as the timed run, so that every
-                # catch-up shape and context length a probe meets (Triton kernel variants, CUDA
-                # graphs) is compiled / captured before timing: one-time costs of a
-                # long-running server (an H100 run paid a 0.6 s kernel compile in a probe
-                # whose context first crossed 256 tokens)
-                warm = max(warmup_tokens, 2 * cfg.get("auto_disable_interval", 64) + 16,
-                           max_tokens)
-            _decode_run(engine, prompts[:bs], warm)  # warm-up: compile, capture graphs
-            n_rep = max(1, repeats.get(bs, 1) if isinstance(repeats, dict) else int(repeats))
-            timed = [_timed_run(engine, dec, prompts[:bs], max_tokens) for _ in range(n_rep)]
-            step_s = [t[0]["decode_s"] / max(t[0]["steps"], 1) for t in timed]
-            r, metrics, counter = timed[sorted(range(n_rep), key=step_s.__getitem__)[n_rep // 2]]
-            timer = None
-            if dec is not None:  # the proposer's cost, synchronised, in passes of their own
-                timers = [_cost_pass(engine, dec, prompts[:bs], cost_tokens) for _ in range(n_rep)]
-                timers.sort(key=lambda t: t.propose_s / max(t.propose_calls, 1))
-                timer = timers[n_rep // 2]
-            # greedy equivalence with the plain recording, over every timed run
-            same = all(t == ref[: len(t)]
-                       for run, _, _ in timed for t, ref in zip(run["tokens"], record["tokens"]))
-            runs.append(_summarise(spec, bs, r, dec, metrics, counter, timer, plain, same))
-            runs[-1]["step_s_runs"] = step_s
-            plain = plain or runs[-1]
-            logger.info("bench %s", runs[-1])
-    _set_strategy(engine, None)
+        record["refs"] = [{"prompt_token_ids": p, "output_token_ids": t}
+                          for p, t in zip(prompts, record["tokens"])]
+        records[bs] = record
+        cell(0, None, bs, None, 0.0, t0)
+    for i, spec in enumerate(strategies, start=1):
+        dec = None
+        for bs in batch_sizes:
+            t0 = time.perf_counter()
+            cfg = spec_cfg(spec, bs)
+            if dec is None or cfg["method"] == "oracle":
+                dec = _set_strategy(engine, cfg)
+            else:
+                dec.reset()
+            cell(i, spec, bs, dec, time.perf_counter() - t0, t0)
+        _set_strategy(engine, None)
+    runs = [rows[(i, bs)] for bs in batch_sizes for i in range(len(strategies) + 1)]
     return {"runs": runs, "max_tokens": max_tokens, "batch_sizes": batch_sizes,
             "prompt_len": len(prompts[0]), "device": device_name(engine.device),
             "dtype": str(engine.dtype).replace("torch.", ""), "model": str(engine.model_path)}

@@ -113,6 +113,72 @@ def test_bench_repeats_report_the_median_run(tiny_factory, tmp_path, monkeypatch
         main(["bench", "--model", str(model), "--repeats", "0", "--out", str(tmp_path)])
 
 
+def test_bench_builds_a_strategy_once_across_batch_sizes(tiny_factory, monkeypatch):
+    """A non-oracle strategy is built once and reset between batch sizes (the oracle, whose
+    references differ per batch size, once per batch size); rows come back ordered by batch
+    size, then plain and the strategies as given, each with its set-up and cell wall time."""
+    import speculant.bench as bench
+    from speculant import LLM
+    from speculant.engine.spec_decode import SpecDecoder
+
+    llm = LLM(model=str(tiny_factory("llama", tokenizer=False)), skip_tokenizer_init=True,
+              max_num_seqs=4)
+    built, resets, seen = [], [], []
+    real_set, real_reset = bench._set_strategy, SpecDecoder.reset
+
+    def counting_set(engine, cfg):
+        if cfg is not None:
+            built.append(cfg["method"])
+        return real_set(engine, cfg)
+
+    def counting_reset(self):
+        resets.append(self.name)
+        real_reset(self)
+
+    monkeypatch.setattr(bench, "_set_strategy", counting_set)
+    monkeypatch.setattr(SpecDecoder, "reset", counting_reset)
+    prompts = bench.random_prompts(2, 6, llm.engine.vocab_size)
+    strategies = [{"method": "ngram", "num_speculative_tokens": 2, "auto_disable": True},
+                  {"method": "oracle", "alpha": 1.0, "num_speculative_tokens": 2}]
+    result = bench.run_bench(llm.engine, prompts, strategies, 10, [1, 2], warmup_tokens=4,
+                             progress=lambda row: seen.append((row["name"], row["batch_size"])))
+    assert built == ["ngram", "oracle", "oracle"] and resets == ["ngram"]
+    names = [(r["name"], r["batch_size"]) for r in result["runs"]]
+    assert names == [("plain", 1), ("ngram k=2", 1), ("oracle a=1.0 k=2", 1),
+                     ("plain", 2), ("ngram k=2", 2), ("oracle a=1.0 k=2", 2)]
+    assert sorted(seen) == sorted(names)
+    for r in result["runs"]:
+        assert r["same_tokens_as_plain"] and r["cell_s"] >= r["setup_s"] >= 0.0
+        assert r["speedup"] == (1.0 if r["name"] == "plain" else pytest.approx(
+            r["tokens_per_s"] / result["runs"][0 if r["batch_size"] == 1 else 3]["tokens_per_s"]))
+    assert result["runs"][0]["setup_s"] == 0.0
+    oracle2 = result["runs"][5]
+    assert oracle2["acceptance"] == 1.0  # its references are those recorded at batch size 2
+
+
+def test_spec_decoder_reset(tiny_factory):
+    """reset() forgets metrics, the auto-disable statistics and the batch-size vote; with a
+    request in flight it refuses."""
+    from speculant import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_factory("llama", tokenizer=False)), skip_tokenizer_init=True,
+              max_num_seqs=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                  "auto_disable": True})
+    llm.generate([[1, 5, 5, 5, 5]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    dec = llm.engine.spec
+    assert dec.total.num_emitted_tokens > 0 and dec.last_batch_size == 1
+    control = dec.control
+    dec.enabled = False
+    dec.reset()
+    assert dec.total.num_emitted_tokens == 0 and dec.last_batch_size == 0 and dec.enabled
+    assert dec.control is not None and dec.control is not control
+    llm.engine.add_request("r", None, [1, 5, 5, 5], SamplingParams(max_tokens=4))
+    llm.engine.step()  # prefill: the decoder now tracks it
+    llm.engine.step()
+    with pytest.raises(RuntimeError, match="requests in flight"):
+        dec.reset()
+
+
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="a Triton-interpreter run for CPU machines; on a GPU run "
     "bench/bench_kernels.py itself"

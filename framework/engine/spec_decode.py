@@ -104,6 +104,21 @@ class SpecDecoder:
         # hidden states not yet handed to the proposer, per seq id: (start_pos, [tensors], [aux])
         self.pending: dict[int, tuple[int, list[torch.Tensor], list[torch.Tensor]]] = {}
 
+    def reset(self) -> None:
+        """Forget what earlier runs taught this decoder, as if it had just been built over the
+        same strategy (whose weights, caches and CUDA graphs it keeps): the metrics, the
+        auto-disable statistics and the batch-size vote. Call it between runs with no request
+        in flight (benchmarks reuse one decoder across batch sizes)."""
+        if self.seq_by_id or self.pending:
+            raise RuntimeError("SpecDecoder.reset() with requests in flight: let them finish or "
+                               "abort them first")
+        spec = self.spec_config
+        self.enabled = True
+        self.control = (SpecController(spec.auto_disable_tolerance, spec.auto_disable_interval)
+                        if spec.auto_disable else None)
+        self.last_batch_size = 0
+        self.total = SpecMetrics()
+
     # ----------------------------------------------------------------- engine callbacks
     def max_lookahead(self) -> int:
         if self.control is not None and not self.control.would_speculate(self.last_batch_size):
