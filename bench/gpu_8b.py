@@ -11,8 +11,10 @@ LM head shared with the target), an EAGLE-3 head (yuhuili/EAGLE3-LLaMA3.1-Instru
 written to a temporary folder), the draft, EAGLE-1 and MLPSpeculator also with a 32768-token
 token map (``--token-map``), over a batch sweep with ``disable_by_batch_size``; CUDA graphs vs eager; Hugging Face transformers
 ``generate`` on the same weights (shared, zero-copy). Writes gpu_8b.json and gpu_8b.png.
-At batch size 1 every cell is timed ``--repeats`` times (default 3) and reports the run of median
-step time: a lent machine's occasional stalled steps move a single batch-1 run by several percent.
+At batch size 1 every cell is timed ``--repeats`` times (default 5) and reports the run of median
+step time: a lent machine's occasional stalled steps move a single batch-1 run by several percent
+(an H100 run with three repeats reported a stalled run for the oracle at a = 0.6, k = 3: two of its
+three runs had steps of up to 22 ms against a 6.1 ms median).
 
 Roofline of plain batch-1 decoding: bytes of the weights one decode step reads (every parameter
 but the input embedding table, of which one row is read) / measured copy bandwidth (bytes read +
@@ -371,7 +373,7 @@ def main() -> int:
     ap.add_argument(
         "--repeats",
         type=int,
-        default=3,
+        default=5,
         help="timed runs per batch-1 cell (other batch sizes: one); each row reports the run of "
         "median step time, every run's step time in step_s_runs",
     )
