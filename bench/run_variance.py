@@ -10,7 +10,10 @@ where that spread comes from. On the synthetic Llama-3-8B target of ``gpu_8b.py`
 tokens, and for every verification step records two CUDA events: one queued just before the
 target's forward is launched and one just after the verifier's read-back returns. Their distance
 is the step's GPU span (launch to tokens on the host); the rest of the step's wall time is host
-time during which the GPU waits (bookkeeping, propose, staging, launch). Per run it reports the
+time during which the GPU waits (bookkeeping, propose, staging, launch). The host time from the
+forward's call to the read-back's (``enqueue_ms``: launching the graph segments and the verifier's
+kernels; ``enqueue_cpu_ms``: the main thread's CPU time in it) tells, for a stalled step (GPU span over 1.5x the run's median), whether the host was
+still launching the step while the GPU stalled (host-side) or had long finished (device-side). Per run it reports the
 mean step wall time, the mean GPU span and the mean host gap, the SM clock (NVML, where
 available) at the run's end, and the Python garbage collector's passes during the run (per
 generation, and the longest pause). ``--gc-modes default,freeze,off`` repeats the rounds with the
@@ -42,7 +45,12 @@ class StepEvents:
         import speculant.plugins.rejection_sampler as rs
 
         self.pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.enqueue_ms: list[float] = []  # host: forward called -> read-back called
+        self.enqueue_cpu_ms: list[float] = []  # the main thread's CPU time in that window
+        self.phases: list[dict[str, float]] = []  # host ms per call inside that window
+        self.cur: dict[str, float] = {}
         self.start: torch.cuda.Event | None = None
+        self.t0 = 0.0
         self.on = False
         runner, read_back = engine.runner, rs.read_back
         forward = runner.forward
@@ -51,11 +59,18 @@ class StepEvents:
             if self.on:
                 self.start = torch.cuda.Event(enable_timing=True)
                 self.start.record()
+                self.t0 = time.perf_counter()
+                self.c0 = time.thread_time()
+                self.cur = {}
             return forward(*a, **k)
 
         def timed_read_back(t):
+            queued, cpu = time.perf_counter(), time.thread_time()
             out = read_back(t)
             if self.on and self.start is not None:
+                self.enqueue_ms.append(1e3 * (queued - self.t0))
+                self.enqueue_cpu_ms.append(1e3 * (cpu - self.c0))
+                self.phases.append(self.cur)
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
                 self.pairs.append((self.start, end))
@@ -64,6 +79,39 @@ class StepEvents:
 
         runner.forward = timed_forward
         rs.read_back = timed_read_back
+        # the host calls of the enqueue window, each timed (where a stalled step spends it)
+        from speculant.engine import cuda_graph
+
+        for owner, attr in [(runner, "logits"), (rs, "process_logits"), (rs, "to_device"),
+                            (rs, "uniforms"), (rs, "rejection_sample"), (rs, "token_logprobs"),
+                            (cuda_graph.CudaGraphRunner, "_stage_ring"),
+                            (cuda_graph.CudaGraphRunner, "plan")]:
+            self._time(owner, attr)
+        replay = cuda_graph._Graph.replay
+        ev = self
+
+        def timed_replay(graph):
+            for i, g in enumerate(graph.graphs):
+                t = time.perf_counter()
+                g.replay()
+                key = f"segment{i}"
+                ev.cur[key] = ev.cur.get(key, 0.0) + 1e3 * (time.perf_counter() - t)
+
+        cuda_graph._Graph.replay = timed_replay
+        self._restore = lambda: setattr(cuda_graph._Graph, "replay", replay)
+
+    def _time(self, owner, attr: str) -> None:
+        fn = getattr(owner, attr)
+        ev = self
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                ev.cur[attr] = ev.cur.get(attr, 0.0) + 1e3 * (time.perf_counter() - t)
+
+        setattr(owner, attr, timed)
 
     def spans_ms(self) -> list[float]:
         torch.cuda.synchronize()
@@ -152,7 +200,8 @@ def main() -> int:
                 engine.spec = dec
                 if dec is not None:
                     dec.reset()
-                ev.pairs, ev.on = [], True
+                ev.pairs, ev.enqueue_ms, ev.enqueue_cpu_ms, ev.phases = [], [], [], []
+                ev.on = True
                 pauses.passes, pauses.on = [], True
                 r = _decode_run(engine, prompts, args.tokens)
                 ev.on = pauses.on = False
@@ -174,8 +223,23 @@ def main() -> int:
                 }
                 if spans:
                     gpu = statistics.mean(spans)
-                    row.update(gpu_span_ms=gpu, median_gpu_span_ms=statistics.median(spans),
-                               max_gpu_span_ms=max(spans), host_gap_ms=row["step_ms"] - gpu)
+                    med = statistics.median(spans)
+                    row.update(gpu_span_ms=gpu, median_gpu_span_ms=med,
+                               max_gpu_span_ms=max(spans), host_gap_ms=row["step_ms"] - gpu,
+                               median_enqueue_ms=statistics.median(ev.enqueue_ms),
+                               median_enqueue_cpu_ms=statistics.median(ev.enqueue_cpu_ms))
+                    # stalled steps: is the host still enqueueing the step when it stalls?
+                    typical = {k: statistics.median(p.get(k, 0.0) for p in ev.phases)
+                               for k in set().union(*ev.phases)}
+                    row["typical_phases_ms"] = {k: round(v, 3) for k, v in typical.items()}
+                    row["stalls"] = [
+                        {"gpu_span_ms": round(sp, 3), "enqueue_ms": round(eq, 3),
+                         "enqueue_cpu_ms": round(cpu, 3),
+                         "phases_ms": {k: round(v, 3) for k, v in ph.items()
+                                       if v > 2 * typical.get(k, 0.0) + 0.5}}
+                        for sp, eq, cpu, ph in zip(spans, ev.enqueue_ms, ev.enqueue_cpu_ms,
+                                                   ev.phases) if sp > 1.5 * med
+                    ]
                 runs.append(row)
                 print(json.dumps(row), flush=True)
     engine.spec = None
@@ -193,7 +257,13 @@ def main() -> int:
                 s["host_gap_ms"] = [round(r["host_gap_ms"], 4) for r in rows]
             summary[f"{name} | gc {mode}"] = s
             print(f"{name} | gc {mode}", json.dumps(s), flush=True)
+    import os
+    import threading
+
     doc = {
+        "python_threads": [t.name for t in threading.enumerate()],
+        "os_threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "device": torch.cuda.get_device_name(),
         "copy_bandwidth_Bps": bw,
         "layers": args.layers,
