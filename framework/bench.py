@@ -224,7 +224,8 @@ def run_bench(engine, prompts: list[list[int]], strategies: list[dict], max_toke
     greedy-equivalence reference) and the plain rows; then each strategy over every batch size.
     A strategy other than the oracle (whose references differ per batch size) is built once and
     ``SpecDecoder.reset()`` between batch sizes: its weights, caches and CUDA graphs serve them
-    all (a draft model or EAGLE head set up per cell cost most of the 8B bench's wall time).
+    all (rebuilt per cell, the 8B bench's draft models and heads recaptured their graphs every
+    time, and an MLPSpeculator's synthetic set-up alone takes 5-6 s on an H100).
     Each row carries ``setup_s`` (building or resetting the strategy) and ``cell_s`` (the whole
     cell, warm-up and cost passes included); ``progress`` is called with each row. ``runs`` is
     ordered by batch size, then plain and the strategies in the order given."""
