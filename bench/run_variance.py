@@ -10,14 +10,17 @@ where that spread comes from. On the synthetic Llama-3-8B target of ``gpu_8b.py`
 tokens, and for every verification step records two CUDA events: one queued just before the
 target's forward is launched and one just after the verifier's read-back returns. Their distance
 is the step's GPU span (launch to tokens on the host); the rest of the step's wall time is host
-time during which the GPU waits (bookkeeping, propose, staging, launch). The host time from the
-forward's call to the read-back's (``enqueue_ms``: launching the graph segments and the verifier's
-kernels; ``enqueue_cpu_ms``: the main thread's CPU time in it) tells, for a stalled step (GPU span over 1.5x the run's median), whether the host was
-still launching the step while the GPU stalled (host-side) or had long finished (device-side). Per run it reports the
-mean step wall time, the mean GPU span and the mean host gap, the SM clock (NVML, where
-available) at the run's end, and the Python garbage collector's passes during the run (per
-generation, and the longest pause). ``--gc-modes default,freeze,off`` repeats the rounds with the
-collector as Python sets it, after ``gc.freeze()``, and disabled. Writes run_variance.json.
+time during which the GPU waits (bookkeeping, propose, staging, launch).
+
+The host time from the forward's call to the read-back's (``enqueue_ms``: launching the graph
+segments and the verifier's kernels; ``enqueue_cpu_ms``: the main thread's CPU time in it, and
+the time of each call in it) tells, for a stalled step (GPU span over 1.5x the run's median),
+whether the host was still launching the step while the GPU stalled (host-side) or had long
+finished (device-side). Per run it reports the mean step wall time, the mean GPU span and the
+mean host gap, the SM clock (NVML, where available) at the run's end, and the Python garbage
+collector's passes during the run (per generation, and the longest pause). ``--gc-modes
+default,freeze,off`` repeats the rounds with the collector as Python sets it, after
+``gc.freeze()``, and disabled. Writes run_variance.json.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,7 +55,7 @@ class StepEvents:
         self.phases: list[dict[str, float]] = []  # host ms per call inside that window
         self.cur: dict[str, float] = {}
         self.start: torch.cuda.Event | None = None
-        self.t0 = 0.0
+        self.t0 = self.c0 = 0.0
         self.on = False
         runner, read_back = engine.runner, rs.read_back
         forward = runner.forward
@@ -87,7 +92,6 @@ class StepEvents:
                             (cuda_graph.CudaGraphRunner, "_stage_ring"),
                             (cuda_graph.CudaGraphRunner, "plan")]:
             self._time(owner, attr)
-        replay = cuda_graph._Graph.replay
         ev = self
 
         def timed_replay(graph):
@@ -98,7 +102,6 @@ class StepEvents:
                 ev.cur[key] = ev.cur.get(key, 0.0) + 1e3 * (time.perf_counter() - t)
 
         cuda_graph._Graph.replay = timed_replay
-        self._restore = lambda: setattr(cuda_graph._Graph, "replay", replay)
 
     def _time(self, owner, attr: str) -> None:
         fn = getattr(owner, attr)
@@ -156,6 +159,10 @@ def main() -> int:
         "off (gc.disable())",
     )
     args = ap.parse_args()
+    modes = [m for m in args.gc_modes.split(",") if m]
+    unknown = [m for m in modes if m not in ("default", "freeze", "off")]
+    if unknown or not modes:
+        ap.error(f"--gc-modes: expected some of default, freeze, off; got {args.gc_modes!r}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available():
@@ -185,15 +192,12 @@ def main() -> int:
         _decode_run(engine, prompts, 32)
     runs = []
     t_start = time.perf_counter()
-    modes = [m for m in args.gc_modes.split(",") if m]
     for mode in modes:
         if mode == "freeze":
             gc.collect()
             gc.freeze()
         elif mode == "off":
             gc.disable()
-        elif mode != "default":
-            ap.error(f"--gc-modes: unknown {mode!r}")
         for rnd in range(args.rounds):
             for name in specs:
                 dec = decoders[name]
@@ -257,9 +261,6 @@ def main() -> int:
                 s["host_gap_ms"] = [round(r["host_gap_ms"], 4) for r in rows]
             summary[f"{name} | gc {mode}"] = s
             print(f"{name} | gc {mode}", json.dumps(s), flush=True)
-    import os
-    import threading
-
     doc = {
         "python_threads": [t.name for t in threading.enumerate()],
         "os_threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,
