@@ -237,8 +237,14 @@ def run_bench(engine, prompts: list[list[int]], strategies: list[dict], max_toke
     records: dict[int, dict] = {}
     plains: dict[int, dict] = {}
 
-    def cell(i: int, spec: dict | None, bs: int, dec, setup_s: float, t0: float) -> None:
-        cfg = None if spec is None else spec_cfg(spec, bs)
+    def spec_cfg(spec: dict, bs: int) -> dict:
+        cfg = {k: v for k, v in spec.items() if k != "name"}
+        if cfg["method"] == "oracle" and not {"references", "reference_file"} & set(cfg):
+            cfg["references"] = records[bs]["refs"]
+        return cfg
+
+    def cell(i: int, spec: dict | None, cfg: dict | None, bs: int, dec, setup_s: float,
+             t0: float) -> None:
         warm = warmup_tokens
         if cfg is not None and cfg.get("auto_disable"):
             # auto-disable probes at intervals that depend on their cost: warm up over a
@@ -274,12 +280,6 @@ def run_bench(engine, prompts: list[list[int]], strategies: list[dict], max_toke
         if progress is not None:
             progress(row)
 
-    def spec_cfg(spec: dict, bs: int) -> dict:
-        cfg = {k: v for k, v in spec.items() if k != "name"}
-        if cfg["method"] == "oracle" and not {"references", "reference_file"} & set(cfg):
-            cfg["references"] = records[bs]["refs"]
-        return cfg
-
     for bs in batch_sizes:
         # the plain greedy continuation at this batch size (bf16 results may depend on the batch
         # shape): the oracle's references and the reference for greedy equivalence
@@ -289,7 +289,7 @@ def run_bench(engine, prompts: list[list[int]], strategies: list[dict], max_toke
         record["refs"] = [{"prompt_token_ids": p, "output_token_ids": t}
                           for p, t in zip(prompts, record["tokens"])]
         records[bs] = record
-        cell(0, None, bs, None, 0.0, t0)
+        cell(0, None, None, bs, None, 0.0, t0)
     for i, spec in enumerate(strategies, start=1):
         dec = None
         for bs in batch_sizes:
@@ -299,7 +299,7 @@ def run_bench(engine, prompts: list[list[int]], strategies: list[dict], max_toke
                 dec = _set_strategy(engine, cfg)
             else:
                 dec.reset()
-            cell(i, spec, bs, dec, time.perf_counter() - t0, t0)
+            cell(i, spec, cfg, bs, dec, time.perf_counter() - t0, t0)
         _set_strategy(engine, None)
     runs = [rows[(i, bs)] for bs in batch_sizes for i in range(len(strategies) + 1)]
     return {"runs": runs, "max_tokens": max_tokens, "batch_sizes": batch_sizes,

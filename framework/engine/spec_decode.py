@@ -95,14 +95,10 @@ class SpecDecoder:
             self.pm.check_pending()
         except pluggy.PluginValidationError as e:
             raise StrategyError(f"strategy {cls.name!r} implements an unknown hook: {e}") from None
-        self.enabled = True  # False while a modifier (on_batch_size_change) turned speculation off
-        self.control = (SpecController(spec.auto_disable_tolerance, spec.auto_disable_interval)
-                        if spec.auto_disable else None)
-        self.last_batch_size = 0
-        self.total = SpecMetrics()
         self.seq_by_id: dict[int, Sequence] = {}
         # hidden states not yet handed to the proposer, per seq id: (start_pos, [tensors], [aux])
         self.pending: dict[int, tuple[int, list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._new_run_state()  # enabled, control, last_batch_size, total
 
     def reset(self) -> None:
         """Forget what earlier runs taught this decoder, as if it had just been built over the
@@ -112,8 +108,11 @@ class SpecDecoder:
         if self.seq_by_id or self.pending:
             raise RuntimeError("SpecDecoder.reset() with requests in flight: let them finish or "
                                "abort them first")
+        self._new_run_state()
+
+    def _new_run_state(self) -> None:
         spec = self.spec_config
-        self.enabled = True
+        self.enabled = True  # False while a modifier (on_batch_size_change) turned speculation off
         self.control = (SpecController(spec.auto_disable_tolerance, spec.auto_disable_interval)
                         if spec.auto_disable else None)
         self.last_batch_size = 0
