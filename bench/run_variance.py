@@ -20,7 +20,11 @@ finished (device-side). Per run it reports the mean step wall time, the mean GPU
 mean host gap, the SM clock (NVML, where available) at the run's end, and the Python garbage
 collector's passes during the run (per generation, and the longest pause). ``--gc-modes
 default,freeze,off`` repeats the rounds with the collector as Python sets it, after
-``gc.freeze()``, and disabled. Writes run_variance.json.
+``gc.freeze()``, and disabled. ``--head-modes on,off`` alternates, within each round, the
+oracle runs with the verification graphs that end with the LM head and the greedy pack (``on``,
+the default: the host launches nothing after the forward's segments and verifies on the host)
+and without them (``off``: ``HEAD_MAX_ROWS = 0`` and no greedy pack, so the LM head and the rejection kernels
+are launched from the host after the graph, as before the nineteenth session). Writes run_variance.json.
 """
 
 from __future__ import annotations
@@ -57,17 +61,21 @@ class StepEvents:
         self.start: torch.cuda.Event | None = None
         self.t0 = self.c0 = 0.0
         self.on = False
+        self.old_verify = False  # --head-modes off: score without the greedy pack
         runner, read_back = engine.runner, rs.read_back
-        forward = runner.forward
+        score = runner.score  # every verification step's forward (head graph or not)
 
-        def timed_forward(*a, **k):
+        def timed_score(*a, **k):
+            if self.old_verify:  # as before head graphs: no greedy pack, the rejection kernels
+                a = (*a[:3], False, *a[4:]) if len(a) > 3 else a
+                k.pop("greedy", None)
             if self.on:
                 self.start = torch.cuda.Event(enable_timing=True)
                 self.start.record()
                 self.t0 = time.perf_counter()
                 self.c0 = time.thread_time()
                 self.cur = {}
-            return forward(*a, **k)
+            return score(*a, **k)
 
         def timed_read_back(t):
             queued, cpu = time.perf_counter(), time.thread_time()
@@ -82,13 +90,14 @@ class StepEvents:
                 self.start = None
             return out
 
-        runner.forward = timed_forward
+        runner.score = timed_score
         rs.read_back = timed_read_back
         # the host calls of the enqueue window, each timed (where a stalled step spends it)
         from speculant.engine import cuda_graph
 
         for owner, attr in [(runner, "logits"), (rs, "process_logits"), (rs, "to_device"),
                             (rs, "uniforms"), (rs, "rejection_sample"), (rs, "token_logprobs"),
+                            (rs, "verify_greedy"),
                             (cuda_graph.CudaGraphRunner, "_stage_ring"),
                             (cuda_graph.CudaGraphRunner, "plan")]:
             self._time(owner, attr)
@@ -158,11 +167,21 @@ def main() -> int:
         "Python sets it), freeze (gc.freeze() first: what exists now is never scanned again), "
         "off (gc.disable())",
     )
+    ap.add_argument(
+        "--head-modes",
+        default="on",
+        help="comma-separated, alternated within each round for the oracle runs: on "
+        "(verification graphs end with the LM head and the greedy pack), off (HEAD_MAX_ROWS = "
+        "0: LM head and rejection kernels launched after the graph)",
+    )
     args = ap.parse_args()
     modes = [m for m in args.gc_modes.split(",") if m]
     unknown = [m for m in modes if m not in ("default", "freeze", "off")]
     if unknown or not modes:
         ap.error(f"--gc-modes: expected some of default, freeze, off; got {args.gc_modes!r}")
+    heads = [m for m in args.head_modes.split(",") if m]
+    if not heads or any(m not in ("on", "off") for m in heads):
+        ap.error(f"--head-modes: expected some of on, off; got {args.head_modes!r}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available():
@@ -170,6 +189,9 @@ def main() -> int:
         return 0
 
     from speculant.bench import _decode_run, _set_strategy, random_prompts
+    from speculant.engine import cuda_graph
+
+    head_rows = {"on": cuda_graph.HEAD_MAX_ROWS, "off": 0}
 
     bw = copy_bandwidth()
     llm = synthetic_target(args.layers, args.prompt_len + args.tokens + 64, "speculant-rv-")
@@ -184,12 +206,17 @@ def main() -> int:
         "oracle a=0.8 k=5": dict(method="oracle", alpha=0.8, num_speculative_tokens=5,
                                  references=refs),
     }
+    # (label, strategy, head mode): plain once a round, each oracle once per head mode
+    cells = [(name if spec is None or len(heads) == 1 else f"{name} head {h}", name, h)
+             for name, spec in specs.items() for h in (heads[:1] if spec is None else heads)]
     ev = StepEvents(engine)
     pauses = GcPauses()
     decoders = {}
     for name, spec in specs.items():  # build and warm each once (graphs, kernels)
         decoders[name] = _set_strategy(engine, spec)
-        _decode_run(engine, prompts, 32)
+        for h in heads:
+            cuda_graph.HEAD_MAX_ROWS, ev.old_verify = head_rows[h], h == "off"
+            _decode_run(engine, prompts, 32)
     runs = []
     t_start = time.perf_counter()
     for mode in modes:
@@ -199,7 +226,8 @@ def main() -> int:
         elif mode == "off":
             gc.disable()
         for rnd in range(args.rounds):
-            for name in specs:
+            for label, name, h in cells:
+                cuda_graph.HEAD_MAX_ROWS, ev.old_verify = head_rows[h], h == "off"
                 dec = decoders[name]
                 engine.spec = dec
                 if dec is not None:
@@ -214,7 +242,8 @@ def main() -> int:
                 row = {
                     "gc": mode,
                     "round": rnd,
-                    "name": name,
+                    "name": label,
+                    "head": h,
                     "steps": r["steps"],
                     "step_ms": 1e3 * r["decode_s"] / max(r["steps"], 1),
                     "median_step_ms": statistics.median(wall),
@@ -247,11 +276,12 @@ def main() -> int:
                 runs.append(row)
                 print(json.dumps(row), flush=True)
     engine.spec = None
+    cuda_graph.HEAD_MAX_ROWS, ev.old_verify = head_rows["on"], False
     gc.enable()
     gc.unfreeze()
     summary = {}
     for mode in modes:
-        for name in specs:
+        for name, _, _ in cells:
             rows = [r for r in runs if r["name"] == name and r["gc"] == mode]
             s = {"step_ms": [round(r["step_ms"], 4) for r in rows],
                  "max_step_ms": [round(r["max_step_ms"], 2) for r in rows],
@@ -259,6 +289,8 @@ def main() -> int:
             if "gpu_span_ms" in rows[0]:
                 s["gpu_span_ms"] = [round(r["gpu_span_ms"], 4) for r in rows]
                 s["host_gap_ms"] = [round(r["host_gap_ms"], 4) for r in rows]
+                s["median_enqueue_ms"] = [round(r["median_enqueue_ms"], 4) for r in rows]
+                s["stalled_steps"] = [len(r["stalls"]) for r in rows]
             summary[f"{name} | gc {mode}"] = s
             print(f"{name} | gc {mode}", json.dumps(s), flush=True)
     doc = {
@@ -271,6 +303,7 @@ def main() -> int:
         "tokens": args.tokens,
         "rounds": args.rounds,
         "gc_modes": modes,
+        "head_modes": heads,
         "runs": runs,
         "summary": summary,
         "wall_s": time.perf_counter() - t_start,

@@ -80,7 +80,10 @@ def score(batch: SpecBatch, proposal: Proposal) -> ScoreResult | None:
     :param proposal: the validated proposal.
     :return: a :class:`~speculant.spec_types.ScoreResult`: target logits ``[sum(k_i + 1), vocab]``
         (rows grouped per sequence: the k_i draft positions then the bonus position) and, when
-        requested, the hidden states of the same rows.
+        requested, the hidden states of the same rows; optionally ``greedy`` ``[sum(k_i + 1), 2]``
+        (each row's argmax and its log-probability), which lets the built-in verifier check
+        greedy batches on the host. The built-in scorer's tensors may be views of its CUDA
+        graph's buffers: valid during the step.
     """
 
 
@@ -96,7 +99,8 @@ def verify(batch: SpecBatch, proposal: Proposal, scores: ScoreResult) -> VerifyR
 
     :param batch: as for :func:`propose`, with ``batch.seqs[i].sampling_params``.
     :param proposal: the drafts being verified.
-    :param scores: the target's output for them.
+    :param scores: the target's output for them. A greedy batch without logits processing that
+        comes with ``scores.greedy`` is verified from it with one device read and no kernel.
     :return: a :class:`~speculant.spec_types.VerifyResult`: per sequence the list of emitted
         tokens (accepted drafts followed by exactly one bonus/recovered token).
     """

@@ -90,11 +90,20 @@ class Proposal:
 
 @dataclass
 class ScoreResult:
-    """Target model output over each sequence's last token plus its drafts."""
+    """Target model output over each sequence's last token plus its drafts.
+
+    The built-in scorer's tensors may be views of a CUDA graph's static buffers: read them
+    during the step (``verify``), clone what you keep beyond it."""
 
     logits: torch.Tensor  # [sum(k_i + 1), vocab] float32
     hidden_states: torch.Tensor | None = None  # [sum(k_i + 1), hidden]
     aux_hidden_states: torch.Tensor | None = None  # [sum(k_i + 1), n_aux * hidden]
+    # optional, same device: each row's argmax of ``logits`` (lowest index on ties) and its
+    # log-probability (log_softmax of the raw logits), packed for one read (float64 holds every
+    # token id exactly; speculant.engine.sampler.greedy_pack). The built-in scorer computes it
+    # inside its CUDA graph, or when every sequence is greedy; the built-in verifier then
+    # verifies greedy batches from it on the host, with no kernel launch.
+    greedy: torch.Tensor | None = None  # [sum(k_i + 1), 2] float64
 
 
 @dataclass

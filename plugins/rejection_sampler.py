@@ -6,6 +6,10 @@ accept draft x with probability min(1, p(x) / q(x)) and on rejection sample from
 normalize(max(p - q, 0)), so the output follows the target distribution exactly. ``p`` is the
 target distribution after the request's logits processors, penalties, temperature, top-k, top-p
 and min-p; penalties at draft position j count the drafts before j as generated tokens.
+
+A batch of greedy requests without logits processing, scored with ``ScoreResult.greedy`` (each
+row's argmax and its log-probability; the built-in scorer computes it inside its CUDA graph),
+is verified on the host from that one read: the same rule, no kernel launch.
 """
 
 from __future__ import annotations
@@ -13,7 +17,13 @@ from __future__ import annotations
 import torch
 
 from speculant import hookimpl
-from speculant.engine.sampler import Row, process_logits, target_probs, uniforms
+from speculant.engine.sampler import (
+    Row,
+    params_need_processing,
+    process_logits,
+    target_probs,
+    uniforms,
+)
 from speculant.engine.staging import read_back, to_device
 from speculant.kernels.logprobs import token_logprobs
 from speculant.kernels.rejection_sampling import rejection_sample
@@ -31,6 +41,9 @@ class RejectionSampler:
     @hookimpl(trylast=True)
     def verify(self, batch: SpecBatch, proposal: Proposal, scores: ScoreResult) -> VerifyResult:
         seqs = batch.seqs
+        if scores.greedy is not None and all(
+                s.params.is_greedy and not params_need_processing(s.params) for s in seqs):
+            return verify_greedy(proposal.token_ids, scores.greedy)
         rows = [Row(seq, drafts[:j]) for seq, drafts in zip(seqs, proposal.token_ids)
                 for j in range(len(drafts) + 1)]
         if scores.logits.shape[0] != len(rows):
@@ -80,6 +93,34 @@ class RejectionSampler:
         tokens = [[int(t) for t in row[:n]] for row, n in zip(out_l, n_l)]
         logprobs = [flat[lp_off + i * W : lp_off + i * W + n] for i, n in enumerate(n_l)]
         return VerifyResult(token_ids=tokens, num_accepted=[n - 1 for n in n_l], logprobs=logprobs)
+
+
+def verify_greedy(
+    drafts: list[list[int]],  # each sequence's draft tokens
+    greedy: torch.Tensor,  # [sum(k_i + 1), 2] float64: row argmax, its logprob (ScoreResult.greedy)
+) -> VerifyResult:
+    """Greedy verification from the rows' argmax: sequence i accepts its drafts while each
+    equals the argmax of the row before it and then takes that row's argmax (the correction,
+    or the bonus token after all k_i), which is what the rejection kernels do for greedy rows
+    with unprocessed logits. One device-to-host read."""
+    rows = sum(len(d) + 1 for d in drafts)
+    if greedy.dim() != 2 or greedy.shape[0] != rows or greedy.shape[1] != 2:
+        raise ValueError(f"ScoreResult.greedy must have shape [sum(k_i + 1), 2] = [{rows}, 2] "
+                         f"for proposal lengths {[len(d) for d in drafts]}, got "
+                         f"{list(greedy.shape)}")
+    packed = read_back(greedy)  # [[argmax, logprob], ...]
+    tokens, accepted, logprobs = [], [], []
+    r = 0
+    for d in drafts:
+        n = 0
+        while n < len(d) and int(packed[r + n][0]) == d[n]:
+            n += 1
+        rows_i = packed[r : r + n + 1]
+        tokens.append([int(t) for t, _ in rows_i])
+        logprobs.append([lp for _, lp in rows_i])
+        accepted.append(n)
+        r += len(d) + 1
+    return VerifyResult(token_ids=tokens, num_accepted=accepted, logprobs=logprobs)
 
 
 @hookimpl

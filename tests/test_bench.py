@@ -222,15 +222,19 @@ def test_draft_graph_ab_variants_and_cpu_exit():
 
 
 def test_run_variance_checks_gc_modes_and_exits_without_cuda(tmp_path):
-    """bench/run_variance.py: a bad --gc-modes is refused before anything loads; without CUDA it
-    says so and exits 0."""
+    """bench/run_variance.py: a bad --gc-modes or --head-modes is refused before anything
+    loads; without CUDA it says so and exits 0."""
     script = Path(__file__).resolve().parents[1] / "bench" / "run_variance.py"
     bad = subprocess.run([sys.executable, str(script), "--gc-modes", "default,sometimes",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--gc-modes" in bad.stderr and "sometimes" in bad.stderr
+    bad = subprocess.run([sys.executable, str(script), "--head-modes", "on,maybe",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--head-modes" in bad.stderr and "maybe" in bad.stderr
     if not torch.cuda.is_available():
         r = subprocess.run([sys.executable, str(script), "--gc-modes", "default,freeze,off",
-                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+                            "--head-modes", "on,off", "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=300)
         assert r.returncode == 0 and "no CUDA device" in r.stdout
 
 

@@ -320,8 +320,8 @@ def test_startup_keys_are_the_plans_of_every_step(monkeypatch):
     runner's max_query) plans a graph among ``startup_keys``, and every key is some step's."""
     r = _prefill_runner(monkeypatch, 256)
     keys = r.startup_keys(max_seqs=3, max_query=4, aux_layers=(0, 2), max_prefill_tokens=100)
-    assert keys == [(B, B * Q, Q, (0, 2)) for Q in (1, 2, 3, 4) for B in (1, 2, 4)] + [
-        (8, M, M, (0, 2)) for M in (32, 48, 64, 96, 128)
+    assert keys == [(B, B * Q, Q, (0, 2), False) for Q in (1, 2, 3, 4) for B in (1, 2, 4)] + [
+        (8, M, M, (0, 2), False) for M in (32, 48, 64, 96, 128)
     ]
     rng = random.Random(0)
     planned = set()
@@ -334,11 +334,23 @@ def test_startup_keys_are_the_plans_of_every_step(monkeypatch):
             if sum(lens) > 100:
                 continue
         seqs = [types.SimpleNamespace(block_table=[0]) for _ in lens]
-        planned.add((*r.plan(seqs, lens), (0, 2)))
+        planned.add((*r.plan(seqs, lens), (0, 2), False))
     assert planned <= set(keys)
     assert planned == set(keys)  # 2000 random steps reach every bucket
+    # a speculative engine's scored steps: the head graph of every verification bucket (Q >= 2)
+    # of at most HEAD_MAX_ROWS rows, besides the plain ones
+    head = r.startup_keys(max_seqs=3, max_query=4, aux_layers=(0, 2), max_prefill_tokens=100,
+                          head=True)
+    assert set(head) - set(keys) == {(B, B * Q, Q, (0, 2), True) for Q in (2, 3, 4)
+                                     for B in (1, 2, 4)}
+    big = r.startup_keys(max_seqs=50, max_query=8, head=True)
+    heads = [k for k in big if k[4]]
+    assert heads and all(k[2] >= 2 and k[1] <= cuda_graph.HEAD_MAX_ROWS for k in heads)
+    assert {(B, Q) for B, M, Q, _, h in big if h} == {
+        (B, Q) for B, M, Q, _, h in big
+        if not h and 2 <= Q <= 8 and M <= cuda_graph.HEAD_MAX_ROWS}
     # limits: more sequences than the graphs hold, queries past max_query, no prefill graphs
-    assert r.startup_keys(50, 40)[-1] == (8, 256, 256, ())
+    assert r.startup_keys(50, 40)[-1] == (8, 256, 256, (), False)
     assert {k[0] for k in r.startup_keys(50, 40) if k[2] <= 8} == {1, 2, 4, 8}
     assert all(k[2] <= 8 for k in _prefill_runner(monkeypatch, 0).startup_keys(3, 4))
 
@@ -350,17 +362,18 @@ def test_capture_all_captures_missing_keys_on_an_empty_step(monkeypatch):
     r.dev.copy_(torch.randint(0, 255, r.dev.shape, dtype=torch.uint8))  # stale contents
     seen = []
 
-    def capture(B, M, Q, aux):
+    def capture(B, M, Q, aux, head):
         ids, pos, slots, ctx, qsl, tables = r._views(B, M)
         assert ids.tolist() == pos.tolist() == [0] * M and slots.tolist() == [-1] * M
         assert ctx.tolist() == [0] * B and qsl.tolist() == [0] * (B + 1)
         assert tables.abs().sum().item() == 0
-        r.graphs[(B, M, Q, aux)] = "graph"
-        seen.append((B, M, Q, aux))
+        r.graphs[(B, M, Q, aux, head)] = "graph"
+        seen.append((B, M, Q, aux, head))
 
     monkeypatch.setattr(r, "_capture", capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    keys = r.startup_keys(2, 2)
+    keys = r.startup_keys(2, 2, head=True)
+    assert any(k[4] for k in keys)
     r.graphs[keys[1]] = "captured earlier"
     assert r.capture_all(keys + keys[:1], progress=False) == len(keys) - 1
     assert seen == [k for k in keys if k != keys[1]]
@@ -420,3 +433,53 @@ def test_gc_paused_during_captures():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_scored_steps_replay_head_graphs_up_to_head_max_rows(monkeypatch):
+    """``ModelRunner.score``: a verification step (2+ tokens for some sequence, at most
+    max_query) whose graph has at most HEAD_MAX_ROWS rows replays the head graph (LM head and
+    greedy pack inside, nothing launched after); a decode-shaped step or a larger one runs the
+    graph without the head and the LM head eagerly, with the greedy pack only when asked."""
+    from speculant.engine.model_runner import ModelRunner
+    from speculant.engine.sampler import greedy_pack
+
+    g = _runner(monkeypatch)  # max_batch 8, max_query 8
+    calls = []
+    H, V = 4, 11
+
+    def run_head(seqs, new_tokens, aux, plan, clone_hidden=True):
+        calls.append(("head", plan, clone_hidden))
+        T = sum(map(len, new_tokens))
+        return torch.zeros(T, H), None, torch.zeros(T, V), torch.zeros(T, 2, dtype=torch.float64)
+
+    def run(seqs, new_tokens, aux, token_ids=None, plan=None):
+        calls.append(("plain", plan))
+        return torch.zeros(sum(map(len, new_tokens)), H), None
+
+    monkeypatch.setattr(g, "run_head", run_head)
+    monkeypatch.setattr(g, "run", run)
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.graphs = g
+    gen = torch.Generator().manual_seed(0)
+    runner.model = types.SimpleNamespace(compute_logits=lambda h: torch.randn(h.shape[0], V,
+                                                                              generator=gen))
+    rng = random.Random(0)
+
+    def score(lens, greedy=True, keep=True):
+        calls.clear()
+        out = runner.score(_seqs(rng, len(lens), lens), [[1] * q for q in lens], (), greedy,
+                           keep_hidden=keep)
+        return calls[0], out
+
+    (kind, plan, clone), out = score([6], keep=False)
+    assert (kind, plan, clone) == ("head", (1, 6, 6), False) and out[3].shape == (6, 2)
+    (kind, plan, _), _ = score([3, 1, 2, 8, 1, 1, 1, 5])  # 8 x 8 = 64 rows: the limit
+    assert (kind, plan) == ("head", (8, 64, 8))
+    (kind, plan), out = score([1, 1])  # decode-shaped: no head graph
+    assert (kind, plan) == ("plain", (2, 2, 1))
+    assert torch.equal(out[3], greedy_pack(out[2]))  # computed eagerly, from the same logits
+    monkeypatch.setattr(cuda_graph, "HEAD_MAX_ROWS", 16)
+    (kind, plan), out = score([6, 2, 1], greedy=False)  # 4 x 6 = 24 rows > 16
+    assert (kind, plan) == ("plain", (4, 24, 6)) and out[3] is None and out[2].shape == (9, V)
+    (kind, plan, _), _ = score([8, 2])  # 2 x 8 = 16 rows
+    assert (kind, plan) == ("head", (2, 16, 8))

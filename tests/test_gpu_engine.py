@@ -341,6 +341,40 @@ def test_startup_capture_covers_every_step(tiny_factory, target, heads, torch_pa
         assert outs["startup"] == torch_path_greedy
 
 
+@pytest.mark.parametrize("kind", ["ngram", "eagle3"])
+def test_head_graphs_equal_the_eager_head(tiny_factory, target, heads, kind, monkeypatch):
+    """Scored steps replayed through head graphs (the LM head and the greedy pack inside the
+    verification graph, greedy verification on the host) give the tokens, and to fp32 rounding
+    the log-probabilities, of the same engine with the LM head run eagerly after the graph
+    (``HEAD_MAX_ROWS = 0``: the rejection kernels verify), top-N logprobs read from the head
+    graph's logits included; and the head graphs are what ran."""
+    from speculant.engine import cuda_graph
+
+    monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
+    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
+    tgt = target
+    if kind == "eagle3":
+        tgt = tiny_factory("llama", seed=0, **{**GEOMETRY, "num_hidden_layers": 3})
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    outs = {}
+    for rows in (cuda_graph.HEAD_MAX_ROWS, 0):
+        monkeypatch.setattr(cuda_graph, "HEAD_MAX_ROWS", rows)
+        llm = _llm(tgt, speculative_config=_spec(kind, heads))
+        prompts = [{"prompt_token_ids": p} for p in _prompts()]
+        res = llm.generate(prompts, params, use_tqdm=False)
+        keys = set(llm.engine.runner.graphs.graphs)
+        assert any(k[4] for k in keys) == (rows > 0), sorted(keys)
+        assert llm.engine.spec.total.num_spec_steps > 0
+        outs[rows] = [(list(o.outputs[0].token_ids), o.outputs[0].cumulative_logprob,
+                       [sorted(d) for d in o.outputs[0].logprobs]) for o in res]
+        del llm
+        torch.cuda.empty_cache()
+    for (toks, cum, tops), (toks0, cum0, tops0) in zip(outs[cuda_graph.HEAD_MAX_ROWS], outs[0]):
+        assert toks == toks0
+        assert cum == pytest.approx(cum0, rel=1e-4, abs=1e-3)
+        assert tops == tops0
+
+
 @pytest.mark.parametrize("kind", ["draft_model", "draft_model+tm", "eagle", "eagle3",
                                   "mlp_speculator"])
 def test_strategy_startup_capture(tiny_factory, target, heads, kind, monkeypatch):

@@ -164,3 +164,89 @@ def test_seeded_runs_are_reproducible(logits):
     c = run_verify(200, params, logits, [3, 5], seed=8)
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
+
+
+def _greedy_case(rng: torch.Generator, n: int, vocab: int, max_k: int, ties: bool):
+    """n greedy sequences with ragged drafts (0..max_k tokens) that match the target's argmax
+    for a random number of positions, and their [sum(k_i + 1), vocab] logits; with ``ties``
+    the logits are coarse integers, so rows often have several maxima."""
+    lens = torch.randint(0, max_k + 1, (n,), generator=rng).tolist()
+    rows = sum(k + 1 for k in lens)
+    logits = torch.randn(rows, vocab, generator=rng) * 2
+    if ties:
+        logits = logits.round()
+    amax = logits.argmax(-1).tolist()  # lowest index on ties
+    drafts, r = [], 0
+    for k in lens:
+        good = int(torch.randint(0, k + 1, (1,), generator=rng))
+        d = [amax[r + j] if j < good else (amax[r + j] + 1 + j) % vocab for j in range(k)]
+        drafts.append(d)
+        r += k + 1
+    return drafts, logits
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_greedy_pack_verification_equals_the_rejection_kernels(ties):
+    """``ScoreResult.greedy`` (the scorer's argmax + logprob pack) gives the verifier's host
+    path exactly the tokens, counts and log-probabilities of the rejection-sampling path on
+    the same logits, over random ragged batches (ties included: both take the lowest index)."""
+    from speculant.engine.sampler import greedy_pack
+    from speculant.plugins.rejection_sampler import verify_greedy
+
+    rng = torch.Generator().manual_seed(11 + ties)
+    params = SamplingParams(temperature=0.0)
+    for trial in range(40):
+        n = int(torch.randint(1, 7, (1,), generator=rng))
+        drafts, logits = _greedy_case(rng, n, 37, 5, ties)
+        seqs = [SpecSequence(i, [0, 1, 2], 3, len(d), params, None) for i, d in enumerate(drafts)]
+        batch, proposal = SpecBatch(seqs=seqs), Proposal(token_ids=drafts)
+        ver = RejectionSampler(None, _ctx())
+        ref = ver.verify(batch=batch, proposal=proposal, scores=ScoreResult(logits=logits))
+        pack = greedy_pack(logits)
+        fast = ver.verify(batch=batch, proposal=proposal,
+                          scores=ScoreResult(logits=logits, greedy=pack))
+        assert fast.token_ids == ref.token_ids, trial
+        assert fast.num_accepted == ref.num_accepted, trial
+        for a, b in zip(fast.logprobs, ref.logprobs):
+            assert a == pytest.approx(b, abs=1e-5)
+        direct = verify_greedy(drafts, pack)  # the function the hook delegates to
+        assert direct.token_ids == ref.token_ids
+    # the pack is what it says: argmax and log_softmax at it
+    lp = torch.log_softmax(logits, -1)
+    assert pack[:, 0].long().tolist() == logits.argmax(-1).tolist()
+    assert torch.allclose(pack[:, 1].float(), lp.gather(1, logits.argmax(-1)[:, None])[:, 0],
+                          atol=1e-5)
+
+
+def test_greedy_pack_is_used_only_where_it_is_exact(logits, monkeypatch):
+    """The host path is taken for greedy requests without logits processing only: a penalty,
+    a logits processor, min_tokens or a random request sends the batch to the kernels (whose
+    argmax is of the processed logits), and a pack of the wrong shape is a clear error."""
+    import speculant.plugins.rejection_sampler as rs
+    from speculant.engine.sampler import greedy_pack
+
+    calls = []
+    real = rs.verify_greedy
+    monkeypatch.setattr(rs, "verify_greedy", lambda *a: calls.append(1) or real(*a))
+    a0 = int(logits[0].argmax())
+    pack = greedy_pack(logits[:2])
+
+    def run(params):
+        seqs = [SpecSequence(0, [0, 1, 2], 3, 1, params, None)]
+        return RejectionSampler(None, _ctx()).verify(
+            batch=SpecBatch(seqs=seqs), proposal=Proposal(token_ids=[[a0]]),
+            scores=ScoreResult(logits=logits[:2], greedy=pack))
+
+    run(SamplingParams(temperature=0.0))
+    assert calls == [1]
+    for p in (SamplingParams(temperature=0.0, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, logits_processors=[lambda ids, x: x]),
+              SamplingParams(temperature=0.0, min_tokens=5),
+              SamplingParams(temperature=1.0, seed=1)):
+        run(p)
+    assert calls == [1]
+    seqs = [SpecSequence(0, [0, 1, 2], 3, 1, SamplingParams(temperature=0.0), None)]
+    with pytest.raises(ValueError, match=r"ScoreResult.greedy must have shape .* \[2, 2\]"):
+        RejectionSampler(None, _ctx()).verify(
+            batch=SpecBatch(seqs=seqs), proposal=Proposal(token_ids=[[a0]]),
+            scores=ScoreResult(logits=logits[:2], greedy=greedy_pack(logits)))

@@ -1,8 +1,8 @@
 """CUDA graphs of the model forward for decode (1 token per sequence), verification (up to k+1
 tokens per sequence) and prefill steps.
 
-One graph per (batch bucket B, rows M, query bucket Q, aux layers), replayed for every step of
-its shapes. The engine captures the graphs its steps can use at start-up
+One graph per (batch bucket B, rows M, query bucket Q, aux layers, head), replayed for every
+step of its shapes. The engine captures the graphs its steps can use at start-up
 (``EngineConfig.cuda_graph_capture="startup"``, the default: ``startup_keys`` / ``capture_all``);
 any other shape (e.g. a prefill of prompts of at most ``max_query`` tokens, a strategy swapped in
 later) is captured on first use. Decode and verification graphs have ``M = B * Q`` rows (any query
@@ -35,6 +35,14 @@ for that time, so each forward is captured as several graphs cut at layer bounda
 while the GPU runs the one before. The segments share one memory pool and are always replayed
 in the order they were captured, which is what makes the pool sharing safe.
 
+Head graphs (``head=True``, verification steps of up to ``HEAD_MAX_ROWS`` rows: ``run_head``)
+end with the LM head and, for every row, the greedy choice and its log-probability
+(``speculant.engine.sampler.greedy_pack``), so that scoring a speculative step launches nothing
+from the host after the forward's segments: the greedy verifier reads ``[rows, 2]`` numbers back
+and compares them with the drafts on the host. Without them the host launched the LM head and
+~10 small verification kernels after the forward (0.6-1.2 ms of host time on the H100 machines,
+and ten times that while a lent host stalls: docs/perf.md).
+
 Padding: a step with ``n <= B`` sequences and ``T <= M`` query tokens (any lengths up to
 ``Q``, flat in ``query_start_loc`` order) leaves rows ``T..`` as padding: token 0 at position 0
 with slot -1 (``store_kv`` skips it), and sequences ``n..`` with context length 0 and an empty
@@ -53,6 +61,7 @@ import numpy as np
 import torch
 
 from speculant.engine.attention import AttentionMetadata, ForwardContext
+from speculant.engine.sampler import greedy_pack
 from speculant.engine.staging import staging_ext
 from speculant.kernels.stage_copy import HEADER, StageLayout, stage_copy
 
@@ -123,11 +132,20 @@ def segment_starts(num_layers: int) -> frozenset[int]:
     return frozenset(range(FIRST_SEGMENT_LAYERS, num_layers, SEGMENT_LAYERS))
 
 
+# verification graphs of up to this many rows (B * Q) can end with the LM head and the greedy
+# choice of every row (``head=True``): a scored step then needs no launch from the host after its
+# forward's, and its logits buffer ([rows, vocab] fp32: 33 MB at 64 rows of a 128k vocabulary)
+# stays small; larger steps compute their logits eagerly after the replay
+HEAD_MAX_ROWS = 64
+
+
 @dataclass
 class _Graph:
     graphs: list[torch.cuda.CUDAGraph]  # the forward's segments, replayed in this order
     hidden: torch.Tensor  # [B * Q, hidden] static output
     aux: torch.Tensor | None  # [B * Q, n_aux * hidden] static output
+    logits: torch.Tensor | None = None  # [B * Q, vocab] float32 static output (head graphs)
+    greedy: torch.Tensor | None = None  # [B * Q, 2] float64: each row's argmax and its logprob
 
     def replay(self) -> None:
         for g in self.graphs:
@@ -191,7 +209,7 @@ class CudaGraphRunner:
         self.ack_np, self.err_np = self.ack.numpy(), self.err.numpy()
         self.launches = 0  # ring launches issued by the host
         self._stage_warm = False
-        self.graphs: dict[tuple[int, int, int, tuple[int, ...]], _Graph] = {}  # (B, M, Q, aux)
+        self.graphs: dict[tuple[int, int, int, tuple[int, ...], bool], _Graph] = {}  # (B, M, Q, aux, head)
         self.pool = None
 
     # ----------------------------------------------------------------- static views
@@ -224,24 +242,34 @@ class CudaGraphRunner:
 
     # ----------------------------------------------------------------- start-up capture
     def startup_keys(self, max_seqs: int, max_query: int, aux_layers: tuple[int, ...] = (),
-                     max_prefill_tokens: int | None = None) -> list[tuple]:
-        """The graph keys (B, M, Q, aux) of every step an engine of up to ``max_seqs`` running
-        sequences can replay when its decode and verification steps feed at most ``max_query``
-        tokens per sequence and its prefill steps at most ``max_prefill_tokens`` tokens in all:
-        each (batch bucket, query bucket) up to theirs, then each prefill token bucket up to
-        that limit (at most ``max_prefill``). Prefill steps of prompts no longer than
-        ``max_query`` (which take decode-shaped graphs) are not in it."""
+                     max_prefill_tokens: int | None = None, head: bool = False) -> list[tuple]:
+        """The graph keys (B, M, Q, aux, head) of every step an engine of up to ``max_seqs``
+        running sequences can replay when its decode and verification steps feed at most
+        ``max_query`` tokens per sequence and its prefill steps at most ``max_prefill_tokens``
+        tokens in all: each (batch bucket, query bucket) up to theirs, then each prefill token
+        bucket up to that limit (at most ``max_prefill``); with ``head`` (a speculative engine's
+        scored steps, ``run_head``) also the head graph of each verification bucket (Q >= 2) of
+        at most ``HEAD_MAX_ROWS`` rows. Prefill steps of prompts no longer than ``max_query``
+        (which take decode-shaped graphs) are not in it."""
         top_b = _bucket(min(max_seqs, self.max_batch), self.buckets)
         top_q = _bucket(min(max_query, self.max_query), self.q_buckets)
         aux = tuple(aux_layers)
-        keys = [(B, B * Q, Q, aux) for Q in self.q_buckets if Q <= top_q
+        keys = [(B, B * Q, Q, aux, False) for Q in self.q_buckets if Q <= top_q
                 for B in self.buckets if B <= top_b]
+        if head:
+            keys += [(B, M, Q, aux, True) for B, M, Q, _, _ in keys
+                     if Q >= 2 and self.head_fits(M)]
         limit = self.max_prefill if max_prefill_tokens is None else min(self.max_prefill,
                                                                          max_prefill_tokens)
         top_m = _bucket(limit, self.p_buckets) if limit > 0 else None
         if top_m is not None:
-            keys += [(self.max_batch, M, M, aux) for M in self.p_buckets if M <= top_m]
+            keys += [(self.max_batch, M, M, aux, False) for M in self.p_buckets if M <= top_m]
         return keys
+
+    @staticmethod
+    def head_fits(M: int) -> bool:
+        """Whether a graph of ``M`` rows may end with the LM head (``HEAD_MAX_ROWS``)."""
+        return M <= HEAD_MAX_ROWS
 
     def capture_all(self, keys, progress: bool = True) -> int:
         """Capture the graphs of ``keys`` that are not captured yet, each on an empty step (no
@@ -250,10 +278,10 @@ class CudaGraphRunner:
         from tqdm.auto import tqdm
 
         todo = [k for k in dict.fromkeys(keys) if k not in self.graphs]
-        for B, M, Q, aux in tqdm(todo, desc="Capturing CUDA graphs", unit="graph",
-                                 disable=not progress or not todo, dynamic_ncols=True):
+        for B, M, Q, aux, head in tqdm(todo, desc="Capturing CUDA graphs", unit="graph",
+                                       disable=not progress or not todo, dynamic_ncols=True):
             self._stage_empty(B, M)
-            self._capture(B, M, Q, aux)
+            self._capture(B, M, Q, aux, head)
         if todo:
             torch.cuda.synchronize(self.device)
         return len(todo)
@@ -284,10 +312,37 @@ class CudaGraphRunner:
         they are still on the device (e.g. the previous draft step's choices); ``new_tokens``
         then only gives the query lengths (its values are ignored). No device read either way.
         ``plan``: this step's ``plan(...)`` when the caller has it (it must not be None)."""
+        g, T = self._replay(seqs, new_tokens, aux_layers, token_ids, plan, False)
+        return g.hidden[:T].clone(), (g.aux[:T].clone() if g.aux is not None else None)
+
+    def run_head(
+        self,
+        seqs,
+        new_tokens: list[list[int]],
+        aux_layers: tuple[int, ...],
+        plan: tuple[int, int, int],
+        clone_hidden: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """``run`` of a step whose graph also computes the logits and the greedy choices (a
+        head graph; ``plan``'s rows must satisfy ``head_fits``). Returns (hidden [T, hidden],
+        aux [T, n_aux * hidden] or None, logits [T, vocab] float32, greedy [T, 2] float64: each
+        row's argmax, lowest index on ties, and its log-probability). ``logits`` and ``greedy``
+        are views of the graph's static buffers, valid until this runner's next replay of that
+        graph; so are ``hidden`` and ``aux`` unless ``clone_hidden``."""
+        g, T = self._replay(seqs, new_tokens, aux_layers, None, plan, True)
+        hidden = g.hidden[:T]
+        aux = g.aux[:T] if g.aux is not None else None
+        if clone_hidden:
+            hidden, aux = hidden.clone(), (aux.clone() if aux is not None else None)
+        return hidden, aux, g.logits[:T], g.greedy[:T]
+
+    def _replay(self, seqs, new_tokens, aux_layers, token_ids, plan, head: bool) -> tuple[_Graph, int]:
+        """Stage a step's inputs and replay (capturing first if needed) its graph; returns the
+        graph and the step's token count."""
         query_lens = [len(t) for t in new_tokens]
         T = sum(query_lens)
         B, M, Q = plan or self.plan(seqs, query_lens)
-        key = (B, M, Q, tuple(aux_layers))
+        key = (B, M, Q, tuple(aux_layers), head)
         ring = M <= self.zero_copy_max_rows
         g = self.graphs.get(key)
         if ring:
@@ -304,7 +359,7 @@ class CudaGraphRunner:
         if ring:
             self.launches += 1  # the launch that consumes the slot: now, never without it
         g.replay()
-        return g.hidden[:T].clone(), (g.aux[:T].clone() if g.aux is not None else None)
+        return g, T
 
     def _layout(self, B: int, M: int) -> StageLayout:
         c, q, t = self.o32
@@ -417,8 +472,8 @@ class CudaGraphRunner:
         h32[q + len(seqs) + 1 : q + B + 1] = T
 
     # ----------------------------------------------------------------- capture
-    def _forward(self, B: int, M: int, Q: int, aux_layers: tuple[int, ...], on_layer=None,
-                 stage=None):
+    def _forward(self, B: int, M: int, Q: int, aux_layers: tuple[int, ...], head: bool = False,
+                 on_layer=None, stage=None):
         if stage is not None:  # captured first: the graph copies its own inputs in
             stage()
         ids, pos, slots, ctx_lens, qsl, tables = self._views(B, M)
@@ -427,16 +482,20 @@ class CudaGraphRunner:
                              on_layer=on_layer)
         hidden = self.model(ids, pos, ctx)  # [M, hidden]
         aux = torch.cat(ctx.aux_hidden, dim=-1) if ctx.aux_hidden else None
-        return hidden, aux
+        if not head:
+            return hidden, aux, None, None
+        logits = self.model.compute_logits(hidden)  # [M, vocab] float32
+        return hidden, aux, logits, greedy_pack(logits)  # greedy: [M, 2] float64
 
-    def _capture(self, B: int, M: int, Q: int, aux_layers: tuple[int, ...]) -> _Graph:
+    def _capture(self, B: int, M: int, Q: int, aux_layers: tuple[int, ...],
+                 head: bool = False) -> _Graph:
         # the staged inputs of the current step are on the device; a warm-up run on them would
         # write their K/V twice (harmless: same values), and compiles the Triton kernels for
         # these shapes outside the capture
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(B, M, Q, aux_layers)
+            self._forward(B, M, Q, aux_layers, head)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -465,12 +524,13 @@ class CudaGraphRunner:
         with gc_paused(), torch.cuda.stream(capture_stream):
             graphs[0].capture_begin(pool=self.pool)
             try:
-                hidden, aux = self._forward(B, M, Q, aux_layers, next_segment, stage)
+                hidden, aux, logits, greedy = self._forward(B, M, Q, aux_layers, head,
+                                                            next_segment, stage)
             finally:
                 graphs[-1].capture_end()
         torch.cuda.current_stream(self.device).wait_stream(capture_stream)
-        g = _Graph(graphs, hidden, aux)
-        self.graphs[(B, M, Q, aux_layers)] = g
+        g = _Graph(graphs, hidden, aux, logits, greedy)
+        self.graphs[(B, M, Q, aux_layers, head)] = g
         return g
 
     def _warm_stage_kernel(self) -> None:

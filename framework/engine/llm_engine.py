@@ -106,7 +106,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         try:
             n = self.runner.capture_graphs(self.config.max_num_seqs, max_query, aux,
-                                           self.scheduler.max_num_batched_tokens, progress)
+                                           self.scheduler.max_num_batched_tokens, progress,
+                                           head=self.spec is not None)
             if self.spec is not None:
                 n += self.spec.capture_graphs(progress)
         except torch.cuda.OutOfMemoryError:

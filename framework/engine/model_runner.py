@@ -14,6 +14,7 @@ import os
 import torch
 
 from speculant.engine.attention import AttentionMetadata, ForwardContext
+from speculant.engine.sampler import greedy_pack
 from speculant.engine.sequence import Sequence
 
 
@@ -46,16 +47,18 @@ class ModelRunner:
                                           max_prefill_tokens(max_graph_prefill))
 
     def capture_graphs(self, max_seqs: int, max_query: int, aux_layers: tuple[int, ...] = (),
-                       max_prefill_tokens: int | None = None, progress: bool = True) -> int:
+                       max_prefill_tokens: int | None = None, progress: bool = True,
+                       head: bool = False) -> int:
         """Capture now the CUDA graphs of every decode, verification (up to ``max_query`` tokens
         per sequence) and prefill step (up to ``max_prefill_tokens`` tokens) this runner can
-        replay for up to ``max_seqs`` sequences (``CudaGraphRunner.startup_keys``), instead of
-        on each shape's first step. Returns how many were captured (0 without CUDA graphs)."""
+        replay for up to ``max_seqs`` sequences (``CudaGraphRunner.startup_keys``; ``head``:
+        the scored verification steps' graphs too, see ``score``), instead of on each shape's
+        first step. Returns how many were captured (0 without CUDA graphs)."""
         if self.graphs is None:
             return 0
         with torch.inference_mode():
             keys = self.graphs.startup_keys(max_seqs, max_query, tuple(aux_layers),
-                                            max_prefill_tokens)
+                                            max_prefill_tokens, head)
             return self.graphs.capture_all(keys, progress)
 
     @torch.inference_mode()
@@ -91,6 +94,35 @@ class ModelRunner:
             s.num_cached_tokens += q
         aux = torch.cat(ctx.aux_hidden, dim=-1) if ctx.aux_hidden else None
         return hidden, aux
+
+    @torch.inference_mode()
+    def score(
+        self,
+        seqs: list[Sequence],
+        new_tokens: list[list[int]],
+        aux_layers: tuple[int, ...] = (),
+        greedy: bool = False,
+        keep_hidden: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """``forward`` plus the logits of every row: (hidden [T, hidden], aux [T, n_aux * hidden]
+        or None, logits [T, vocab] float32, greedy [T, 2] float64 or None). ``greedy`` holds each
+        row's argmax (lowest index on ties) and its log-probability
+        (:func:`speculant.engine.sampler.greedy_pack`).
+
+        A verification step that a CUDA graph of at most ``HEAD_MAX_ROWS`` rows can run replays
+        a head graph: the LM head and the greedy pack are inside it, so nothing more is launched
+        from the host, and ``greedy`` is always returned. Its ``logits`` and ``greedy`` (and
+        ``hidden`` / ``aux`` unless ``keep_hidden``) are views of the graph's buffers, valid until
+        this runner's next forward. Any other step runs ``forward`` and the LM head eagerly, and
+        computes ``greedy`` only when asked."""
+        query_lens = [len(t) for t in new_tokens]
+        g = self.graphs
+        plan = g.plan(seqs, query_lens) if g is not None else None
+        if plan is not None and plan[2] >= 2 and plan[2] <= g.max_query and g.head_fits(plan[1]):
+            return g.run_head(seqs, new_tokens, tuple(aux_layers), plan, keep_hidden)
+        hidden, aux = self.forward(seqs, new_tokens, aux_layers)
+        logits = self.logits(hidden)
+        return hidden, aux, logits, (greedy_pack(logits) if greedy else None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

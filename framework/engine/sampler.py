@@ -33,10 +33,24 @@ def _call_processor(fn, prompt_ids: list[int], output_ids: list[int], logits: to
     return fn(prompt_ids, output_ids, logits) if n >= 3 else fn(output_ids, logits)
 
 
+def params_need_processing(p) -> bool:
+    """Whether :func:`process_logits` may change a row of a request with these parameters."""
+    return bool(p.logits_processors or p.has_penalties or p.min_tokens)
+
+
 def needs_processing(rows: list[Row]) -> bool:
     """Whether :func:`process_logits` changes anything for these rows."""
-    return any(r.seq.params.logits_processors or r.seq.params.has_penalties
-               or r.seq.params.min_tokens for r in rows)
+    return any(params_need_processing(r.seq.params) for r in rows)
+
+
+def greedy_pack(logits: torch.Tensor) -> torch.Tensor:  # logits: [rows, vocab]
+    """[rows, 2] float64: each row's argmax (lowest index on ties, the token a greedy request
+    takes there) and its log-probability under the raw logits, from one fused pass
+    (kernels/logprobs.py on CUDA). float64 holds every token id exactly, so one device-to-host
+    read returns both; the speculative step's scorer computes it (inside the verification CUDA
+    graph where there is one) for the greedy verifier."""
+    tok, lp = logprob_kernels.token_logprobs(logits)  # [rows] int64, [rows] float32
+    return torch.stack([tok.double(), lp.double()], dim=1)
 
 
 def process_logits(

@@ -42,9 +42,12 @@ class TargetScorer:
         eng = self.d.engine
         seqs = [self.d.seq_by_id[s.seq_id] for s in batch.seqs]
         new_tokens = [[s.last_token, *drafts] for s, drafts in zip(seqs, proposal.token_ids)]
-        hidden, aux = eng.runner.forward(seqs, new_tokens, self.d.aux_layers)
-        return ScoreResult(logits=eng.runner.logits(hidden), hidden_states=hidden,
-                           aux_hidden_states=aux)
+        # the greedy pack is free inside a head graph; eagerly, only for all-greedy batches
+        greedy = all(s.params.is_greedy for s in seqs)
+        hidden, aux, logits, packed = eng.runner.score(seqs, new_tokens, self.d.aux_layers,
+                                                       greedy, keep_hidden=self.d.needs_hidden)
+        return ScoreResult(logits=logits, hidden_states=hidden, aux_hidden_states=aux,
+                           greedy=packed)
 
 
 class SpecDecoder:
