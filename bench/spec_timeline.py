@@ -96,8 +96,10 @@ def instrument(tl: Timeline) -> None:
     tl.wrap(spec_decode.SpecDecoder, "_apply", "apply")
     tl.wrap(rejection_sampler.RejectionSampler, "verify", "verify")
     tl.wrap(spec_decode.TargetScorer, "score", "score")
+    tl.wrap(model_runner.ModelRunner, "score", "runner_score")
     tl.wrap(model_runner.ModelRunner, "forward", "forward")
     tl.wrap(cuda_graph.CudaGraphRunner, "run", "run")
+    tl.wrap(cuda_graph.CudaGraphRunner, "run_head", "run_head")
     tl.wrap(cuda_graph.CudaGraphRunner, "_stage", "stage")
     tl.wrap(cuda_graph.CudaGraphRunner, "_stage_ring", "ring")
     fill = cuda_graph.CudaGraphRunner._fill_small
