@@ -297,9 +297,9 @@ def test_prefill_graphs_equal_torch_path(target, heads, torch_path_greedy, kind,
             runners.append(llm.engine.spec.strategy.runner)
         for r in runners:
             g = r.graphs
-            prefill = [key for key in g.graphs if key[2] > g.max_query]  # (B, M, Q, aux)
+            prefill = [key for key in g.graphs if key[2] > g.max_query]  # (B, M, Q, aux, head)
             assert bool(prefill) == (limit is None), list(g.graphs)
-            assert all(M == Q and B == g.max_batch for B, M, Q, _ in prefill)
+            assert all(M == Q and B == g.max_batch for B, M, Q, *_ in prefill)
         for i, (a, b) in enumerate(zip(out, torch_path_greedy)):
             assert a == b, f"prefill graphs {limit}, prompt {i}: {a} != torch {b}"
         del llm
