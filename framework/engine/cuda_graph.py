@@ -40,8 +40,8 @@ end with the LM head and, for every row, the greedy choice and its log-probabili
 (``speculant.engine.sampler.greedy_pack``), so that scoring a speculative step launches nothing
 from the host after the forward's segments: the greedy verifier reads ``[rows, 2]`` numbers back
 and compares them with the drafts on the host. Without them the host launched the LM head and
-~10 small verification kernels after the forward (0.6-1.2 ms of host time on the H100 machines,
-and ten times that while a lent host stalls: docs/perf.md).
+~10 small verification kernels after the forward (1.0-2.3 ms of host time on the lent H100
+machines, and ten times that while such a host stalls: docs/perf.md).
 
 Padding: a step with ``n <= B`` sequences and ``T <= M`` query tokens (any lengths up to
 ``Q``, flat in ``query_start_loc`` order) leaves rows ``T..`` as padding: token 0 at position 0
