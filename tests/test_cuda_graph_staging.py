@@ -483,3 +483,20 @@ def test_scored_steps_replay_head_graphs_up_to_head_max_rows(monkeypatch):
     assert (kind, plan) == ("plain", (4, 24, 6)) and out[3] is None and out[2].shape == (9, V)
     (kind, plan, _), _ = score([8, 2])  # 2 x 8 = 16 rows
     assert (kind, plan) == ("head", (2, 16, 8))
+
+
+def test_head_graph_rows_env_is_validated(monkeypatch):
+    """SPECULANT_HEAD_GRAPH_ROWS overrides HEAD_MAX_ROWS (0: no head graphs); a value that is not
+    a whole number >= 0 is refused by name when the runner is built, not at the first step."""
+    monkeypatch.delenv("SPECULANT_HEAD_GRAPH_ROWS", raising=False)
+    assert cuda_graph.head_max_rows() == cuda_graph.HEAD_MAX_ROWS
+    monkeypatch.setenv("SPECULANT_HEAD_GRAPH_ROWS", "16")
+    r = _runner(monkeypatch)
+    assert r.head_fits(16) and not r.head_fits(24)
+    assert {k[1] for k in r.startup_keys(8, 8, head=True) if k[4]} <= {2, 3, 4, 6, 8, 12, 16}
+    monkeypatch.setenv("SPECULANT_HEAD_GRAPH_ROWS", "0")
+    assert not any(k[4] for k in _runner(monkeypatch).startup_keys(8, 8, head=True))
+    for bad in ("lots", "-1", "1.5"):
+        monkeypatch.setenv("SPECULANT_HEAD_GRAPH_ROWS", bad)
+        with pytest.raises(ValueError, match=f"SPECULANT_HEAD_GRAPH_ROWS='{bad}'.*or 0 to run"):
+            _runner(monkeypatch)

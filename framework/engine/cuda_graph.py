@@ -35,7 +35,8 @@ for that time, so each forward is captured as several graphs cut at layer bounda
 while the GPU runs the one before. The segments share one memory pool and are always replayed
 in the order they were captured, which is what makes the pool sharing safe.
 
-Head graphs (``head=True``, verification steps of up to ``HEAD_MAX_ROWS`` rows: ``run_head``)
+Head graphs (``head=True``, verification steps of up to ``HEAD_MAX_ROWS`` rows, or
+``SPECULANT_HEAD_GRAPH_ROWS``: ``run_head``)
 end with the LM head and, for every row, the greedy choice and its log-probability
 (``speculant.engine.sampler.greedy_pack``), so that scoring a speculative step launches nothing
 from the host after the forward's segments: the greedy verifier reads ``[rows, 2]`` numbers back
@@ -135,8 +136,25 @@ def segment_starts(num_layers: int) -> frozenset[int]:
 # verification graphs of up to this many rows (B * Q) can end with the LM head and the greedy
 # choice of every row (``head=True``): a scored step then needs no launch from the host after its
 # forward's, and its logits buffer ([rows, vocab] fp32: 33 MB at 64 rows of a 128k vocabulary)
-# stays small; larger steps compute their logits eagerly after the replay
+# stays small; larger steps compute their logits eagerly after the replay.
+# SPECULANT_HEAD_GRAPH_ROWS overrides it (0: no head graphs, e.g. to save their memory).
 HEAD_MAX_ROWS = 64
+
+
+def head_max_rows() -> int:
+    """``HEAD_MAX_ROWS``, or ``SPECULANT_HEAD_GRAPH_ROWS`` when set."""
+    env = os.environ.get("SPECULANT_HEAD_GRAPH_ROWS", "").strip()
+    if not env:
+        return HEAD_MAX_ROWS
+    try:
+        value = int(env)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"SPECULANT_HEAD_GRAPH_ROWS={env!r} is not a whole number of rows >= 0; "
+                         "set it to e.g. 64, or 0 to run the LM head after the graph (no head "
+                         "graphs)")
+    return value
 
 
 @dataclass
@@ -211,6 +229,7 @@ class CudaGraphRunner:
         self._stage_warm = False
         self.graphs: dict[tuple[int, int, int, tuple[int, ...], bool], _Graph] = {}  # (B, M, Q, aux, head)
         self.pool = None
+        head_max_rows()  # a bad SPECULANT_HEAD_GRAPH_ROWS fails here, not at the first step
 
     # ----------------------------------------------------------------- static views
     def _views(self, B: int, M: int):
@@ -268,8 +287,8 @@ class CudaGraphRunner:
 
     @staticmethod
     def head_fits(M: int) -> bool:
-        """Whether a graph of ``M`` rows may end with the LM head (``HEAD_MAX_ROWS``)."""
-        return M <= HEAD_MAX_ROWS
+        """Whether a graph of ``M`` rows may end with the LM head (``head_max_rows``)."""
+        return M <= head_max_rows()
 
     def capture_all(self, keys, progress: bool = True) -> int:
         """Capture the graphs of ``keys`` that are not captured yet, each on an empty step (no
