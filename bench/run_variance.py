@@ -23,8 +23,9 @@ default,freeze,off`` repeats the rounds with the collector as Python sets it, af
 ``gc.freeze()``, and disabled. ``--head-modes on,off`` alternates, within each round, the
 oracle runs with the verification graphs that end with the LM head and the greedy pack (``on``,
 the default: the host launches nothing after the forward's segments and verifies on the host)
-and without them (``off``: ``HEAD_MAX_ROWS = 0`` and no greedy pack, so the LM head and the rejection kernels
-are launched from the host after the graph, as before the nineteenth session). Writes run_variance.json.
+and without them (``off``: ``SPECULANT_HEAD_GRAPH_ROWS=0`` and no greedy pack, so the LM head
+and the rejection kernels are launched from the host after the graph, as before the nineteenth
+session). Writes run_variance.json.
 """
 
 from __future__ import annotations
@@ -171,8 +172,8 @@ def main() -> int:
         "--head-modes",
         default="on",
         help="comma-separated, alternated within each round for the oracle runs: on "
-        "(verification graphs end with the LM head and the greedy pack), off (HEAD_MAX_ROWS = "
-        "0: LM head and rejection kernels launched after the graph)",
+        "(verification graphs end with the LM head and the greedy pack), off "
+        "(SPECULANT_HEAD_GRAPH_ROWS=0: LM head and rejection kernels launched after the graph)",
     )
     args = ap.parse_args()
     modes = [m for m in args.gc_modes.split(",") if m]
@@ -191,7 +192,11 @@ def main() -> int:
     from speculant.bench import _decode_run, _set_strategy, random_prompts
     from speculant.engine import cuda_graph
 
-    head_rows = {"on": cuda_graph.HEAD_MAX_ROWS, "off": 0}
+    head_rows = {"on": str(cuda_graph.head_max_rows()), "off": "0"}
+
+    def head_mode(h: str) -> None:  # the head graphs' row limit, read at every scored step
+        os.environ["SPECULANT_HEAD_GRAPH_ROWS"] = head_rows[h]
+        ev.old_verify = h == "off"
 
     bw = copy_bandwidth()
     llm = synthetic_target(args.layers, args.prompt_len + args.tokens + 64, "speculant-rv-")
@@ -215,7 +220,7 @@ def main() -> int:
     for name, spec in specs.items():  # build and warm each once (graphs, kernels)
         decoders[name] = _set_strategy(engine, spec)
         for h in heads:
-            cuda_graph.HEAD_MAX_ROWS, ev.old_verify = head_rows[h], h == "off"
+            head_mode(h)
             _decode_run(engine, prompts, 32)
     runs = []
     t_start = time.perf_counter()
@@ -227,7 +232,7 @@ def main() -> int:
             gc.disable()
         for rnd in range(args.rounds):
             for label, name, h in cells:
-                cuda_graph.HEAD_MAX_ROWS, ev.old_verify = head_rows[h], h == "off"
+                head_mode(h)
                 dec = decoders[name]
                 engine.spec = dec
                 if dec is not None:
@@ -276,7 +281,7 @@ def main() -> int:
                 runs.append(row)
                 print(json.dumps(row), flush=True)
     engine.spec = None
-    cuda_graph.HEAD_MAX_ROWS, ev.old_verify = head_rows["on"], False
+    head_mode("on")
     gc.enable()
     gc.unfreeze()
     summary = {}
