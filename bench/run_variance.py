@@ -23,7 +23,7 @@ default,freeze,off`` repeats the rounds with the collector as Python sets it, af
 ``gc.freeze()``, and disabled. ``--head-modes on,off`` alternates, within each round, the
 oracle runs with the verification graphs that end with the LM head and the greedy pack (``on``,
 the default: the host launches nothing after the forward's segments and verifies on the host)
-and without them (``off``: ``SPECULANT_HEAD_GRAPH_ROWS=0`` and no greedy pack, so the LM head
+and without them (``off``: a head-graph row limit of 0 and no greedy pack, so the LM head
 and the rejection kernels are launched from the host after the graph, as before the nineteenth
 session). Writes run_variance.json.
 """
@@ -68,8 +68,7 @@ class StepEvents:
 
         def timed_score(*a, **k):
             if self.old_verify:  # as before head graphs: no greedy pack, the rejection kernels
-                a = (*a[:3], False, *a[4:]) if len(a) > 3 else a
-                k.pop("greedy", None)
+                k["greedy"] = False
             if self.on:
                 self.start = torch.cuda.Event(enable_timing=True)
                 self.start.record()
@@ -173,7 +172,7 @@ def main() -> int:
         default="on",
         help="comma-separated, alternated within each round for the oracle runs: on "
         "(verification graphs end with the LM head and the greedy pack), off "
-        "(SPECULANT_HEAD_GRAPH_ROWS=0: LM head and rejection kernels launched after the graph)",
+        "(head-graph row limit 0: LM head and rejection kernels launched after the graph)",
     )
     args = ap.parse_args()
     modes = [m for m in args.gc_modes.split(",") if m]
@@ -192,10 +191,10 @@ def main() -> int:
     from speculant.bench import _decode_run, _set_strategy, random_prompts
     from speculant.engine import cuda_graph
 
-    head_rows = {"on": str(cuda_graph.head_max_rows()), "off": "0"}
+    head_rows = {"on": cuda_graph.head_max_rows(), "off": 0}
 
-    def head_mode(h: str) -> None:  # the head graphs' row limit, read at every scored step
-        os.environ["SPECULANT_HEAD_GRAPH_ROWS"] = head_rows[h]
+    def head_mode(h: str) -> None:  # the target runner's head-graph row limit
+        engine.runner.graphs.head_rows = head_rows[h]
         ev.old_verify = h == "off"
 
     bw = copy_bandwidth()

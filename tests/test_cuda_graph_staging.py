@@ -478,7 +478,7 @@ def test_scored_steps_replay_head_graphs_up_to_head_max_rows(monkeypatch):
     (kind, plan), out = score([1, 1])  # decode-shaped: no head graph
     assert (kind, plan) == ("plain", (2, 2, 1))
     assert torch.equal(out[3], greedy_pack(out[2]))  # computed eagerly, from the same logits
-    monkeypatch.setattr(cuda_graph, "HEAD_MAX_ROWS", 16)
+    g.head_rows = 16  # what a runner built with HEAD_MAX_ROWS = 16 holds
     (kind, plan), out = score([6, 2, 1], greedy=False)  # 4 x 6 = 24 rows > 16
     assert (kind, plan) == ("plain", (4, 24, 6)) and out[3] is None and out[2].shape == (9, V)
     (kind, plan, _), _ = score([8, 2])  # 2 x 8 = 16 rows

@@ -229,7 +229,9 @@ class CudaGraphRunner:
         self._stage_warm = False
         self.graphs: dict[tuple[int, int, int, tuple[int, ...], bool], _Graph] = {}  # (B, M, Q, aux, head)
         self.pool = None
-        head_max_rows()  # a bad SPECULANT_HEAD_GRAPH_ROWS fails here, not at the first step
+        # verification graphs of up to this many rows are head graphs: read once, here (a bad
+        # SPECULANT_HEAD_GRAPH_ROWS fails now, not at the first step; no parse on the hot path)
+        self.head_rows = head_max_rows()
 
     # ----------------------------------------------------------------- static views
     def _views(self, B: int, M: int):
@@ -285,10 +287,9 @@ class CudaGraphRunner:
             keys += [(self.max_batch, M, M, aux, False) for M in self.p_buckets if M <= top_m]
         return keys
 
-    @staticmethod
-    def head_fits(M: int) -> bool:
-        """Whether a graph of ``M`` rows may end with the LM head (``head_max_rows``)."""
-        return M <= head_max_rows()
+    def head_fits(self, M: int) -> bool:
+        """Whether a graph of ``M`` rows may end with the LM head (``self.head_rows``)."""
+        return M <= self.head_rows
 
     def capture_all(self, keys, progress: bool = True) -> int:
         """Capture the graphs of ``keys`` that are not captured yet, each on an empty step (no

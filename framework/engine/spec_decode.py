@@ -45,7 +45,8 @@ class TargetScorer:
         # the greedy pack is free inside a head graph; eagerly, only for all-greedy batches
         greedy = all(s.params.is_greedy for s in seqs)
         hidden, aux, logits, packed = eng.runner.score(seqs, new_tokens, self.d.aux_layers,
-                                                       greedy, keep_hidden=self.d.needs_hidden)
+                                                       greedy=greedy,
+                                                       keep_hidden=self.d.needs_hidden)
         return ScoreResult(logits=logits, hidden_states=hidden, aux_hidden_states=aux,
                            greedy=packed)
 
