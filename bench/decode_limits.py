@@ -1,0 +1,338 @@
+"""Issue 5's decode-attention goals against what this GPU, Triton and PyTorch's own kernels reach.
+
+    python bench/decode_limits.py --out OUT [--cases 1:8192,8:8192,...]
+
+Decode attention (one query token, Llama-3-8B heads: 32 query heads, 8 KV heads x 128, bf16,
+block 16) over batch x context cached tokens, every kernel timed as ``bench_kernels.py``'s graphN
+column: N distinct copies of its inputs (together far larger than the 50 MB L2) run back to back
+inside ONE CUDA graph, median replay / N. Per case:
+
+* ``ours``: ``paged_attention`` with its default launch (PDL where the device has it).
+* ``sdpa:<backend>``: ``scaled_dot_product_attention(..., enable_gqa=True)`` on K/V gathered
+  contiguous ``[batch, 8, ctx, 128]`` (the issue's comparison), with PyTorch's default choice and
+  each backend forced (flash, memory-efficient, cuDNN); a backend that refuses the shape is left
+  out.
+* ``paged read``: a Triton kernel that only READS the same K/V bytes through the same block table
+  (sums them; no attention), over several grids: what any Triton kernel with this access pattern
+  pays before doing attention at all.
+* ``flat read``: a Triton kernel reading as many contiguous bytes, short programs, several tilings
+  (``read_ceiling.py``'s kernel); and ``torch.sum`` of them.
+
+Percentages are of the device-to-device copy bandwidth measured in the same run. Over the
+batch-1 contexts each family's times are fitted to ``t = fixed + bytes / bandwidth``: the fixed
+per-call cost is what keeps batch 1 at 8k-16k (33.6-67.1 MB, 11-22 us at the copy bandwidth) away
+from 80%. Writes decode_limits.json. CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CASES = "1:4096,1:8192,1:16384,1:32768,1:65536,8:8192,8:32768,64:8192"
+H, HKV, D, BS = 32, 8, 128, 16
+
+
+@triton.jit
+def _paged_read(
+    k_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    v_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    bt_ptr,  # [batch, blocks_per_seq] int32
+    out_ptr,  # [batch, num_kv_heads, parts] fp32: each program's sum of its K and V elements
+    ctx,
+    chunks_per_part,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    lo = part * chunks_per_part * BLOCK_N
+    hi = tl.minimum(lo + chunks_per_part * BLOCK_N, ctx)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    head = kvh.to(tl.int64) * stride_kh
+    for start in range(lo, hi, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        ok = offs < hi
+        phys = tl.load(bt_row + offs // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        row = phys * stride_kb + (offs % BLOCK_SIZE) * stride_ks + head  # [BLOCK_N]
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        acc += k.to(tl.float32) + v.to(tl.float32)
+    n_parts = tl.num_programs(2)
+    tl.store(out_ptr + (seq * tl.num_programs(1) + kvh) * n_parts + part, tl.sum(tl.sum(acc, 1), 0))
+
+
+@triton.jit
+def _flat_read(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    # x_ptr: [n] bf16; out_ptr: [num_programs] fp32 (one partial sum per program)
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    base = pid.to(tl.int64) * BLOCK * ITERS
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc, 0))
+
+
+# paged read grids: (chunk tokens, chunks per program or None = the attention kernel's split,
+# warps, stages)
+PAGED_READS = [
+    (64, None, 4, 2),  # the attention kernel's decode tiles and split count
+    (64, 1, 4, 1),
+    (32, 1, 2, 1),
+    (32, 2, 4, 1),
+    (64, 2, 4, 3),
+    (128, 1, 8, 1),
+    (64, 4, 4, 3),
+    (64, 8, 4, 3),
+]
+FLAT_READS = [(1024, 4, 4, 1), (2048, 4, 8, 1), (4096, 2, 8, 1), (1024, 16, 4, 1), (2048, 8, 8, 3)]
+SDPA_BACKENDS = ("default", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--cases", default=CASES, help="batch:context,... (decode, one query token)")
+    ap.add_argument("--max-copy-bytes", type=float, default=4e9, help="bytes of copies per graph")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("decode_limits.py needs a CUDA device")
+        return 0
+    import bench_kernels as bk
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    pa = bk.pa_mod
+    dev = torch.device("cuda")
+    hbm = bk.hbm_bandwidth()
+    sms = pa.num_sms(dev)
+    rows: list[dict] = []
+
+    def record(case, family, name, t_ms, nbytes, **extra):
+        pct = 100 * nbytes / (t_ms * 1e-3) / 1e9 / hbm
+        rows.append(
+            dict(case=case, family=family, kernel=name, us=t_ms * 1e3, pct_copy_bw=pct, **extra)
+        )
+        print(f"   {case:>9} {family:<11} {name:<40} {t_ms * 1e3:9.1f} us {pct:6.1f}%", flush=True)
+
+    for spec in args.cases.split(","):
+        b, ctx = (int(x) for x in spec.split(":"))
+        case = f"{b}x{ctx}"
+        nbytes = bk.kv_bytes(b, ctx)
+        n = max(2, min(8, int(args.max_copy_bytes // nbytes)))
+        print(f"== batch {b}, context {ctx}: {nbytes / 1e6:.1f} MB of K/V, {n} copies", flush=True)
+
+        # ---- ours and the paged reads: n distinct caches, one block table -------------------
+        q, kc, vc, bt, cl, qsl = bk.make_paged(b, ctx, 1)
+        sets = bk.kv_copies(q, kc, vc, torch.empty_like(q), n)
+        fns = [
+            (
+                lambda q=q_, k=k_, v=v_, o=o_, bt=bt, cl=cl, qsl=qsl: pa.paged_attention(
+                    q, k, v, bt, cl, qsl, D**-0.5, max_query_len=1, out=o
+                )
+            )
+            for q_, k_, v_, o_ in sets
+        ]
+        ref = pa.paged_attention_ref(q.float(), kc, vc, bt, cl, qsl, D**-0.5)  # fp32 math
+        fns[0]()
+        err = bk.rel_err(sets[0][3], ref)
+        cfg = pa.choose_launch_config(
+            num_tokens=b,
+            num_seqs=b,
+            num_heads=H,
+            num_kv_heads=HKV,
+            head_dim=D,
+            max_query_len=1,
+            max_context=bt.shape[1] * BS,
+            dtype=q.dtype,
+            sm_count=sms,
+        )
+        record(
+            case,
+            "ours",
+            "paged_attention (default)",
+            bk.bench_graph_steady(fns),
+            nbytes,
+            rel_err=err,
+            splits=cfg["num_splits"],
+        )
+        # the best batch-1 setting of the earlier sweeps (docs/kernels.md, seventeenth session):
+        # block-table entries a chunk ahead, K/V double-buffered (3 stages), 16 splits
+        best_b1 = {"bt_ahead": True, "block_n": 64, "num_stages": 3, "num_splits": 16}
+        ofns = [
+            (
+                lambda q=q_, k=k_, v=v_, o=o_, bt=bt, cl=cl, qsl=qsl, ov=best_b1: (
+                    pa._paged_attention_triton(q, k, v, bt, cl, qsl, D**-0.5, 1, o, overrides=ov)
+                )
+            )
+            for q_, k_, v_, o_ in sets
+        ]
+        ofns[0]()
+        err = bk.rel_err(sets[0][3], ref)
+        name = "paged_attention (bt_ahead, 3 stages, 16 splits)"
+        record(case, "ours", name, bk.bench_graph_steady(ofns), nbytes, rel_err=err)
+        del ofns
+        gathered_sum = None
+        for bn, cpp, nw, ns in PAGED_READS:
+            if cpp is None:
+                cpp = math.ceil(math.ceil(ctx / cfg["block_n"]) / cfg["num_splits"])
+                bn = cfg["block_n"]
+            parts = math.ceil(math.ceil(ctx / bn) / cpp)
+            outs = [torch.empty(b, HKV, parts, device=dev) for _ in sets]
+
+            def launch(k, v, o, bn=bn, cpp=cpp, nw=nw, ns=ns, parts=parts, b=b, bt=bt, ctx=ctx):
+                _paged_read[(b, HKV, parts)](
+                    k,
+                    v,
+                    bt,
+                    o,
+                    ctx,
+                    cpp,
+                    k.stride(0),
+                    k.stride(1),
+                    k.stride(2),
+                    bt.stride(0),
+                    BLOCK_N=bn,
+                    HEAD_DIM=D,
+                    BLOCK_SIZE=BS,
+                    num_warps=nw,
+                    num_stages=ns,
+                )
+
+            launch(kc, vc, outs[0])
+            if gathered_sum is None:  # the read covers exactly the sequence's K and V bytes
+                idx = bt.long()
+                kg = kc[idx].reshape(b, -1, HKV, D)[:, :ctx].float()
+                vg = vc[idx].reshape(b, -1, HKV, D)[:, :ctx].float()
+                gathered_sum = (kg + vg).sum(dim=(1, 3))  # [b, HKV]
+                del kg, vg
+            got = outs[0].sum(-1)
+            ok = torch.allclose(got, gathered_sum, rtol=1e-3, atol=1.0)
+            pfns = [(lambda k=s[1], v=s[2], o=o: launch(k, v, o)) for s, o in zip(sets, outs)]
+            name = f"paged read {bn}x{cpp} w{nw} s{ns} ({b * HKV * parts} programs)"
+            record(case, "paged read", name, bk.bench_graph_steady(pfns), nbytes, sums_ok=ok)
+            del outs, pfns
+        del sets, fns, q, kc, vc, ref
+        torch.cuda.empty_cache()
+
+        # ---- flat reads of as many contiguous bytes ------------------------------------------
+        xs = [torch.randn(nbytes // 2, device=dev, dtype=torch.bfloat16) for _ in range(n)]
+        for block, iters, nw, ns in FLAT_READS:
+            progs = triton.cdiv(nbytes // 2, block * iters)
+            outs = [torch.empty(progs, device=dev) for _ in xs]
+            ffns = [
+                (
+                    lambda x=x, o=o, block=block, iters=iters, nw=nw, ns=ns, progs=progs: (
+                        _flat_read[(progs,)](
+                            x, o, x.numel(), BLOCK=block, ITERS=iters, num_warps=nw, num_stages=ns
+                        )
+                    )
+                )
+                for x, o in zip(xs, outs)
+            ]
+            name = f"flat read {block}x{iters} w{nw} s{ns} ({progs} programs)"
+            record(case, "flat read", name, bk.bench_graph_steady(ffns), nbytes)
+            del outs, ffns
+        acc = [torch.empty(1, device=dev) for _ in xs]
+        sfns = [
+            (lambda x=x, a=a: torch.sum(x, dim=0, keepdim=True, dtype=torch.float32, out=a))
+            for x, a in zip(xs, acc)
+        ]
+        record(case, "flat read", "torch.sum", bk.bench_graph_steady(sfns), nbytes)
+        del xs, acc, sfns
+        torch.cuda.empty_cache()
+
+        # ---- SDPA on gathered contiguous K/V ---------------------------------------------------
+        qs = [torch.randn(b, H, 1, D, device=dev, dtype=torch.bfloat16) for _ in range(n)]
+        ks = [torch.randn(b, HKV, ctx, D, device=dev, dtype=torch.bfloat16) for _ in range(n)]
+        vs = [torch.randn(b, HKV, ctx, D, device=dev, dtype=torch.bfloat16) for _ in range(n)]
+        want = F.scaled_dot_product_attention(
+            qs[0].float(), ks[0].float(), vs[0].float(), enable_gqa=True
+        )
+        for backend in SDPA_BACKENDS:
+            backends = None if backend == "default" else [getattr(SDPBackend, backend)]
+
+            def call(q, k, v, backends=backends):
+                if backends is None:  # PyTorch's own choice
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                with sdpa_kernel(backends):
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+            try:
+                got = call(qs[0], ks[0], vs[0])
+                e = bk.rel_err(got, want)
+                dfns = [(lambda q=q, k=k, v=v: call(q, k, v)) for q, k, v in zip(qs, ks, vs)]
+                record(
+                    case, "sdpa", f"sdpa:{backend}", bk.bench_graph_steady(dfns), nbytes, rel_err=e
+                )
+            except Exception as ex:  # noqa: BLE001  (a backend that refuses the shape)
+                rows.append(
+                    dict(case=case, family="sdpa", kernel=f"sdpa:{backend}", error=repr(ex)[:200])
+                )
+                print(f"   {case:>9} sdpa:{backend}: not available ({repr(ex)[:120]})")
+        del qs, ks, vs, want
+        torch.cuda.empty_cache()
+
+    # ---- fixed cost + marginal bandwidth over the batch-1 contexts ------------------------------
+    fits = {}
+    b1 = [r for r in rows if r["case"].startswith("1x") and "us" in r]
+    for fam in ("ours", "paged read", "flat read", "sdpa"):
+        pts = {}
+        for r in b1:
+            if r["family"] != fam:
+                continue
+            ctx = int(r["case"].split("x")[1])
+            if ctx not in pts or r["us"] < pts[ctx][1]:
+                pts[ctx] = (bk.kv_bytes(1, ctx), r["us"])
+        if len(pts) < 2:
+            continue
+        xs_ = torch.tensor([p[0] for p in pts.values()], dtype=torch.float64)
+        ts_ = torch.tensor([p[1] for p in pts.values()], dtype=torch.float64)
+        a = torch.stack([torch.ones_like(xs_), xs_], 1)
+        sol = torch.linalg.lstsq(a, ts_[:, None]).solution[:, 0]
+        fixed, per_byte = float(sol[0]), float(sol[1])
+        fits[fam] = dict(
+            fixed_us=fixed,
+            marginal_pct_copy_bw=100 * (1e-6 / per_byte) / 1e9 / hbm if per_byte > 0 else None,
+            points={str(k): v[1] for k, v in sorted(pts.items())},
+        )
+        print(
+            f"fit {fam:<11} (best of family per context): fixed {fixed:5.1f} us, marginal "
+            f"{fits[fam]['marginal_pct_copy_bw']:.1f}% of copy bandwidth"
+        )
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        copy_GBps=hbm,
+        rows=rows,
+        batch1_fits=fits,
+    )
+    (out / "decode_limits.json").write_text(json.dumps(res, indent=1))
+    print(f"wrote {out / 'decode_limits.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
