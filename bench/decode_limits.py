@@ -21,7 +21,7 @@ inside ONE CUDA graph, median replay / N. Per case:
 Percentages are of the device-to-device copy bandwidth measured in the same run. Over the
 batch-1 contexts each family's times are fitted to ``t = fixed + bytes / bandwidth``: the fixed
 per-call cost is what keeps batch 1 at 8k-16k (33.6-67.1 MB, 11-22 us at the copy bandwidth) away
-from 80%. Writes decode_limits.json. CUDA only.
+from 80%. Writes decode_limits[_hnd][_sequential].json. CUDA only.
 """
 
 from __future__ import annotations
@@ -113,6 +113,25 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--cases", default=CASES, help="batch:context,... (decode, one query token)")
     ap.add_argument("--max-copy-bytes", type=float, default=4e9, help="bytes of copies per graph")
+    ap.add_argument(
+        "--kv-layout",
+        choices=("nhd", "hnd"),
+        default="nhd",
+        help="cache memory layout (bench_kernels.py's option): hnd = each KV head's positions of "
+        "a block contiguous (same logical shape)",
+    )
+    ap.add_argument(
+        "--block-order",
+        choices=("random", "sequential"),
+        default="random",
+        help="block tables (bench_kernels.py's option): sequential = every sequence's blocks in "
+        "order, the memory layout of the gathered tensors",
+    )
+    ap.add_argument(
+        "--splits",
+        default="",
+        help="extra split counts for paged_attention at batch > 1, e.g. 2,4,8",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("decode_limits.py needs a CUDA device")
@@ -121,6 +140,9 @@ def main() -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     pa = bk.pa_mod
+    bk.KV_LAYOUT = args.kv_layout
+    bk.BLOCK_ORDER = args.block_order
+    extra_splits = [int(x) for x in args.splits.split(",") if x]
     dev = torch.device("cuda")
     hbm = bk.hbm_bandwidth()
     sms = pa.num_sms(dev)
@@ -190,6 +212,20 @@ def main() -> int:
         name = "paged_attention (bt_ahead, 3 stages, 16 splits)"
         record(case, "ours", name, bk.bench_graph_steady(ofns), nbytes, rel_err=err)
         del ofns
+        for sp in extra_splits if b > 1 else ():
+            sfns = [
+                (
+                    lambda q=q_, k=k_, v=v_, o=o_, bt=bt, cl=cl, qsl=qsl, sp=sp: pa.paged_attention(
+                        q, k, v, bt, cl, qsl, D**-0.5, max_query_len=1, out=o, num_splits=sp
+                    )
+                )
+                for q_, k_, v_, o_ in sets
+            ]
+            sfns[0]()
+            err = bk.rel_err(sets[0][3], ref)
+            name = f"paged_attention ({sp} splits)"
+            record(case, "ours", name, bk.bench_graph_steady(sfns), nbytes, rel_err=err)
+            del sfns
         gathered_sum = None
         for bn, cpp, nw, ns in PAGED_READS:
             if cpp is None:
@@ -311,7 +347,8 @@ def main() -> int:
         fixed, per_byte = float(sol[0]), float(sol[1])
         fits[fam] = dict(
             fixed_us=fixed,
-            marginal_pct_copy_bw=100 * (1e-6 / per_byte) / 1e9 / hbm if per_byte > 0 else None,
+            # per_byte: us a byte, so 1e-3 / per_byte GB/s
+            marginal_pct_copy_bw=100 * (1e-3 / per_byte) / hbm if per_byte > 0 else None,
             points={str(k): v[1] for k, v in sorted(pts.items())},
         )
         print(
@@ -322,6 +359,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = dict(
+        kv_layout=args.kv_layout,
+        block_order=args.block_order,
         device=torch.cuda.get_device_name(),
         torch=torch.__version__,
         triton=triton.__version__,
@@ -329,8 +368,12 @@ def main() -> int:
         rows=rows,
         batch1_fits=fits,
     )
-    (out / "decode_limits.json").write_text(json.dumps(res, indent=1))
-    print(f"wrote {out / 'decode_limits.json'}")
+    name = "decode_limits"  # + the non-default options: decode_limits_hnd_sequential.json
+    name += "" if args.kv_layout == "nhd" else f"_{args.kv_layout}"
+    name += "" if args.block_order == "random" else f"_{args.block_order}"
+    name += ".json"
+    (out / name).write_text(json.dumps(res, indent=1))
+    print(f"wrote {out / name}")
     return 0
 
 
