@@ -14,7 +14,8 @@ inside ONE CUDA graph, median replay / N. Per case:
   out.
 * ``paged read``: a Triton kernel that only READS the same K/V bytes through the same block table
   (sums them; no attention), over several grids: what any Triton kernel with this access pattern
-  pays before doing attention at all.
+  pays before doing attention at all. ``balanced read``: the same, persistent (a few programs
+  per SM, each an equal slice of the flattened (sequence, KV head, chunk) work: stream-K style).
 * ``flat read``: a Triton kernel reading as many contiguous bytes, short programs, several tilings
   (``read_ceiling.py``'s kernel); and ``torch.sum`` of them.
 
@@ -92,6 +93,48 @@ def _flat_read(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     tl.store(out_ptr + pid, tl.sum(acc, 0))
 
 
+@triton.jit
+def _balanced_read(
+    k_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    v_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    bt_ptr,  # [batch, blocks_per_seq] int32
+    out_ptr,  # [num_programs] fp32: each program's sum of its K and V elements
+    ctx,
+    n_chunks,  # chunks of BLOCK_N tokens per (sequence, KV head): cdiv(ctx, BLOCK_N)
+    total,  # batch * num_kv_heads * n_chunks work items
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    # persistent, stream-K-like: program p reads work items [p * total / P, (p + 1) * total / P)
+    # of the flattened (sequence, KV head, chunk) space, so every program reads the same number
+    # of chunks (+-1) whatever the batch and context: no wave quantization
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    lo = (pid.to(tl.int64) * total) // nprog
+    hi = ((pid.to(tl.int64) + 1) * total) // nprog
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for item in range(lo, hi):
+        chunk = item % n_chunks
+        sh = item // n_chunks
+        kvh = sh % NUM_KV_HEADS
+        seq = sh // NUM_KV_HEADS
+        offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = offs < ctx
+        phys = tl.load(bt_ptr + seq * stride_bt + offs // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        row = phys * stride_kb + (offs % BLOCK_SIZE) * stride_ks + kvh * stride_kh  # [BLOCK_N]
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        acc += k.to(tl.float32) + v.to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(tl.sum(acc, 1), 0))
+
+
 # paged read grids: (chunk tokens, chunks per program or None = the attention kernel's split,
 # warps, stages)
 PAGED_READS = [
@@ -104,6 +147,8 @@ PAGED_READS = [
     (64, 4, 4, 3),
     (64, 8, 4, 3),
 ]
+# balanced (persistent) paged reads: (chunk tokens, programs per SM, warps, stages)
+BALANCED_READS = [(64, 2, 4, 2), (64, 3, 4, 2), (64, 4, 4, 2), (32, 4, 2, 2), (64, 3, 4, 3)]
 FLAT_READS = [(1024, 4, 4, 1), (2048, 4, 8, 1), (4096, 2, 8, 1), (1024, 16, 4, 1), (2048, 8, 8, 3)]
 SDPA_BACKENDS = ("default", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 
@@ -264,6 +309,38 @@ def main() -> int:
             ok = torch.allclose(got, gathered_sum, rtol=1e-3, atol=1.0)
             pfns = [(lambda k=s[1], v=s[2], o=o: launch(k, v, o)) for s, o in zip(sets, outs)]
             name = f"paged read {bn}x{cpp} w{nw} s{ns} ({b * HKV * parts} programs)"
+            record(case, "paged read", name, bk.bench_graph_steady(pfns), nbytes, sums_ok=ok)
+            del outs, pfns
+        for bn, pps, nw, ns in BALANCED_READS:
+            progs = pps * sms
+            n_ch = math.ceil(ctx / bn)
+            outs = [torch.empty(progs, device=dev) for _ in sets]
+
+            def launch_b(k, v, o, bn=bn, nw=nw, ns=ns, progs=progs, n_ch=n_ch, b=b, bt=bt, ctx=ctx):
+                _balanced_read[(progs,)](
+                    k,
+                    v,
+                    bt,
+                    o,
+                    ctx,
+                    n_ch,
+                    b * HKV * n_ch,
+                    k.stride(0),
+                    k.stride(1),
+                    k.stride(2),
+                    bt.stride(0),
+                    NUM_KV_HEADS=HKV,
+                    BLOCK_N=bn,
+                    HEAD_DIM=D,
+                    BLOCK_SIZE=BS,
+                    num_warps=nw,
+                    num_stages=ns,
+                )
+
+            launch_b(kc, vc, outs[0])
+            ok = torch.allclose(outs[0].sum(), gathered_sum.sum(), rtol=1e-3, atol=4.0)
+            pfns = [(lambda k=s[1], v=s[2], o=o: launch_b(k, v, o)) for s, o in zip(sets, outs)]
+            name = f"balanced read {bn} w{nw} s{ns} ({progs} programs)"
             record(case, "paged read", name, bk.bench_graph_steady(pfns), nbytes, sums_ok=ok)
             del outs, pfns
         del sets, fns, q, kc, vc, ref
