@@ -7,7 +7,8 @@ block 16) over batch x context cached tokens, every kernel timed as ``bench_kern
 column: N distinct copies of its inputs (together far larger than the 50 MB L2) run back to back
 inside ONE CUDA graph, median replay / N. Per case:
 
-* ``ours``: ``paged_attention`` with its default launch (PDL where the device has it).
+* ``ours``: ``paged_attention`` with its default launch (PDL where the device has it), with the
+  best batch-1 setting of the earlier sweeps, and with each ``--splits`` count at batch > 1.
 * ``sdpa:<backend>``: ``scaled_dot_product_attention(..., enable_gqa=True)`` on K/V gathered
   contiguous ``[batch, 8, ctx, 128]`` (the issue's comparison), with PyTorch's default choice and
   each backend forced (flash, memory-efficient, cuDNN); a backend that refuses the shape is left
@@ -168,6 +169,19 @@ def main() -> int:
         help="extra split counts for paged_attention at batch > 1, e.g. 2,4,8",
     )
     args = ap.parse_args()
+    try:
+        cases = [tuple(int(x) for x in spec.split(":")) for spec in args.cases.split(",")]
+        extra_splits = [int(x) for x in args.splits.split(",") if x]
+    except ValueError:
+        ap.error(
+            f"--cases wants batch:context,... and --splits n,...; got {args.cases!r}, "
+            f"{args.splits!r}"
+        )
+    if any(len(c) != 2 or min(c) < 1 for c in cases) or any(x < 1 for x in extra_splits):
+        ap.error(
+            f"--cases wants positive batch:context pairs and --splits positive counts; "
+            f"got {args.cases!r}, {args.splits!r}"
+        )
     if not torch.cuda.is_available():
         print("decode_limits.py needs a CUDA device")
         return 0
@@ -177,7 +191,6 @@ def main() -> int:
     pa = bk.pa_mod
     bk.KV_LAYOUT = args.kv_layout
     bk.BLOCK_ORDER = args.block_order
-    extra_splits = [int(x) for x in args.splits.split(",") if x]
     dev = torch.device("cuda")
     hbm = bk.hbm_bandwidth()
     sms = pa.num_sms(dev)
@@ -190,8 +203,7 @@ def main() -> int:
         )
         print(f"   {case:>9} {family:<11} {name:<40} {t_ms * 1e3:9.1f} us {pct:6.1f}%", flush=True)
 
-    for spec in args.cases.split(","):
-        b, ctx = (int(x) for x in spec.split(":"))
+    for b, ctx in cases:
         case = f"{b}x{ctx}"
         nbytes = bk.kv_bytes(b, ctx)
         n = max(2, min(8, int(args.max_copy_bytes // nbytes)))

@@ -301,12 +301,17 @@ def test_decode_limits_reads_cover_exactly_the_paged_bytes():
     """bench/decode_limits.py's bare reads (the ceilings issue 5's goals are measured against)
     sum exactly the K/V elements of each sequence through its block table, whatever the grid:
     per (sequence, KV head) for the split grid, in total for the persistent balanced grid; on the
-    Triton interpreter. Without CUDA the script says so and exits 0."""
+    Triton interpreter. Malformed --cases / --splits are refused by name; without CUDA the
+    script says so and exits 0."""
     bench = Path(__file__).resolve().parents[1] / "bench"
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", _DECODE_LIMITS_CHECK, str(bench)], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "reads ok" in r.stdout, r.stderr[-2000:]
+    for bad in (["--cases", "8"], ["--cases", "1:x"], ["--splits", "0"]):
+        r = subprocess.run([sys.executable, str(bench / "decode_limits.py"), *bad],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and "--cases wants" in r.stderr, bad
     if not torch.cuda.is_available():
         r = subprocess.run([sys.executable, str(bench / "decode_limits.py")],
                            capture_output=True, text=True, timeout=300)
