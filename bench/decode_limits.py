@@ -29,6 +29,7 @@ from 80%. Writes decode_limits[_hnd][_sequential].json. CUDA only.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -144,6 +145,39 @@ FLAT_READS = [(1024, 4, 4, 1), (2048, 4, 8, 1), (4096, 2, 8, 1), (1024, 16, 4, 1
 SDPA_BACKENDS = ("default", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 
 
+def _launch_read(kernel, grid, args, meta, k, v, out):
+    """A bare-read kernel on one copy: ``kernel[grid](k, v, bt, out, *rest, **meta)`` where
+    ``args = (bt, *rest)``."""
+    kernel[grid](k, v, args[0], out, *args[1:], **meta)
+
+
+def _time_ours(bk, record, case, nbytes, sets, tables, ref, name, **launch):
+    """One launch variant of our kernel (``launch``: ``num_splits`` / ``overrides`` of the
+    launcher), checked against the reference on the first copy, then timed over all copies."""
+    bt, cl, qsl = tables
+    fns = [
+        functools.partial(
+            bk.pa_mod._paged_attention_triton, *s_, bt, cl, qsl, D**-0.5, 1, o_, **launch
+        )
+        for *s_, o_ in sets
+    ]
+    fns[0]()
+    err = bk.rel_err(sets[0][3], ref)
+    record(case, "ours", name, bk.bench_graph_steady(fns), nbytes, rel_err=err, **launch)
+
+
+def _time_read(bk, record, case, nbytes, sets, want, name, launch, out_shape, per_head):
+    """A bare read ``launch(k, v, out)``: its sums on the first copy (the cache the gathered
+    ``want`` [batch, kv_heads] came from) checked per sequence and KV head, or in total for grids
+    that cut across them; then timed over all copies."""
+    outs = [torch.empty(out_shape, device="cuda") for _ in sets]
+    launch(sets[0][1], sets[0][2], outs[0])
+    got, exp = (outs[0].sum(-1), want) if per_head else (outs[0].sum(), want.sum())
+    ok = torch.allclose(got, exp, rtol=1e-3, atol=1.0 if per_head else 4.0)
+    fns = [functools.partial(launch, s_[1], s_[2], o) for s_, o in zip(sets, outs)]
+    record(case, "paged read", name, bk.bench_graph_steady(fns), nbytes, sums_ok=ok)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
@@ -212,17 +246,7 @@ def main() -> int:
         # ---- ours and the paged reads: n distinct caches, one block table -------------------
         q, kc, vc, bt, cl, qsl = bk.make_paged(b, ctx, 1)
         sets = bk.kv_copies(q, kc, vc, torch.empty_like(q), n)
-        fns = [
-            (
-                lambda q=q_, k=k_, v=v_, o=o_, bt=bt, cl=cl, qsl=qsl: pa.paged_attention(
-                    q, k, v, bt, cl, qsl, D**-0.5, max_query_len=1, out=o
-                )
-            )
-            for q_, k_, v_, o_ in sets
-        ]
         ref = pa.paged_attention_ref(q.float(), kc, vc, bt, cl, qsl, D**-0.5)  # fp32 math
-        fns[0]()
-        err = bk.rel_err(sets[0][3], ref)
         cfg = pa.choose_launch_config(
             num_tokens=b,
             num_seqs=b,
@@ -234,118 +258,51 @@ def main() -> int:
             dtype=q.dtype,
             sm_count=sms,
         )
-        record(
-            case,
-            "ours",
-            "paged_attention (default)",
-            bk.bench_graph_steady(fns),
-            nbytes,
-            rel_err=err,
-            splits=cfg["num_splits"],
-        )
+
+        ours = dict(bk=bk, record=record, case=case, nbytes=nbytes, sets=sets, tables=(bt, cl, qsl))
+        _time_ours(name="paged_attention (default)", ref=ref, **ours)
         # the best batch-1 setting of the earlier sweeps (docs/kernels.md, seventeenth session):
         # block-table entries a chunk ahead, K/V double-buffered (3 stages), 16 splits
         best_b1 = {"bt_ahead": True, "block_n": 64, "num_stages": 3, "num_splits": 16}
-        ofns = [
-            (
-                lambda q=q_, k=k_, v=v_, o=o_, bt=bt, cl=cl, qsl=qsl, ov=best_b1: (
-                    pa._paged_attention_triton(q, k, v, bt, cl, qsl, D**-0.5, 1, o, overrides=ov)
-                )
-            )
-            for q_, k_, v_, o_ in sets
-        ]
-        ofns[0]()
-        err = bk.rel_err(sets[0][3], ref)
         name = "paged_attention (bt_ahead, 3 stages, 16 splits)"
-        record(case, "ours", name, bk.bench_graph_steady(ofns), nbytes, rel_err=err)
-        del ofns
+        _time_ours(name=name, ref=ref, overrides=best_b1, **ours)
         for sp in extra_splits if b > 1 else ():
-            sfns = [
-                (
-                    lambda q=q_, k=k_, v=v_, o=o_, bt=bt, cl=cl, qsl=qsl, sp=sp: pa.paged_attention(
-                        q, k, v, bt, cl, qsl, D**-0.5, max_query_len=1, out=o, num_splits=sp
-                    )
-                )
-                for q_, k_, v_, o_ in sets
-            ]
-            sfns[0]()
-            err = bk.rel_err(sets[0][3], ref)
-            name = f"paged_attention ({sp} splits)"
-            record(case, "ours", name, bk.bench_graph_steady(sfns), nbytes, rel_err=err)
-            del sfns
-        gathered_sum = None
+            _time_ours(name=f"paged_attention ({sp} splits)", ref=ref, num_splits=sp, **ours)
+
+        # the bare reads: exactly the sequences' K and V elements, summed per program
+        idx = bt.long()
+        kg = kc[idx].reshape(b, -1, HKV, D)[:, :ctx].float()
+        vg = vc[idx].reshape(b, -1, HKV, D)[:, :ctx].float()
+        gathered_sum = (kg + vg).sum(dim=(1, 3))  # [b, HKV]
+        del kg, vg
+        strides = (kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0))  # every copy's
+
+        reads = dict(bk=bk, record=record, case=case, nbytes=nbytes, sets=sets, want=gathered_sum)
+
         for bn, cpp, nw, ns in PAGED_READS:
-            if cpp is None:
-                cpp = math.ceil(math.ceil(ctx / cfg["block_n"]) / cfg["num_splits"])
+            if cpp is None:  # the attention kernel's tiles and split count
                 bn = cfg["block_n"]
+                cpp = math.ceil(math.ceil(ctx / bn) / cfg["num_splits"])
             parts = math.ceil(math.ceil(ctx / bn) / cpp)
-            outs = [torch.empty(b, HKV, parts, device=dev) for _ in sets]
+            grid = (b, HKV, parts)
+            meta = dict(BLOCK_N=bn, HEAD_DIM=D, BLOCK_SIZE=BS, num_warps=nw, num_stages=ns)
 
-            def launch(k, v, o, bn=bn, cpp=cpp, nw=nw, ns=ns, parts=parts, b=b, bt=bt, ctx=ctx):
-                _paged_read[(b, HKV, parts)](
-                    k,
-                    v,
-                    bt,
-                    o,
-                    ctx,
-                    cpp,
-                    k.stride(0),
-                    k.stride(1),
-                    k.stride(2),
-                    bt.stride(0),
-                    BLOCK_N=bn,
-                    HEAD_DIM=D,
-                    BLOCK_SIZE=BS,
-                    num_warps=nw,
-                    num_stages=ns,
-                )
-
-            launch(kc, vc, outs[0])
-            if gathered_sum is None:  # the read covers exactly the sequence's K and V bytes
-                idx = bt.long()
-                kg = kc[idx].reshape(b, -1, HKV, D)[:, :ctx].float()
-                vg = vc[idx].reshape(b, -1, HKV, D)[:, :ctx].float()
-                gathered_sum = (kg + vg).sum(dim=(1, 3))  # [b, HKV]
-                del kg, vg
-            got = outs[0].sum(-1)
-            ok = torch.allclose(got, gathered_sum, rtol=1e-3, atol=1.0)
-            pfns = [(lambda k=s[1], v=s[2], o=o: launch(k, v, o)) for s, o in zip(sets, outs)]
+            args_ = (bt, ctx, cpp, *strides)  # after k, v; out goes between bt and ctx
+            launch = functools.partial(_launch_read, _paged_read, grid, args_, meta)
             name = f"paged read {bn}x{cpp} w{nw} s{ns} ({b * HKV * parts} programs)"
-            record(case, "paged read", name, bk.bench_graph_steady(pfns), nbytes, sums_ok=ok)
-            del outs, pfns
+            _time_read(name=name, launch=launch, out_shape=grid, per_head=True, **reads)
         for bn, pps, nw, ns in BALANCED_READS:
             progs = pps * sms
             n_ch = math.ceil(ctx / bn)
-            outs = [torch.empty(progs, device=dev) for _ in sets]
+            meta = dict(
+                NUM_KV_HEADS=HKV, BLOCK_N=bn, HEAD_DIM=D, BLOCK_SIZE=BS, num_warps=nw, num_stages=ns
+            )
 
-            def launch_b(k, v, o, bn=bn, nw=nw, ns=ns, progs=progs, n_ch=n_ch, b=b, bt=bt, ctx=ctx):
-                _balanced_read[(progs,)](
-                    k,
-                    v,
-                    bt,
-                    o,
-                    ctx,
-                    n_ch,
-                    b * HKV * n_ch,
-                    k.stride(0),
-                    k.stride(1),
-                    k.stride(2),
-                    bt.stride(0),
-                    NUM_KV_HEADS=HKV,
-                    BLOCK_N=bn,
-                    HEAD_DIM=D,
-                    BLOCK_SIZE=BS,
-                    num_warps=nw,
-                    num_stages=ns,
-                )
-
-            launch_b(kc, vc, outs[0])
-            ok = torch.allclose(outs[0].sum(), gathered_sum.sum(), rtol=1e-3, atol=4.0)
-            pfns = [(lambda k=s[1], v=s[2], o=o: launch_b(k, v, o)) for s, o in zip(sets, outs)]
+            args_ = (bt, ctx, n_ch, b * HKV * n_ch, *strides)
+            launch = functools.partial(_launch_read, _balanced_read, (progs,), args_, meta)
             name = f"balanced read {bn} w{nw} s{ns} ({progs} programs)"
-            record(case, "paged read", name, bk.bench_graph_steady(pfns), nbytes, sums_ok=ok)
-            del outs, pfns
-        del sets, fns, q, kc, vc, ref
+            _time_read(name=name, launch=launch, out_shape=(progs,), per_head=False, **reads)
+        del sets, q, kc, vc, ref, gathered_sum
         torch.cuda.empty_cache()
 
         # ---- flat reads of as many contiguous bytes ------------------------------------------
