@@ -43,8 +43,10 @@ class LLMEngine:
         folder = resolve_model(config.model)
         self.model_path = folder
         self.hf_config = load_config(folder)
-        self.dtype = config.torch_dtype(self.device, getattr(self.hf_config, "torch_dtype", None)
-                                        or getattr(self.hf_config, "dtype", None))
+        # transformers >= 4.56 names it `dtype` (`torch_dtype`, a property there, warns); older
+        # ones keep `torch_dtype` as a plain attribute.
+        self.dtype = config.torch_dtype(self.device, getattr(self.hf_config, "dtype", None)
+                                        or vars(self.hf_config).get("torch_dtype"))
         self.max_model_len = self._max_model_len()
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
         self.model = load_model(folder, self.hf_config, self.dtype, self.device, self.max_model_len)
