@@ -32,7 +32,14 @@ class EngineConfig(BaseModel):
     num_gpu_blocks_override: int | None = Field(None, ge=1)
     device: Literal["auto", "cpu", "cuda"] | str = "auto"
     speculative_config: dict[str, Any] | None = None
-    trust_remote_code: bool = False
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs the target is sharded over (vLLM's name); only 1 for now")
+    trust_remote_code: bool = Field(
+        False, description="accepted for vLLM compatibility, no effect: speculant runs its own "
+        "model implementations and never executes code from a checkpoint")
+    use_v2_block_manager: bool = Field(
+        False, description="accepted for vLLM compatibility (deprecated there), no effect: "
+        "speculant has one paged block manager")
     enforce_eager: bool = False
     max_prefill_graph_tokens: int | None = Field(
         None, ge=0, description="on CUDA, prefill steps of up to this many tokens (in all) replay "
@@ -56,13 +63,26 @@ class EngineConfig(BaseModel):
             raise ValueError(f"unknown dtype {v!r}; use auto, float32, float16 or bfloat16")
         return v
 
-    @field_validator("trust_remote_code")
+    @field_validator("tensor_parallel_size")
     @classmethod
-    def _remote(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("trust_remote_code=True is not supported: speculant runs its own model "
-                             "implementations and never executes code from a checkpoint")
+    def _tp(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(
+                f"tensor_parallel_size={v}: tensor parallelism is not available yet in speculant "
+                "(the target runs on one device); use tensor_parallel_size=1"
+            )
         return v
+
+    def compat_warnings(self) -> list[str]:
+        """Warnings for vLLM options that are accepted but do nothing here (shown by ``LLM``)."""
+        out = []
+        if self.use_v2_block_manager:
+            out.append("use_v2_block_manager is deprecated (as in vLLM) and has no effect: "
+                       "speculant has one paged block manager; drop the argument")
+        if self.trust_remote_code:
+            out.append("trust_remote_code=True has no effect: speculant runs its own model "
+                       "implementations and never executes code from a checkpoint")
+        return out
 
     def torch_device(self) -> torch.device:
         """``device``; "auto" is ``SPECULANT_DEVICE`` when set (e.g. ``cpu`` to keep a GPU

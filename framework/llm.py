@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import warnings
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -37,6 +39,7 @@ class LLM:
         device: str = "auto",
         speculative_config: dict[str, Any] | None = None,
         block_size: int = 16,
+        tensor_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         legacy = pop_legacy_kwargs(kwargs)
@@ -50,10 +53,14 @@ class LLM:
                 model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
                 max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-                device=device, speculative_config=speculative_config, block_size=block_size, **kwargs,
+                device=device, speculative_config=speculative_config, block_size=block_size,
+                tensor_parallel_size=tensor_parallel_size, **kwargs,
             )
         except Exception as e:
             raise ValueError(f"invalid LLM arguments: {e}") from None
+        for msg in self.config.compat_warnings():
+            category = DeprecationWarning if "deprecated" in msg else UserWarning
+            warnings.warn(msg, category, stacklevel=2)
         self.engine = LLMEngine(self.config)
         self._counter = itertools.count()
 
@@ -185,3 +192,40 @@ class LLM:
         finally:
             bar.close()
         return [done[i] for i in ids]
+
+    def generate_stream(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Generate for one prompt step by step: yields the request's output so far after every
+        engine step (``outputs[0].text`` and ``token_ids`` grow), the last one with
+        ``finished=True`` and the request's ``metrics``. Closing the generator early (``break``)
+        aborts the request."""
+        items = self._normalize_prompts(prompt, None)
+        if len(items) != 1:
+            raise ValueError(f"generate_stream() takes one prompt, got {len(items)}")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be speculant.SamplingParams, got {type(params).__name__}")
+        rid = str(next(self._counter))
+        (text, toks), = items
+        self.engine.add_request(rid, text, toks, params)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = True
+                        yield out
+                if not finished:
+                    snap = self.engine.snapshot(rid)
+                    if snap is None or not self.engine.has_unfinished_requests():
+                        raise RuntimeError(f"engine stopped with unfinished request {rid}")
+                    yield snap
+        finally:
+            if not finished:  # closed early or failed
+                self.engine.abort_request(rid)
+                if self.engine.has_unfinished_requests():
+                    self.engine.step()
+                self.engine.requests.pop(rid, None)

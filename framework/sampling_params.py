@@ -13,8 +13,10 @@ _GREEDY_EPS = 1e-5
 class SamplingParams(BaseModel):
     """How to sample one request. ``temperature=0`` means greedy decoding.
 
-    Unsupported vLLM features (``best_of > n``, beam search, ``guided_decoding``) are refused with
-    a clear message rather than ignored.
+    ``best_of`` samples that many sequences and returns the ``n`` with the highest cumulative
+    log-probability, as vLLM did. Beam search (``use_beam_search``, and its ``length_penalty`` /
+    ``early_stopping`` at other than their neutral values) is refused with a clear message rather
+    than ignored.
     """
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, validate_assignment=True)
@@ -39,9 +41,12 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logits_processors: list[Callable[..., Any]] | None = None
-    # vLLM fields we accept only at their neutral value.
-    best_of: int | None = None
+    best_of: int | None = Field(
+        None, ge=1, description="sample this many sequences, return the n most likely (>= n)")
+    # beam search fields of vLLM's: accepted only at their neutral values.
     use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -59,15 +64,15 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
-        if self.use_beam_search:
+        beam = [f for f, neutral in (("use_beam_search", False), ("length_penalty", 1.0),
+                                     ("early_stopping", False)) if getattr(self, f) != neutral]
+        if beam:
             raise ValueError(
-                "beam search is not supported by speculant; use n > 1 with sampling instead"
+                f"{', '.join(beam)}: beam search is not supported by speculant (these options "
+                "only apply to it); sample instead (temperature > 0, with n or best_of > 1)"
             )
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(
-                f"best_of={self.best_of} is not supported (only best_of == n); "
-                "generate n samples and rank them yourself"
-            )
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
@@ -79,6 +84,12 @@ class SamplingParams(BaseModel):
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences to run: ``best_of`` when sampling (the ``n`` best are returned), else ``n``
+        (greedy samples are identical)."""
+        return self.n if self.is_greedy else max(self.n, self.best_of or 1)
 
     @property
     def stop_strings(self) -> list[str]:

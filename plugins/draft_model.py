@@ -70,7 +70,6 @@ class DraftModelConfig(BaseModel):
 
     model: str = Field(..., description="draft checkpoint: HF folder, .gguf file or hub id")
     num_speculative_tokens: int = Field(..., ge=1, le=64)
-    draft_tensor_parallel_size: int = 1
     dtype: str | None = Field(None, description="draft dtype; default: the target's")
     kv_cache_memory: int | None = Field(
         None,
@@ -84,16 +83,6 @@ class DraftModelConfig(BaseModel):
         description="file of hot token ids (.pt, .json, .npy or .txt; plugins/token_map.py): "
         "the draft's LM head runs over those rows only (FR-Spec)",
     )
-
-    @field_validator("draft_tensor_parallel_size")
-    @classmethod
-    def _tp(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(
-                f"draft_tensor_parallel_size={v}: tensor parallelism is not supported yet for "
-                "the draft model; use draft_tensor_parallel_size=1 (the draft runs on one device)"
-            )
-        return v
 
     @field_validator("dtype")
     @classmethod

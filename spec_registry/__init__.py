@@ -8,7 +8,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from speculant.plugin_manager import get_plugin_manager
 
@@ -71,6 +78,8 @@ class SpeculativeConfig(BaseModel):
     method: str | None = None
     model: str | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
+    # vLLM's option, common to every method: the drafter runs on one device (tensor parallelism
+    # is not available yet), so 1 is the only value
     draft_tensor_parallel_size: int | None = Field(None, ge=1)
     disable_by_batch_size: int | None = Field(None, ge=1)
     acceptance_method: str = "rejection_sampler"
@@ -78,6 +87,17 @@ class SpeculativeConfig(BaseModel):
     auto_disable: bool = False
     auto_disable_tolerance: float = Field(0.05, ge=0.0, lt=1.0)  # off below (1 - this) x plain
     auto_disable_interval: int = Field(64, ge=2, le=65536)  # most steps between two measurements
+
+    @field_validator("draft_tensor_parallel_size")
+    @classmethod
+    def _draft_tp(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError(
+                f"draft_tensor_parallel_size={v}: tensor parallelism is not supported yet, for "
+                "the target or the drafter; use draft_tensor_parallel_size=1 (the drafter runs "
+                "on one device)"
+            )
+        return v
 
     @model_validator(mode="after")
     def _method(self) -> SpeculativeConfig:
@@ -96,11 +116,24 @@ class SpeculativeConfig(BaseModel):
 
 
 def infer_method(model: str) -> str:
-    """Ask every proposer strategy whether it recognises the checkpoint's config.json."""
+    """Ask every proposer strategy whether it recognises the checkpoint (its folder and
+    config.json). ``model`` is a local folder, a .gguf file, or a hub id found in the local
+    Hugging Face cache (or downloaded where a network exists), as the strategies will load it."""
+    from speculant.models.loader import resolve_model
+
     path = Path(model).expanduser()
-    cfg_file = path / "config.json" if path.is_dir() else None
+    if not path.is_dir():
+        try:
+            path = resolve_model(model)
+        except Exception as e:
+            raise StrategyError(
+                f"cannot infer the speculative method of {model!r}: its checkpoint cannot be "
+                f"read ({e}). Set `method` explicitly (e.g. \"draft_model\", \"eagle\", "
+                "\"eagle3\", \"mlp_speculator\") and pass a checkpoint that exists here"
+            ) from None
+    cfg_file = path / "config.json"
     config: dict[str, Any] = {}
-    if cfg_file is not None and cfg_file.exists():
+    if cfg_file.exists():
         try:
             config = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
@@ -156,8 +189,6 @@ def build_strategy_config(cls: type, spec: SpeculativeConfig) -> BaseModel | Non
     data = {k: v for k, v in spec.model_dump(exclude_none=True).items()
             if k not in ENGINE_OPTIONS}
     data.update(spec.strategy_options)
-    if spec.draft_tensor_parallel_size is not None:
-        data["draft_tensor_parallel_size"] = spec.draft_tensor_parallel_size
     if Config is None:
         extra = sorted(set(data) - {"num_speculative_tokens"})
         if extra:
@@ -168,7 +199,8 @@ def build_strategy_config(cls: type, spec: SpeculativeConfig) -> BaseModel | Non
     if unknown:
         raise StrategyError(
             f"speculative_config for method {cls.name!r}: unknown option(s) {unknown}; "
-            f"{cls.name!r} accepts {sorted(known)}"
+            f"{cls.name!r} accepts {sorted(known)}, and every method "
+            f"{sorted(set(ENGINE_OPTIONS) - {'method'})}"
         )
     try:
         return Config(**data)

@@ -180,9 +180,10 @@ def test_min_tokens_above_max_tokens():
 def test_unsupported_features_refused_clearly():
     with pytest.raises(ValidationError, match="beam search is not supported"):
         SamplingParams(use_beam_search=True)
-    with pytest.raises(ValidationError, match="best_of=4 is not supported"):
-        SamplingParams(n=2, best_of=4)
-    assert SamplingParams(n=2, best_of=2).n == 2
+    with pytest.raises(ValidationError, match=r"best_of \(1\) must be >= n \(2\)"):
+        SamplingParams(n=2, best_of=1)
+    assert SamplingParams(n=2, best_of=4).num_samples == 4
+    assert SamplingParams(n=2, best_of=4, temperature=0).num_samples == 2
 
 
 def test_defaults_match_vllm():

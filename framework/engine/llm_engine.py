@@ -187,7 +187,7 @@ class LLMEngine:
                              f"vocabulary [0, {self.vocab_size})")
         metrics = RequestMetrics(arrival_time=time.perf_counter())
         seqs = []
-        for i in range(params.n):
+        for i in range(params.num_samples):
             gen = None
             if params.seed is not None:
                 gen = torch.Generator().manual_seed(params.seed * 1000003 + i)
@@ -369,14 +369,19 @@ class LLMEngine:
 
     def make_output(self, req: Request, detokenize: bool = True) -> RequestOutput:
         completions = []
-        for s in req.seqs:
+        seqs = req.seqs
+        if len(seqs) > req.params.n:  # best_of: the n most likely, once all are done
+            if all(s.is_finished for s in seqs):
+                seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)
+            seqs = seqs[: req.params.n]
+        for i, s in enumerate(seqs):
             text = s.output_text
             if text is None and self.tokenizer is not None and detokenize:
                 text = self.tokenizer.decode(
                     s.output_token_ids, skip_special_tokens=s.params.skip_special_tokens
                 )
             completions.append(CompletionOutput(
-                index=s.index, text=text or "", token_ids=s.output_token_ids,
+                index=i, text=text or "", token_ids=s.output_token_ids,
                 cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason,
             ))

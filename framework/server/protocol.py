@@ -65,6 +65,10 @@ class _Sampling(_Body):
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's beam-search extensions: refused by SamplingParams with a clear message unless neutral
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
 
     def _common(self) -> dict[str, Any]:
         if self.logit_bias:
@@ -73,7 +77,8 @@ class _Sampling(_Body):
             raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
         names = ("n", "stop", "stop_token_ids", "seed", "temperature", "top_p", "top_k", "min_p",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                 "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+                 "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                 "use_beam_search", "length_penalty", "early_stopping")
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
@@ -93,6 +98,9 @@ class CompletionRequest(_Sampling):
         kw = self._common()
         kw["max_tokens"] = self.max_tokens
         if self.best_of is not None:
+            if self.stream and self.best_of > self.n:
+                raise APIError(400, "best_of > n cannot be streamed (the n best are known only "
+                               "at the end); set stream: false or best_of: n", "best_of")
             kw["best_of"] = self.best_of
         if self.logprobs is not None:
             kw["logprobs"] = self.logprobs

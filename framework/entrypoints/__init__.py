@@ -1,0 +1,1 @@
+"""vLLM-compatible entry points (``python -m speculant.entrypoints.openai.api_server``)."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server's module entry point, named as vLLM's."""

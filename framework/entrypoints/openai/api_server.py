@@ -1,0 +1,38 @@
+"""``python -m speculant.entrypoints.openai.api_server``: vLLM's module entry point for the
+OpenAI-compatible server, with the options of ``speculant serve`` (vLLM's spellings)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from speculant.cli import add_serve_arguments, cmd_serve
+
+    parser = argparse.ArgumentParser(
+        prog="python -m speculant.entrypoints.openai.api_server",
+        description="OpenAI-compatible HTTP server with speculative decoding (same options as "
+        "`speculant serve`)",
+    )
+    add_serve_arguments(parser)
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at INFO level and show full tracebacks"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return cmd_serve(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        if args.verbose:
+            raise
+        print(f"speculant: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
