@@ -477,16 +477,21 @@ def parse_strategies(text: str) -> list[dict]:
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf file, hub id; default: the "
                    "embedded SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="auto", help="float32, float16 or bfloat16; auto: float32 "
+                   "on the CPU, the checkpoint's float16/bfloat16 on a GPU (default: auto)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: auto)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and the engine "
+                   "(default: 0)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence in tokens (default: the model's)")
     p.add_argument("--strategies", default="oracle:0.6:3,oracle:0.8:3,oracle:0.8:5,ngram:3",
                    help="JSON list of speculative_config dicts, or shorthands "
                    "'oracle:ALPHA:K,METHOD:K'")
     p.add_argument("--batch-sizes", default="1", help="comma-separated, e.g. 1,4,16,64")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="tokens generated per sequence (default: 64)")
+    p.add_argument("--prompt-len", type=int, default=32,
+                   help="length in tokens of the random prompts (default: 32)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per cell; the row reports "
                    "the run of median step time (every run's step time in step_s_runs)")
     p.add_argument("--out", default="bench/results", help="folder for JSON and PNG")

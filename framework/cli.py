@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 
 
 def _spec_arg(text: str | None) -> dict | None:
@@ -22,19 +23,32 @@ def _spec_arg(text: str | None) -> dict | None:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf file, hub id; default: the embedded SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", "--max_model_len", type=int, default=None)
+    p.add_argument("--dtype", default="auto",
+                   help="float32, float16 or bfloat16, for weights and activations; auto: "
+                   "float32 on the CPU, the checkpoint's float16/bfloat16 on a GPU (default: auto)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda or cuda:N; auto: $SPECULANT_DEVICE if set, else cuda when "
+                   "available, else cpu (default: auto)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed of sampling (temperature > 0) (default: 0)")
+    p.add_argument("--max-model-len", "--max_model_len", type=int, default=None,
+                   help="longest sequence, prompt + output, in tokens (default: the model's)")
     p.add_argument("--speculative-config", "--speculative_config", default=None,
-                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+                   help='speculation strategy as JSON, e.g. \'{"method": "ngram", '
+                   '"num_speculative_tokens": 5}\' (`speculant plugins` lists the methods); '
+                   "default: none, plain decoding")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", "--max_tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", "--top_p", type=float, default=1.0)
-    p.add_argument("--top-k", "--top_k", type=int, default=0)
+    p.add_argument("--max-tokens", "--max_tokens", type=int, default=128,
+                   help="tokens to generate at most per reply (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy (default: 0)")
+    p.add_argument("--top-p", "--top_p", type=float, default=1.0,
+                   help="nucleus sampling: keep the most likely tokens up to this probability "
+                   "mass (default: 1, all)")
+    p.add_argument("--top-k", "--top_k", type=int, default=0,
+                   help="keep only the K most likely tokens; 0: no limit (default: 0)")
 
 
 def _llm(args):
@@ -52,17 +66,80 @@ def _params(args):
                           top_p=args.top_p, top_k=args.top_k)
 
 
+def _speed(tokens: int, seconds: float) -> str:
+    rate = f"{tokens / seconds:.1f}" if seconds > 0 else "-"
+    return f"{tokens} tokens in {seconds:.2f} s, {rate} tok/s"
+
+
+def _acceptance(m) -> str:
+    """A SpecMetrics in words."""
+    return (f"acceptance {m.acceptance_rate:.0%} ({m.num_accepted_tokens} of "
+            f"{m.num_draft_tokens} drafted tokens), {m.mean_accepted_length:.2f} tokens per "
+            "target step")
+
+
 def cmd_generate(args) -> int:
     llm = _llm(args)
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    start = time.perf_counter()
     outs = llm.generate(prompts, _params(args), use_tqdm=len(prompts) > 1)
+    seconds = time.perf_counter() - start
     for o in outs:
         if len(outs) > 1:
             print(f"### {o.prompt}")
         print(o.outputs[0].text)
+    sys.stdout.flush()
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    speed = _speed(tokens, seconds) + (f" ({len(outs)} prompts)" if len(outs) > 1 else "")
+    print(f"[{speed}]", file=sys.stderr)
     if args.speculative_config:
         print(json.dumps(llm.get_metrics().as_dict()), file=sys.stderr)
     return 0
+
+
+_CHAT_BANNER = ("speculant chat: type a message and press Enter; `exit`, `quit` or Ctrl-D (end "
+                "of input) ends the chat; Ctrl-C stops a reply")
+
+
+def _chat_prompt(llm, messages: list[dict[str, str]]) -> dict:
+    if llm.tokenizer is None:
+        raise ValueError("chat needs a tokenizer")
+    try:
+        ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:
+        raise ValueError(f"cannot apply the chat template: {e}") from None
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return {"prompt_token_ids": list(ids)}
+
+
+def _stream_reply(llm, prompt: dict, params) -> tuple[str, str]:
+    """Print the reply as it is generated; return (its text, a one-line summary)."""
+    start = time.perf_counter()
+    printed, out, stopped = "", None, False
+    stream = llm.generate_stream(prompt, params)
+    try:
+        for out in stream:
+            text = out.outputs[0].text
+            # a multi-byte character split over tokens decodes to U+FFFD until it is complete
+            if text.startswith(printed) and (out.finished or not text.endswith("\ufffd")):
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+    except KeyboardInterrupt:  # Ctrl-C stops this reply (closing the stream aborts the request)
+        stream.close()
+        stopped = True
+    print(flush=True)
+    tokens = len(out.outputs[0].token_ids) if out is not None else 0
+    summary = _speed(tokens, time.perf_counter() - start)
+    if stopped:
+        return printed, summary + ", stopped"
+    m = out.metrics
+    if m is not None and m.time_to_first_token is not None:
+        summary += f", first token after {m.time_to_first_token:.2f} s"
+    if llm.engine.spec is not None and m is not None:
+        summary += "; " + _acceptance(m.spec)
+    return out.outputs[0].text, summary
 
 
 def cmd_chat(args) -> int:
@@ -71,16 +148,27 @@ def cmd_chat(args) -> int:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     params = _params(args)
+    interactive = sys.stdin.isatty()
+    print(_CHAT_BANNER, file=sys.stderr, flush=True)
     while True:
         try:
-            line = input("> ") if sys.stdin.isatty() else sys.stdin.readline()
-        except EOFError:
+            line = input("> ") if interactive else sys.stdin.readline()  # input(): no "\n"
+        except (EOFError, KeyboardInterrupt):
+            if interactive:
+                print()
             break
-        if not line or line.strip() in ("exit", "quit"):
+        if not interactive and not line:  # end of piped input
             break
-        messages.append({"role": "user", "content": line.strip()})
-        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
-        print(reply, flush=True)
+        text = line.strip()
+        if text in ("exit", "quit"):
+            break
+        if not text:
+            print("(empty message, not sent; `exit`, `quit` or Ctrl-D ends the chat)",
+                  file=sys.stderr, flush=True)
+            continue
+        messages.append({"role": "user", "content": text})
+        reply, summary = _stream_reply(llm, _chat_prompt(llm, messages), params)
+        print(f"[{summary}]", file=sys.stderr, flush=True)
         messages.append({"role": "assistant", "content": reply})
     return 0
 
@@ -237,32 +325,51 @@ def _add_serve_parser(sub) -> None:
     s.set_defaults(func=cmd_serve)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="speculant", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    """The ``speculant`` command's parser, every sub-command included."""
+    parser = argparse.ArgumentParser(
+        prog="speculant",
+        description="Fast LLM inference with speculative decoding; every strategy is a plugin.",
+        epilog="`speculant COMMAND --help` describes a command's options.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log at INFO level and show the traceback of an error")
+    sub = parser.add_subparsers(dest="cmd", required=True, title="commands", metavar="COMMAND")
 
-    g = sub.add_parser("generate", help="generate completions for prompts")
+    g = sub.add_parser(
+        "generate", help="generate completions for prompts",
+        description="Print the completion of each prompt on stdout; the speed (tokens, seconds, "
+        "tok/s) and, with speculation, the speculation metrics as JSON on stderr.")
     _add_model_args(g)
     _add_sampling_args(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: stdin lines")
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="chat on the terminal using the model's chat template")
+    c = sub.add_parser(
+        "chat", help="chat on the terminal using the model's chat template (streams the "
+        "replies; `exit`, `quit` or Ctrl-D ends it)",
+        description="Chat with the model, one message per line (a terminal or piped stdin). "
+        "Replies stream on stdout as they are generated; after each, a summary on stderr: "
+        "tokens, seconds, tok/s and, with speculation, the acceptance. An empty line is not "
+        "sent; `exit`, `quit` or Ctrl-D (end of input) ends the chat, Ctrl-C stops a reply.")
     _add_model_args(c)
     _add_sampling_args(c)
-    c.add_argument("--system", default=None)
+    c.add_argument("--system", default=None, help="a system message to start the conversation")
     c.set_defaults(func=cmd_chat)
 
     pl = sub.add_parser("plugins", help="list loaded plugins, their versions, hooks and strategies")
-    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--json", action="store_true", help="print the list as JSON")
     pl.set_defaults(func=cmd_plugins)
 
     d = sub.add_parser("demo", help="speculative decoding vs plain decoding on the default model")
-    d.add_argument("--model", default=None)
-    d.add_argument("--max-tokens", type=int, default=128)
-    d.add_argument("-k", type=int, default=5)
-    d.add_argument("--methods", default="ngram")
+    d.add_argument("--model", default=None, help="HF folder, .gguf file, hub id; default: the "
+                   "embedded SmolLM2-135M-Instruct")
+    d.add_argument("--max-tokens", type=int, default=128,
+                   help="tokens generated per prompt (default: 128)")
+    d.add_argument("-k", type=int, default=5,
+                   help="num_speculative_tokens: tokens proposed per step (default: 5)")
+    d.add_argument("--methods", default="ngram",
+                   help="comma-separated speculation methods to compare with plain decoding "
+                   "(default: ngram; `speculant plugins` lists them)")
     d.set_defaults(func=cmd_demo)
 
     from speculant.bench import add_arguments as add_bench_arguments
@@ -273,8 +380,11 @@ def main(argv: list[str] | None = None) -> int:
 
     _add_serve_parser(sub)
     _add_token_map_parser(sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
