@@ -77,10 +77,20 @@ class SpecDecoder:
             raise
         except (ValueError, FileNotFoundError) as e:  # bad checkpoint, vocab mismatch, ...
             raise StrategyError(f"speculative method {cls.name!r}: {e}") from e
-        k = getattr(self.strategy, "num_speculative_tokens", None)
-        k = k or getattr(self.strategy_config, "num_speculative_tokens", None) or spec.num_speculative_tokens
+        # k: what the instance settled on (its __init__, or a property), else the user's value
+        # (through the strategy's Config or speculative_config), else a class attribute
+        # ``num_speculative_tokens = N``, which is the strategy's default
+        default = getattr(cls, "num_speculative_tokens", None)
+        if isinstance(default, property):
+            k, default = self.strategy.num_speculative_tokens, None
+        else:
+            k = getattr(self.strategy, "__dict__", {}).get("num_speculative_tokens")
+        k = (k or getattr(self.strategy_config, "num_speculative_tokens", None)
+             or spec.num_speculative_tokens or default)
         if not k:
-            raise StrategyError(f"speculative_config for {cls.name!r} needs num_speculative_tokens")
+            raise StrategyError(
+                f"speculative_config for {cls.name!r} needs num_speculative_tokens (or give the "
+                f"strategy class a default: num_speculative_tokens = N)")
         self.k = int(k)
         self.needs_hidden = bool(getattr(self.strategy, "needs_hidden_states", False))
         self.aux_layers = tuple(getattr(self.strategy, "aux_hidden_layers", ()) or ())
