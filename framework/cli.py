@@ -208,6 +208,7 @@ def cmd_serve(args) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
+    legacy = {k: getattr(args, k) for k in _LEGACY_SPEC_FLAGS if getattr(args, k) is not None}
     return run_server(
         host=args.host, port=args.port, served_model_names=args.served_model_name,
         api_key=args.api_key, max_waiting_seqs=args.max_waiting_seqs,
@@ -216,6 +217,11 @@ def cmd_serve(args) -> int:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         kv_cache_memory=args.kv_cache_memory,
         speculative_config=_spec_arg(args.speculative_config),
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        trust_remote_code=args.trust_remote_code,
+        use_v2_block_manager=args.use_v2_block_manager,
+        **legacy,
     )
 
 
@@ -305,13 +311,30 @@ def _add_token_map_parser(sub) -> None:
     t.set_defaults(func=cmd_token_map)
 
 
-def _add_serve_parser(sub) -> None:
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the server extra)")
+# vLLM's legacy flat speculative flags (deprecated there, as here; --speculative-config is the
+# current way): argparse dest -> LLM keyword, which turns them into a speculative_config
+_LEGACY_SPEC_FLAGS = {
+    "speculative_model": (str, "the draft / speculator checkpoint, or [ngram] (legacy: use "
+                          "--speculative-config)"),
+    "num_speculative_tokens": (int, "tokens proposed per step (legacy: use --speculative-config)"),
+    "speculative_draft_tensor_parallel_size": (int, "GPUs of the drafter; only 1 (legacy: use "
+                                               "--speculative-config)"),
+    "speculative_disable_by_batch_size": (int, "no speculation above this many running "
+                                          "sequences (legacy: use --speculative-config)"),
+    "ngram_prompt_lookup_max": (int, "longest n-gram the n-gram method matches (legacy)"),
+    "ngram_prompt_lookup_min": (int, "shortest n-gram the n-gram method matches (legacy)"),
+}
+
+
+def add_serve_arguments(s: argparse.ArgumentParser) -> None:
+    """The server's options, shared by ``speculant serve`` and
+    ``python -m speculant.entrypoints.openai.api_server`` (vLLM's spellings, dashes or
+    underscores)."""
     s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` takes it (same as --model)")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     s.add_argument("--served-model-name", "--served_model_name", nargs="+", default=None,
                    help="name(s) clients use as `model`; default: --model or SmolLM2-135M-Instruct")
     s.add_argument("--api-key", "--api_key", default=None,
@@ -322,6 +345,24 @@ def _add_serve_parser(sub) -> None:
                    help="sequences queued beyond --max-num-seqs before answering 503")
     s.add_argument("--kv-cache-memory", "--kv_cache_memory", type=int, default=None,
                    help="bytes for the KV cache (default: sized from --max-num-seqs)")
+    s.add_argument("-tp", "--tensor-parallel-size", "--tensor_parallel_size", type=int, default=1,
+                   help="GPUs to shard the model over; only 1 for now (default: 1)")
+    s.add_argument("--gpu-memory-utilization", "--gpu_memory_utilization", type=float,
+                   default=0.9, help="share of the GPU's memory the engine may use (default: "
+                   "0.9; no effect on the CPU)")
+    s.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
+                   help="accepted for vLLM compatibility, no effect: speculant never runs code "
+                   "from a checkpoint")
+    s.add_argument("--use-v2-block-manager", "--use_v2_block_manager", action="store_true",
+                   help="accepted for vLLM compatibility (deprecated there), no effect")
+    for dest, (typ, text) in _LEGACY_SPEC_FLAGS.items():
+        s.add_argument("--" + dest.replace("_", "-"), "--" + dest, dest=dest, type=typ,
+                       default=None, help=text)
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the server extra)")
+    add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
 
 
