@@ -260,6 +260,10 @@ class LLMEngine:
         if self.spec is not None:
             counts = [len(t) for t in new_tokens]
             self.spec.record_hidden(seqs, counts, hidden, aux_hidden, counts, [0] * len(seqs), reset=True)
+            for s in seqs:  # spec_token_acceptance_counts[0] counts the prefill (vLLM V0)
+                s.metrics.spec.num_prefill_steps += 1
+                s.metrics.spec.num_speculative_tokens = self.spec.k
+            self.spec.total.num_prefill_steps += len(seqs)
         del tokens
 
     def _decode(self, seqs: list[Sequence]) -> None:
@@ -392,4 +396,7 @@ class LLMEngine:
         )
 
     def spec_metrics(self) -> SpecMetrics:
-        return self.spec.total if self.spec else SpecMetrics()
+        if self.spec is None:
+            return SpecMetrics()
+        self.spec.total.num_speculative_tokens = self.spec.k  # vLLM's vectors have k entries
+        return self.spec.total
