@@ -10,7 +10,8 @@ LM head shared with the target), an EAGLE-3 head (yuhuili/EAGLE3-LLaMA3.1-Instru
 32000-token draft vocabulary) and an MLPSpeculator sized for the target (synthetic checkpoints
 written to a temporary folder), the draft, EAGLE-1 and MLPSpeculator also with a 32768-token
 token map (``--token-map``), over a batch sweep with ``disable_by_batch_size``; CUDA graphs vs eager; Hugging Face transformers
-``generate`` on the same weights (shared, zero-copy). Writes gpu_8b.json and gpu_8b.png.
+``generate`` on the same weights (shared, zero-copy). Writes gpu_8b.json, gpu_8b_oracle.png and
+gpu_8b_proposers.png (``--replot JSON`` redraws the figures of a saved run, without a GPU).
 At batch size 1 every cell is timed ``--repeats`` times (default 5) and reports the run of median
 step time: a lent machine's occasional stalled steps move a single batch-1 run by several percent
 (an H100 run with three repeats reported a stalled run for the oracle at a = 0.6, k = 3: two of its
@@ -361,6 +362,189 @@ def graph_check(engine, prompts, max_tokens: int) -> dict:
     return res
 
 
+# ------------------------------------------------------------------------ plots
+# Issue 6's budgets for c (the cost of one draft run relative to one plain target step).
+C_BUDGET = {
+    "ngram": 0.02,
+    "mlp_speculator": 0.05,
+    "eagle": 0.08,
+    "eagle3": 0.08,
+    "draft_model": 0.2,
+}
+_FAMILY_COLOR = {
+    "ngram": "tab:gray",
+    "draft_model": "tab:blue",
+    "eagle": "tab:orange",
+    "eagle3": "tab:green",
+    "mlp_speculator": "tab:red",
+}
+_RANDOM_HEADS = (
+    "draft 1B, EAGLE-1, EAGLE-3 and MLPSpeculator: random weights, so acceptance 0 "
+    "(these rows measure cost only)"
+)
+
+
+def plot(result: dict, out_dir: str | Path, stem: str = "gpu_8b") -> list[Path]:
+    """The run as two readable figures instead of one chart of every row:
+
+    * ``{stem}_oracle.png``: the oracle (acceptance forced to a) at batch 1, measured against
+      theoretical speedup, and its speedup over the batch sweep;
+    * ``{stem}_proposers.png`` (``gpu_8b_proposers.png`` for ``--only`` runs): each proposer's cost c against batch size with its budget, and
+      the speedup over plain of the random-weight proposers with and without auto-disable.
+
+    A figure without rows for it (``--only`` runs have no oracle) is not written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = result["runs"]
+    extra = result.get("extra", {})
+    layers = extra.get("layers", 32)
+    target = f"Llama-3-8B geometry ({layers} layers), bf16, synthetic weights"
+    where = f"{result.get('device', '?')}"
+    written = []
+
+    oracle = [r for r in runs if r["method"] == "oracle"]
+    if oracle:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
+        b1 = [r for r in oracle if r["batch_size"] == 1]
+        xs = range(len(b1))
+        ax1.bar([x - 0.2 for x in xs], [r["speedup"] for r in b1], 0.4, label="measured")
+        ax1.bar(
+            [x + 0.2 for x in xs],
+            [r["theoretical_speedup"] or 0 for r in b1],
+            0.4,
+            label="theoretical (Leviathan et al., measured a and c)",
+        )
+        for x, r in zip(xs, b1):
+            if r.get("theoretical_speedup"):
+                ratio = r["speedup"] / r["theoretical_speedup"]
+                ax1.text(
+                    x, r["theoretical_speedup"] + 0.08, f"{ratio:.0%}", ha="center", fontsize=8
+                )
+        ax1.axhline(1.0, color="k", lw=0.8)
+        ax1.set_xticks(list(xs), [r["name"].replace("oracle ", "") for r in b1], fontsize=8)
+        ax1.set_ylabel("speedup over plain decoding, batch 1")
+        ax1.set_title("batch 1: measured / theoretical above the bars", fontsize=9)
+        ax1.legend(fontsize=8, loc="upper left")
+        batches = sorted({r["batch_size"] for r in oracle})
+        shades = {0.6: "tab:blue", 0.8: "tab:orange", 0.9: "tab:green"}
+        for name in dict.fromkeys(r["name"] for r in oracle):
+            pts = sorted((r["batch_size"], r["speedup"]) for r in oracle if r["name"] == name)
+            row = next(r for r in oracle if r["name"] == name)
+            a = float(name.split("a=")[1].split()[0]) if "a=" in name else None
+            ax2.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                color=shades.get(a, "k"),
+                ls="-" if row.get("k") == 5 else "--",
+                label=name.replace("oracle ", ""),
+            )
+        ax2.axhline(1.0, color="k", lw=0.8)
+        _batch_axis(ax2, batches)
+        ax2.set_ylabel("speedup over plain decoding at that batch size")
+        ax2.set_title(
+            "batch sweep (speculation switched off above batch 16: disable_by_batch_size)",
+            fontsize=9,
+        )
+        ax2.legend(fontsize=8, ncol=2)
+        ax2.grid(True, alpha=0.3)
+        fig.suptitle(
+            f"Oracle proposer on {where}: target {target}.\nAcceptance forced by the oracle: "
+            "each draft token is the target's own next token with probability a (no trained "
+            "drafter involved)",
+            fontsize=10,
+        )
+        fig.tight_layout()
+        path = out / f"{stem}_oracle.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    costs = [r for r in extra.get("proposer_cost", []) if r["method"] != "oracle"]
+    costs = [r for r in costs if "+auto" not in r["name"]]
+    if costs:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 6.6))
+        for name in dict.fromkeys(r["name"] for r in costs):
+            rows = sorted((r for r in costs if r["name"] == name), key=lambda r: r["batch_size"])
+            fam = rows[0]["method"]
+            ax1.plot(
+                [r["batch_size"] for r in rows],
+                [r["c_per_draft"] for r in rows],
+                marker="o",
+                color=_FAMILY_COLOR.get(fam, "k"),
+                ls="--" if "+tm" in name else "-",
+                label=name,
+            )
+        budgets: dict[float, list[str]] = {}
+        for fam in dict.fromkeys(r["method"] for r in costs):
+            if fam in C_BUDGET:
+                budgets.setdefault(C_BUDGET[fam], []).append(fam)
+        for value, fams_at in budgets.items():
+            ax1.axhline(
+                value,
+                color=_FAMILY_COLOR.get(fams_at[0], "k"),
+                lw=1.0,
+                ls=":",
+                label=f"budget {value:g}: {', '.join(fams_at)}",
+            )
+        _batch_axis(ax1, sorted({r["batch_size"] for r in costs}))
+        ax1.set_yscale("log")
+        ax1.set_ylabel("c: one draft run / one plain target step")
+        ax1.set_title("proposer cost c (dashed: with a 32k token map; dotted: budgets)", fontsize=9)
+        ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
+        ax1.grid(True, alpha=0.3, which="both")
+        fams = [r for r in runs if r["method"] in _FAMILY_COLOR and "+tm" not in r["name"]]
+        for name in dict.fromkeys(r["name"] for r in fams):
+            rows = sorted((r for r in fams if r["name"] == name), key=lambda r: r["batch_size"])
+            auto = "+auto" in name
+            ax2.plot(
+                [r["batch_size"] for r in rows],
+                [r["speedup"] for r in rows],
+                marker="x" if auto else "o",
+                color=_FAMILY_COLOR[rows[0]["method"]],
+                ls="-" if auto else "--",
+                label=name,
+            )
+        ax2.axhline(0.95, color="k", lw=0.8, ls=":")
+        _batch_axis(ax2, sorted({r["batch_size"] for r in fams}))
+        ax2.set_ylabel("speedup over plain decoding")
+        ax2.set_title(
+            "drafts that never match: without (dashed) and with auto_disable (solid); dotted: 0.95",
+            fontsize=9,
+        )
+        ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
+        ax2.grid(True, alpha=0.3)
+        fig.suptitle(f"Proposers on {where}: target {target}.\n{_RANDOM_HEADS}", fontsize=10)
+        fig.tight_layout()
+        # an --only run's stem is gpu_8b_proposers already
+        name = f"{stem}.png" if stem.endswith("_proposers") else f"{stem}_proposers.png"
+        path = out / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _batch_axis(ax, batches: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.minorticks_off()
+    ax.set_xlabel("batch size")
+
+
+def replot(json_path: str | Path, out_dir: str | Path) -> list[Path]:
+    """The figures of a saved result (no GPU needed): ``gpu_8b_*.png``, or
+    ``gpu_8b_proposers_*.png`` for an ``--only`` run."""
+    result = json.loads(Path(json_path).read_text())
+    has_oracle = any(r["method"] == "oracle" for r in result["runs"])
+    return plot(result, out_dir, "gpu_8b" if has_oracle else "gpu_8b_proposers")
+
+
 # ------------------------------------------------------------------------ main
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -415,7 +599,17 @@ def main() -> int:
         help="overlapped plain decode steps (EngineConfig.async_scheduling; auto: on with CUDA "
         "graphs)",
     )
+    ap.add_argument(
+        "--replot",
+        metavar="JSON",
+        default=None,
+        help="only redraw the figures of a saved gpu_8b JSON into --out (no GPU needed)",
+    )
     args = ap.parse_args()
+    if args.replot:
+        for path in replot(args.replot, args.out):
+            print(f"wrote {path}")
+        return 0
     logging.basicConfig(level=logging.WARNING)
     skip = set(filter(None, args.skip.split(",")))
     only = set(filter(None, args.only.split(",")))
@@ -587,8 +781,15 @@ def main() -> int:
             f"(every call: {row['c_per_draft_all']:.3f}; first {row['first_propose_ms']:.2f} ms)",
             flush=True,
         )
+    stem = "gpu_8b_proposers" if only else "gpu_8b"
+
+    def save() -> tuple[Path, list[Path]]:
+        json_path, png_path = write_outputs(result, out, stem)
+        png_path.unlink(missing_ok=True)  # the generic chart of every row; plot() splits it
+        return json_path, plot(result, out, stem)
+
     result["extra"] = extra  # written now as well: a run cut off during HF keeps the bench
-    write_outputs(result, out, "gpu_8b_proposers" if only else "gpu_8b")
+    save()
     if "hf" not in skip:
         hf = hf_sharing(engine.model, engine.hf_config)
         h = hf_generate(hf, prompts[0], min(args.max_tokens, 128))
@@ -636,10 +837,10 @@ def main() -> int:
         (out / "host_profile.txt").write_text(
             host_profile(engine, prompts, min(args.max_tokens, 128), profiled)
         )
-    json_path, png_path = write_outputs(result, out, "gpu_8b_proposers" if only else "gpu_8b")
+    json_path, pngs = save()
     print(table(result))
     print(json.dumps({k: v for k, v in extra.items() if k != "cuda_graph_check"}, default=str))
-    print(f"wrote {json_path} {png_path} in {result['wall_s']:.0f}s")
+    print(f"wrote {json_path} {' '.join(map(str, pngs))} in {result['wall_s']:.0f}s")
     return 0
 
 
