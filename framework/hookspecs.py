@@ -36,15 +36,21 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 def register_strategies(register: Callable[..., None]) -> None:
     """Register the speculation strategies (and verifiers) a plugin module provides.
 
-    Called once per process, on every plugin module loaded from the ``speculant.strategies``
-    entry-point group (collect-all: every module's implementation runs).
+    Called on every plugin module loaded from the ``speculant.strategies`` entry-point group (and
+    on every plugin registered with ``speculant.plugin_manager.register``) whenever strategies
+    are looked up: building an engine with a ``speculative_config``, ``speculant plugins``
+    (collect-all: every module's implementation runs). Keep it cheap and free of side effects.
 
     :param register: ``register(strategy_class)``. ``strategy_class`` must have a unique
-        ``name`` (str, the value users pass as ``method``), an optional ``aliases`` tuple, an
-        optional ``Config`` (a pydantic model with ``extra="forbid"`` validating the strategy's
-        own options), an optional ``kind`` (``"proposer"``, the default, or ``"verifier"`` or
-        ``"modifier"``), and a constructor ``__init__(self, config, ctx)`` where ``config`` is the
-        validated ``Config`` instance and ``ctx`` an :class:`~speculant.spec_types.StrategyContext`
+        ``name`` (str, the value users pass as ``method``, or as ``acceptance_method`` for a
+        verifier), an optional ``aliases`` tuple, an optional ``Config`` (a pydantic model with
+        ``extra="forbid"`` validating the strategy's own options), an optional ``kind``
+        (``"proposer"``, the default, or ``"verifier"`` or ``"modifier"``), an optional
+        ``num_speculative_tokens`` class attribute (the default k, which the user's
+        ``num_speculative_tokens`` overrides; an instance attribute set in ``__init__`` wins over
+        both), and a constructor ``__init__(self, config, ctx)`` where ``config`` is the
+        validated ``Config`` instance (``None`` when the class has no ``Config``, and always
+        ``None`` for a verifier) and ``ctx`` a :class:`~speculant.spec_types.StrategyContext`
         (target model config, device, dtype, vocab size, the loaded target model).
     :return: nothing.
     """
@@ -58,8 +64,10 @@ def propose(batch: SpecBatch) -> Proposal | None:
     each speculative decode step, before the target model runs.
 
     :param batch: the running sequences (token ids so far, prompt lengths, the maximum number of
-        draft tokens ``k`` allowed per sequence, and the target's hidden states for the tokens
-        verified since the previous call when the strategy asked for them).
+        draft tokens ``max_draft <= k`` allowed per sequence, and, when the strategy declares
+        ``needs_hidden_states = True``, the target's hidden states of the positions verified
+        since the previous call: the LM head's input, after the final norm; see
+        :class:`~speculant.spec_types.SpecBatch`).
     :return: a :class:`~speculant.spec_types.Proposal` holding, per sequence, a list of 0..k draft
         token ids (different lengths in one batch are fine; 0 means "no speculation for this
         sequence this step") and optionally the draft probabilities ``[batch, max_len, vocab]``
@@ -96,6 +104,9 @@ def verify(batch: SpecBatch, proposal: Proposal, scores: ScoreResult) -> VerifyR
     sampling (accept with min(1, p/q), on rejection sample from normalize(max(p - q, 0))), which
     makes the output distribution exactly the target's. Sampling parameters (temperature, top-k,
     top-p, min-p, penalties, logits processors) are applied to the target logits first.
+    Another verifier is a strategy class with ``kind = "verifier"``, chosen with
+    ``speculative_config={..., "acceptance_method": name}``; it replaces the built-in (one
+    verifier is registered per engine), so it must answer every batch.
 
     :param batch: as for :func:`propose`, with ``batch.seqs[i].sampling_params``.
     :param proposal: the drafts being verified.

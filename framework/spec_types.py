@@ -10,7 +10,9 @@ import torch
 
 @dataclass
 class StrategyContext:
-    """What a strategy gets when it is instantiated."""
+    """What a strategy gets when it is instantiated: ``cls(config, ctx)``, where ``config`` is
+    the validated instance of the class's ``Config`` (None when it has none, and always None for
+    a verifier) and ``ctx`` this."""
 
     target_model: Any  # the target nn.Module (speculant.models.*): embed(), compute_logits(), config
     target_config: Any  # the target's transformers PretrainedConfig
@@ -34,10 +36,10 @@ class StrategyContext:
 class SpecSequence:
     """One running sequence, as a proposer sees it. Treat every field as read-only."""
 
-    seq_id: int
+    seq_id: int  # stable for the sequence's life (preemption included): key per-sequence state
     token_ids: list[int]  # prompt + generated tokens so far (the last one has no KV yet)
     num_prompt_tokens: int
-    max_draft: int  # k: propose at most this many tokens for this sequence
+    max_draft: int  # propose at most this many tokens for this sequence now (<= k, may be 0)
     sampling_params: Any  # speculant.SamplingParams
     generator: torch.Generator | None = None  # the request's seeded RNG (None: the engine's)
 
@@ -59,13 +61,18 @@ class SpecBatch:
     """The sequences of one speculative decode step."""
 
     seqs: list[SpecSequence]
-    # Target hidden states (final norm input, i.e. the last decoder layer's output after the final
-    # norm is NOT applied unless the model says so) for the positions verified since the previous
-    # propose call, only when the strategy declares ``needs_hidden_states = True``.
+    # Target hidden states of the positions verified since the previous propose call (the whole
+    # prompt on the first call), only when the strategy declares ``needs_hidden_states = True``.
+    # A row is the input of the target's LM head: the last decoder layer's output AFTER the final
+    # norm (Llama family: ``model.norm``; OPT: after ``final_layer_norm`` and ``project_out``
+    # where the checkpoint has them), in the engine's dtype, so
+    # ``ctx.target_model.compute_logits(row)`` gives that position's target logits back.
     # Rows of sequence i cover positions [hidden_start[i], num_tokens_i - 1): the state at position
     # p is the one that produced token p + 1.
     hidden_states: torch.Tensor | None = None  # [num_rows, hidden]
-    aux_hidden_states: torch.Tensor | None = None  # [num_rows, len(aux_layers) * hidden] (EAGLE-3)
+    # the same rows' inputs of the layers in the strategy's ``aux_hidden_layers`` (the residual
+    # stream entering each layer, before its norm), concatenated in layer order (EAGLE-3)
+    aux_hidden_states: torch.Tensor | None = None  # [num_rows, len(aux_layers) * hidden]
     hidden_counts: list[int] = field(default_factory=list)  # rows per sequence
     hidden_start: list[int] = field(default_factory=list)  # first position covered, per sequence
 
