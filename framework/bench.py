@@ -4,14 +4,24 @@ engine (one process, one model load, one KV cache), measured per batch size.
 For every (strategy, batch size) it reports decode throughput (tokens/s over all sequences),
 seconds per output token of one sequence (the ``time_generation`` figure), the speedup over plain
 decoding at that batch size, the measured acceptance ``a`` (probability a draft token is accepted
-given the earlier ones were, counted exactly per draft), the mean number of tokens per target step, the proposer cost ratio
-``c`` and the theoretical speedup of Leviathan et al. ``(1 - a^(k+1)) / ((1 - a)(k c + 1))``
-from the measured ``a`` and ``c``. As in that formula, ``c`` is the cost of ONE draft run (one
-draft token) relative to one plain target decode step: ``k c`` is what proposing costs per
-speculative step, so ``c = (propose time per step / k) / plain step time``. The propose time per
-step is the steady state: calls that carry some sequence's first propose (a draft model's prefill
-of the prompt, once per request) are left out of it and reported as ``first_propose_s``; ``c_all``
-is the same ratio over every call, those included.
+given the earlier ones were, counted exactly per draft), ``tokens_per_step`` (tokens per sequence
+decode step, drafting or not), vLLM's ``mean_accepted_length`` (1 + accepted / drafts, over the
+steps that drafted), ``draft_fraction`` ``f`` (the share of sequence decode steps that drafted), the
+proposer cost ratio ``c`` and the theoretical speedup: Leviathan et al.'s
+``(1 - a^(k+1)) / ((1 - a)(k c + 1))`` generalised to strategies that draft only on some steps
+(``theoretical_speedup``; docs/metrics.md):
+
+    (f (1 - a^(L+1)) / (1 - a) + (1 - f)) / (g k c + 1)
+
+with ``L`` the mean draft length (``num_draft_tokens / num_drafts``: k for a strategy whose drafts
+are always k long) and ``g`` the share of decode steps that called the proposer (1 unless
+speculation was switched off: auto_disable, disable_by_batch_size). With f = g = 1 and L = k it is
+Leviathan's formula. As in that formula, ``c`` is the cost of ONE draft run (one draft token)
+relative to one plain target decode step: ``k c`` is what proposing costs per speculative step, so
+``c = (propose time per step / k) / plain step time``. The propose time per step is the steady
+state: calls that carry some sequence's first propose (a draft model's prefill of the prompt, once
+per request) are left out of it and reported as ``first_propose_s``; ``c_all`` is the same ratio
+over every call, those included.
 
 Timing: every interval is read on the host clock after ``torch.cuda.synchronize()`` (the decode
 loop itself also waits for each step's tokens), so no asynchronous GPU work is left out. Oracle
@@ -39,10 +49,22 @@ from speculant.outputs import SpecMetrics
 logger = logging.getLogger("speculant")
 
 
-def theoretical_speedup(a: float, k: int, c: float) -> float:
-    """Leviathan et al. (2211.17192) eq. 1: expected speedup of k drafts with acceptance a."""
-    tokens = k + 1 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
-    return tokens / (k * c + 1)
+def expected_tokens(a: float, length: float) -> float:
+    """Expected tokens of a step that verifies a draft of ``length`` tokens, each accepted with
+    probability ``a`` given the earlier ones were: (1 - a^(L+1)) / (1 - a), L + 1 at a = 1."""
+    return length + 1 if a >= 1.0 else (1 - a ** (length + 1)) / (1 - a)
+
+
+def theoretical_speedup(a: float, k: int, c: float, draft_fraction: float = 1.0,
+                        draft_len: float | None = None, propose_fraction: float = 1.0) -> float:
+    """Leviathan et al. (2211.17192) eq. 1, the expected speedup of k drafts with acceptance a
+    and proposer cost c, generalised to strategies that draft on a share ``draft_fraction`` (f)
+    of the steps only, with drafts of mean length ``draft_len`` (L, default k), and call the
+    proposer on a share ``propose_fraction`` (g) of them:
+    (f (1 - a^(L+1)) / (1 - a) + 1 - f) / (g k c + 1). The defaults give eq. 1."""
+    length = k if draft_len is None else draft_len
+    tokens = draft_fraction * expected_tokens(a, length) + (1.0 - draft_fraction)
+    return tokens / (propose_fraction * k * c + 1)
 
 
 def _sync(device) -> None:
@@ -93,6 +115,7 @@ class _StepTimer:
         self._seen: set[int] = set()
         self.score_s = 0.0
         self.score_calls = 0
+        self.steps = 0  # decode steps of the pass (set by _cost_pass)
 
     @hookimpl(wrapper=True)
     def propose(self, batch):
@@ -312,7 +335,7 @@ def _timed_run(engine, dec, prompts, max_tokens) -> tuple:
     only, its acceptance counter); (result, None, None) for plain decoding."""
     if dec is None:
         return _decode_run(engine, prompts, max_tokens), None, None
-    dec.total = SpecMetrics()  # count this run only
+    dec.total = SpecMetrics(num_speculative_tokens=dec.k)  # count this run only
     counter = _AcceptanceCounter()
     dec.pm.register(counter, name="bench:acceptance")
     try:
@@ -328,7 +351,7 @@ def _cost_pass(engine, dec, prompts, tokens) -> _StepTimer:
     timer = _StepTimer(engine.device)
     dec.pm.register(timer, name="bench:timer")
     try:
-        _decode_run(engine, prompts, tokens)
+        timer.steps = _decode_run(engine, prompts, tokens)["steps"]
     finally:
         dec.pm.unregister(timer)
     return timer
@@ -353,7 +376,8 @@ def _summarise(spec, bs, r, dec, m, counter, timer, plain, same: bool) -> dict:
     row["speedup_trimmed"] = (row["tokens_per_s_trimmed"] / plain["tokens_per_s_trimmed"]
                               if plain else 1.0)
     if m is None:
-        row.update(mean_accepted_length=1.0, acceptance=None, c=None, theoretical_speedup=None)
+        row.update(mean_accepted_length=1.0, tokens_per_step=1.0, acceptance=None, c=None,
+                   theoretical_speedup=None)
         return row
     k = dec.k
     a = counter.acceptance
@@ -366,9 +390,16 @@ def _summarise(spec, bs, r, dec, m, counter, timer, plain, same: bool) -> dict:
     # Leviathan et al.'s c: one draft run (k of them per speculative step) / one plain step
     c = propose_step / (k * plain["step_s"]) if (plain and propose_step is not None) else None
     c_all = propose_all / (k * plain["step_s"]) if (plain and propose_all is not None) else None
+    # the share of sequence decode steps that drafted (f), the mean draft length (L) and the
+    # share of decode steps (the cost pass's) that called the proposer (g): the theoretical
+    # speedup of a strategy that drafts only now and then (n-gram lookup, auto_disable)
+    f = m.draft_fraction
+    draft_len = m.num_draft_tokens / m.num_drafts if m.num_drafts else float(k)
+    g = min(1.0, timer.propose_calls / timer.steps) if timer.steps else 1.0
     row.update(
-        mean_accepted_length=m.mean_accepted_length, acceptance=a,
-        acceptance_rate=m.acceptance_rate, num_spec_steps=m.num_spec_steps,
+        mean_accepted_length=m.mean_accepted_length, tokens_per_step=m.tokens_per_step,
+        draft_fraction=f, mean_draft_length=draft_len, propose_fraction=g, acceptance=a,
+        acceptance_rate=m.acceptance_rate, num_drafts=m.num_drafts, num_spec_steps=m.num_spec_steps,
         num_plain_steps=m.num_plain_steps, num_times_disabled=m.num_times_disabled,
         propose_s_per_step=propose_step,
         propose_s_per_step_all=propose_all,  # every call, the first proposes included
@@ -377,8 +408,8 @@ def _summarise(spec, bs, r, dec, m, counter, timer, plain, same: bool) -> dict:
         max_propose_s=timer.propose_max_s if timer.propose_calls else None,
         score_issue_s_per_step=timer.score_s / timer.score_calls if timer.score_calls else None,
         c=c,
-        theoretical_speedup=theoretical_speedup(a, k, c) if (a is not None and c is not None
-                                                             and m.num_spec_steps) else None,
+        theoretical_speedup=theoretical_speedup(a, k, c, f, draft_len, g)
+        if (a is not None and c is not None and m.num_drafts) else None,
     )
     if getattr(dec.strategy_config, "draws", None) is not None:  # the oracle's
         row["draws"] = dec.strategy_config.draws
@@ -431,7 +462,7 @@ def plot(result: dict, path: str | Path) -> None:
     xs = range(len(first))
     ax2.bar([x - 0.2 for x in xs], [r["speedup"] for r in first], 0.4, label="measured")
     ax2.bar([x + 0.2 for x in xs], [r["theoretical_speedup"] or 0 for r in first], 0.4,
-            label="theoretical (measured a, c)")
+            label="theoretical (measured a, c, draft fraction)")
     ax2.axhline(1.0, color="k", lw=0.8)
     ax2.set_xticks(list(xs), [r["name"] for r in first], rotation=35, ha="right", fontsize=7)
     ax2.set_ylabel(f"speedup over plain decoding (batch {bs0})")
@@ -445,7 +476,8 @@ def plot(result: dict, path: str | Path) -> None:
 
 def table(result: dict) -> str:
     cols = ("name", "batch_size", "tokens_per_s", "s_per_token", "speedup", "acceptance",
-            "mean_accepted_length", "c", "c_all", "theoretical_speedup", "speedup_vs_theoretical",
+            "mean_accepted_length", "tokens_per_step", "draft_fraction", "c", "c_all",
+            "theoretical_speedup", "speedup_vs_theoretical",
             "speedup_vs_theoretical_trimmed", "same_tokens_as_plain")
     lines = [" | ".join(cols)]
     for r in result["runs"]:

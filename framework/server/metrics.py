@@ -1,6 +1,6 @@
 """Prometheus metrics of the server, in a registry of its own (several servers may share a
 process, e.g. in tests). Speculation counters are read from the engine's SpecMetrics at scrape
-time."""
+time; every one is defined in docs/metrics.md."""
 
 from __future__ import annotations
 
@@ -95,15 +95,16 @@ class _EngineCollector:
             yield g
         s = self.a.spec_metrics()
         for name, doc, value in (
-            ("speculant_spec_decode_num_drafts", "Speculative steps that proposed tokens", s.num_drafts),
-            ("speculant_spec_decode_num_draft_tokens", "Draft tokens proposed", s.num_draft_tokens),
-            ("speculant_spec_decode_num_accepted_tokens", "Draft tokens accepted",
-             s.num_accepted_tokens),
-            ("speculant_spec_decode_num_emitted_tokens", "Tokens emitted by decode steps",
-             s.num_emitted_tokens),
-            ("speculant_spec_decode_num_spec_steps", "Sequence decode steps with speculation",
-             s.num_spec_steps),
-            ("speculant_spec_decode_num_plain_steps", "Sequence decode steps without speculation",
+            ("speculant_spec_decode_num_drafts",
+             "Sequence-steps that verified draft tokens (vLLM: num_drafts)", s.num_drafts),
+            ("speculant_spec_decode_num_draft_tokens", "Draft tokens verified", s.num_draft_tokens),
+            ("speculant_spec_decode_num_accepted_tokens",
+             "Draft tokens accepted (before stop rules)", s.num_accepted_tokens),
+            ("speculant_spec_decode_num_emitted_tokens",
+             "Tokens appended by decode steps (after stop rules)", s.num_emitted_tokens),
+            ("speculant_spec_decode_num_spec_steps",
+             "Sequence decode steps in a verification batch", s.num_spec_steps),
+            ("speculant_spec_decode_num_plain_steps", "Sequence decode steps without verification",
              s.num_plain_steps),
         ):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
@@ -113,7 +114,7 @@ class _EngineCollector:
                                   "Draft tokens accepted at each draft position",
                                   labels=["model_name", "position"])
         prop = CounterMetricFamily("speculant_spec_decode_num_draft_tokens_per_pos",
-                                   "Draft tokens proposed at each draft position",
+                                   "Draft tokens verified at each draft position",
                                    labels=["model_name", "position"])
         for j, (a, p) in enumerate(zip(s.accepted_per_position, s.proposed_per_position)):
             acc.add_metric([self.model_name, str(j)], a)
