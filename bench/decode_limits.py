@@ -261,7 +261,7 @@ def main() -> int:
 
         ours = dict(bk=bk, record=record, case=case, nbytes=nbytes, sets=sets, tables=(bt, cl, qsl))
         _time_ours(name="paged_attention (default)", ref=ref, **ours)
-        # the best batch-1 setting of the earlier sweeps (docs/kernels.md, seventeenth session):
+        # the best batch-1 setting of the earlier sweeps (docs/kernels.md):
         # block-table entries a chunk ahead, K/V double-buffered (3 stages), 16 splits
         best_b1 = {"bt_ahead": True, "block_n": 64, "num_stages": 3, "num_splits": 16}
         name = "paged_attention (bt_ahead, 3 stages, 16 splits)"

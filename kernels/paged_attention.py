@@ -63,7 +63,7 @@ _HEADS_FIRST_DEFAULT = False
 # the block-table entries of a program's next K/V chunk loaded one iteration ahead (a register
 # carried over the loop), so that the K/V loads do not wait on an index load of their own
 # iteration: Triton's pipeliner then double-buffers K/V from 3 stages instead of 5. H100
-# (docs/kernels.md, seventeenth session): 1-4% faster back to back (graphN), no faster in the
+# (docs/kernels.md): 1-4% faster back to back (graphN), no faster in the
 # 8B engine's decode and verification graphs (bench/attention_engine_ab.py), so off
 _BT_AHEAD_DEFAULT = False
 # Tried and removed: a split merge fused into the attention kernel (the last split program of a
