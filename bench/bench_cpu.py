@@ -5,7 +5,7 @@ transformers in the same process and run.
     and all prompts in one batch (HF: left padding). Goal: >= 2x HF.
 (b) ``ngram``: n-gram speculation vs none on input-grounded prompts (the demo's code edit /
     rewrite / summarize / qa), side by side with HF's ``prompt_lookup_num_tokens``: speedup and
-    mean accepted length (tokens per target forward in decoding) per category. Goal: ours beats
+    tokens per target step (tokens per target forward in decoding) per category. Goal: ours beats
     HF's in every category and is never below 1.0. Also the speedup of the decoding phase alone
     (after the first token; HF's prefill timed by a 1-token run): the prefill is the same
     compute-bound work with and without speculation and dilutes the end-to-end ratio, more so
@@ -81,8 +81,8 @@ def ours_run(llm, prompts: list[list[int]], max_tokens: int, ignore_eos: bool) -
         "decode_s": max(ends) - min(firsts) if None not in ends + firsts else None,
         "tokens": toks,
         "n": sum(len(t) for t in toks),
-        "mean_accepted_length": (
-            statistics.mean(m.mean_accepted_length for m in spec)
+        "tokens_per_step": (
+            statistics.mean(m.tokens_per_step for m in spec)
             if spec and spec[0].num_spec_steps
             else None
         ),
@@ -112,7 +112,7 @@ def hf_run(
     n = sum(len(t) for t in toks)
     # decoding forwards only (the first forward is the prefill that gives the first token)
     mal = (n - len(prompts)) / (counter.n - 1) if counter.n > 1 else None
-    return {"s": dt, "tokens": toks, "n": n, "forwards": counter.n, "mean_accepted_length": mal}
+    return {"s": dt, "tokens": toks, "n": n, "forwards": counter.n, "tokens_per_step": mal}
 
 
 def bandwidth(model) -> dict:
@@ -246,8 +246,8 @@ def bench_ngram(
             d["hf_lookup_s"].append(e["s"] / e["n"])
             d["ours_speedup"].append((a["s"] / a["n"]) / (b["s"] / b["n"]))
             d["hf_speedup"].append((c["s"] / c["n"]) / (e["s"] / e["n"]))
-            d["ours_mal"].append(b["mean_accepted_length"] or 1.0)
-            d["hf_mal"].append(e["mean_accepted_length"] or 1.0)
+            d["ours_mal"].append(b["tokens_per_step"] or 1.0)
+            d["hf_mal"].append(e["tokens_per_step"] or 1.0)
             print(
                 f"  {cat:<10} r{r}: ours x{d['ours_speedup'][-1]:.2f} (len "
                 f"{d['ours_mal'][-1]:.2f})  hf x{d['hf_speedup'][-1]:.2f} (len "

@@ -1,7 +1,7 @@
 """Every speculation strategy on the embedded default model (SmolLM2-135M-Instruct, CPU, fp32,
 greedy), on the demo prompts of ``speculant demo`` (code edit, rewrite, summarize, qa).
 
-Per strategy: mean accepted length (tokens emitted per target forward in decoding), acceptance
+Per strategy: tokens per target step (tokens emitted per target forward in decoding), acceptance
 rate, per-position acceptance, drafts / draft tokens / accepted tokens, tokens/s, speedup against
 plain decoding measured right before it in the same run (the CPU is shared: pairs taken close in
 time), and whether the greedy output equals plain decoding token for token.
@@ -191,7 +191,7 @@ def measure(strat: Strategy, plain, ckpt_dir: Path, prompts, cats, params, warm,
         "mode": "batch of 4" if strat.batch else "one prompt at a time",
         "speculative_config": {k: (Path(v).name if k == "model" else v) for k, v in spec_cfg.items()},
         "k": llm.engine.spec.k,
-        "mean_accepted_length": round(total.mean_accepted_length, 4),
+        "tokens_per_step": round(total.tokens_per_step, 4),
         "acceptance_rate": round(total.acceptance_rate, 4),
         "per_position_acceptance": [round(x, 4) for x in total.per_position_acceptance],
         "num_drafts": total.num_drafts,
@@ -221,10 +221,10 @@ def measure(strat: Strategy, plain, ckpt_dir: Path, prompts, cats, params, warm,
 # reporting
 # --------------------------------------------------------------------------------------------
 def markdown(results: list[dict]) -> str:
-    rows = ["| strategy | options | mean accepted length | acceptance | speedup | identical to plain |",
+    rows = ["| strategy | options | tokens per target step | acceptance | speedup | identical to plain |",
             "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
-        rows.append(f"| {r['strategy']} | {r['options']} | {r['mean_accepted_length']:.2f} | "
+        rows.append(f"| {r['strategy']} | {r['options']} | {r['tokens_per_step']:.2f} | "
                     f"{r['acceptance_rate']:.3f} | {r['speedup']:.2f}x | "
                     f"{'yes' if r['identical_to_plain'] else 'NO'} |")
     rows += ["", "| strategy | tokens/s (plain) | drafts | draft tokens | accepted | "
@@ -294,7 +294,7 @@ def main() -> int:
             r = measure(strat, plain, Path(tmp), prompts, cats, params, warm, args.repeats,
                         refs[strat.batch])
             pos = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"])
-            print(f"    mean accepted length {r['mean_accepted_length']:.2f}, acceptance "
+            print(f"    tokens per target step {r['tokens_per_step']:.2f}, acceptance "
                   f"{r['acceptance_rate']:.3f} [{pos}], {r['tokens_per_s']:.1f} tok/s, speedup "
                   f"{r['speedup']:.2f}x, identical to plain: "
                   f"{'yes' if r['identical_to_plain'] else 'NO'}", flush=True)
@@ -315,7 +315,7 @@ def main() -> int:
         "wall_s": round(time.perf_counter() - t_start, 1),
         "git": git_state(),
         "definitions": {
-            "mean_accepted_length": "tokens emitted per target forward in decode steps "
+            "tokens_per_step": "tokens emitted per target forward in decode steps "
                                     "(accepted drafts + 1; plain steps count 1)",
             "acceptance_rate": "accepted draft tokens / proposed draft tokens",
             "speedup": "plain seconds / speculative seconds over the same prompts, measured "

@@ -9,7 +9,7 @@ a direct measure of what a map costs in acceptance. The maps are built with
 this repository's README.md and docs/*.md, English technical prose), with the embedded model's
 tokenizer; the prompts are the four ``speculant demo`` prompts (code edit, verbatim rewrite,
 summary, question answering: partly other text than the corpus), chat template, greedy, k = 5.
-Writes token_map_smollm2.json (acceptance rate, mean accepted length, share of output tokens in
+Writes token_map_smollm2.json (acceptance rate, tokens per target step, share of output tokens in
 the hot set, tokens/s, and whether the output equals plain decoding).
 """
 
@@ -73,7 +73,7 @@ def main() -> int:
         m = llm.get_metrics()
         row.update(
             acceptance_rate=m.acceptance_rate,
-            mean_accepted_length=m.mean_accepted_length,
+            tokens_per_step=m.tokens_per_step,
             tokens_per_s=sum(map(len, out)) / dt,
             same_as_plain=out == plain,
             output_tokens=sum(map(len, out)),

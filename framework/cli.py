@@ -74,7 +74,7 @@ def _speed(tokens: int, seconds: float) -> str:
 def _acceptance(m) -> str:
     """A SpecMetrics in words."""
     return (f"acceptance {m.acceptance_rate:.0%} ({m.num_accepted_tokens} of "
-            f"{m.num_draft_tokens} drafted tokens), {m.mean_accepted_length:.2f} tokens per "
+            f"{m.num_draft_tokens} drafted tokens), {m.tokens_per_step:.2f} tokens per "
             "target step")
 
 
