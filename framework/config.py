@@ -6,13 +6,24 @@ import os
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+
+
+def explain(e: ValidationError, what: str) -> str:
+    """A pydantic error as one line a user can act on: ``field: problem; field: problem``."""
+    parts = []
+    for err in e.errors():
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown option (not a {what} option)"
+        parts.append(f"{'.'.join(map(str, err['loc'])) or what}: {msg}")
+    return "; ".join(parts)
 
 
 class EngineConfig(BaseModel):

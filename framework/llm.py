@@ -8,9 +8,10 @@ from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from pydantic import ValidationError
 from tqdm.auto import tqdm
 
-from speculant.config import EngineConfig
+from speculant.config import EngineConfig, explain
 from speculant.engine.llm_engine import LLMEngine
 from speculant.outputs import RequestOutput, SpecMetrics
 from speculant.sampling_params import SamplingParams
@@ -56,8 +57,8 @@ class LLM:
                 device=device, speculative_config=speculative_config, block_size=block_size,
                 tensor_parallel_size=tensor_parallel_size, **kwargs,
             )
-        except Exception as e:
-            raise ValueError(f"invalid LLM arguments: {e}") from None
+        except ValidationError as e:
+            raise ValueError(f"invalid LLM arguments: {explain(e, 'LLM / EngineConfig')}") from None
         for msg in self.config.compat_warnings():
             category = DeprecationWarning if "deprecated" in msg else UserWarning
             warnings.warn(msg, category, stacklevel=2)

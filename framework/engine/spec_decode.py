@@ -7,8 +7,10 @@ import logging
 
 import pluggy
 import torch
+from pydantic import ValidationError
 
 from speculant import hookspecs
+from speculant.config import explain
 from speculant.engine.sampler import topn_dict
 from speculant.engine.sequence import Sequence
 from speculant.engine.spec_control import SpecController
@@ -56,7 +58,9 @@ class SpecDecoder:
         self.engine = engine
         try:
             spec = SpeculativeConfig(**speculative_config)
-        except Exception as e:
+        except ValidationError as e:
+            raise StrategyError(f"invalid speculative_config: {explain(e, 'speculative_config')}") from None
+        except TypeError as e:
             raise StrategyError(f"invalid speculative_config: {e}") from None
         self.spec_config = spec
         ctx = StrategyContext(

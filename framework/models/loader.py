@@ -98,9 +98,13 @@ def _from_hub(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ModelNotFoundError(
-            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
-            "Without a network, download it elsewhere and pass the local folder"
+            f"{repo_id!r} is not in the local Hugging Face cache ({HF_HUB_CACHE}) and could not "
+            f"be fetched from the hub ({type(e).__name__}: {first}). Without a network, download "
+            "it elsewhere and pass the local folder"
         ) from None
 
 

@@ -4,12 +4,11 @@ OpenAI-compatible server, with the options of ``speculant serve`` (vLLM's spelli
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from speculant.cli import add_serve_arguments, cmd_serve
+    from speculant.cli import add_serve_arguments, cmd_serve, run
 
     parser = argparse.ArgumentParser(
         prog="python -m speculant.entrypoints.openai.api_server",
@@ -20,18 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="log at INFO level and show full tracebacks"
     )
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        return cmd_serve(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        if args.verbose:
-            raise
-        print(f"speculant: error: {e}", file=sys.stderr)
-        return 2
+    parser.set_defaults(func=cmd_serve)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
