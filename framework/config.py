@@ -65,6 +65,12 @@ class EngineConfig(BaseModel):
     async_scheduling: bool | None = Field(
         None, description="overlap plain decode steps (queue step N+1 on the device-side tokens "
         "of step N before reading them back); None: on for CUDA with CUDA graphs")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="torch's thread count for a CPU engine, set when it starts "
+        "(torch.set_num_threads: process-wide, every engine and torch op of the process); "
+        "None: 1, the fastest for decoding small models on a quiet or a busy machine, unless "
+        "OMP_NUM_THREADS / MKL_NUM_THREADS is set or torch.set_num_threads changed the count, "
+        "which is then kept (engine/cpu_threads.py). No effect on the GPU")
 
     @field_validator("dtype")
     @classmethod
@@ -72,6 +78,14 @@ class EngineConfig(BaseModel):
         v = str(v).replace("torch.", "")
         if v != "auto" and v not in _DTYPES:
             raise ValueError(f"unknown dtype {v!r}; use auto, float32, float16 or bfloat16")
+        return v
+
+    @field_validator("cpu_threads", mode="before")
+    @classmethod
+    def _cpu_threads(cls, v: Any) -> Any:
+        if isinstance(v, bool) or (isinstance(v, int) and v < 1):
+            raise ValueError(f"cpu_threads={v!r}: a number of threads >= 1, or None to choose "
+                             "automatically")
         return v
 
     @field_validator("tensor_parallel_size")

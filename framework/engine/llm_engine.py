@@ -11,6 +11,7 @@ import torch
 from speculant.config import EngineConfig
 from speculant.engine.async_decode import AsyncDecoder
 from speculant.engine.block_manager import BlockManager
+from speculant.engine.cpu_threads import apply_cpu_threads
 from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
 from speculant.engine.sampler import Row, sample_with_logprobs, topn_dict
 from speculant.engine.scheduler import Scheduler
@@ -40,6 +41,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = config.torch_device()
+        self.cpu_threads = None  # torch's thread count a CPU engine runs with (process-wide)
+        if self.device.type == "cpu":  # before loading: load-time timings use it
+            self.cpu_threads = apply_cpu_threads(config.cpu_threads)
         folder = resolve_model(config.model)
         self.model_path = folder
         self.hf_config = load_config(folder)

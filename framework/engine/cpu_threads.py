@@ -1,0 +1,99 @@
+"""The thread count of a CPU engine (``EngineConfig.cpu_threads``).
+
+``torch.set_num_threads`` is process-wide: the count an engine sets holds for every engine, model
+and torch op of the process (numpy's OpenBLAS follows it too, ``layers.numpy_blas``).
+
+``cpu_threads=N`` sets N threads when a CPU engine starts. ``cpu_threads=None`` (the default)
+chooses: ``auto_cpu_threads()``, i.e. 1, unless the count is already the user's own, in which case
+the engine leaves it alone:
+
+* ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` is set in the environment (torch's own settings);
+* ``torch.set_num_threads`` changed the count since speculant's engine was first imported, or
+  since an engine last set it (a count set before that import cannot be told from torch's
+  default: pass ``cpu_threads`` for it).
+
+Why 1: a decode step of a small model is a chain of short products (our C kernels are
+single-threaded, ``models/cpu_kernels.py``) and of short torch ops. Extra OpenMP threads buy
+nothing there on a quiet machine and cost a lot as soon as another process uses a core: an
+OpenMP region waits for its slowest thread, which the OS has descheduled. Measured on the 2-core
+box of issue 32 (SmolLM2-135M fp32, tokens/s, plain decoding of the demo's prompts, in-process,
+interleaved):
+
+=====================  =========  =========
+                       1 thread   2 threads
+=====================  =========  =========
+quiet                  19.5       19.7
+busy (a `while True`)  19.1       15.8
+busy (test suites)     18.0-19.8  8.7-9.4
+=====================  =========  =========
+
+and with neighbours (other test suites) running: a batch of 8 sequences decoding 32 tokens took
+5.0 s at 1 thread and 143 s at 2; a 1200-token prefill 6.9 s and 10.6 s. N-gram speculation
+suffered most: 2 threads turned its 1.36x over plain decoding into 0.95-1.14x.
+The GPU engine leaves the count alone (its host thread only launches work).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("speculant")
+
+ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+# torch's count when this module was first imported (its default unless changed before), and the
+# count an engine of this process set last: any other count was set by the user.
+_initial = torch.get_num_threads()
+_applied: int | None = None
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. under ``taskset`` or a container's
+    cpuset), else the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def user_setting() -> str | None:
+    """Why the current thread count is the user's own (then ``cpu_threads=None`` keeps it), or
+    None when it is torch's default or an engine's."""
+    for var in ENV_VARS:
+        if os.environ.get(var, "").strip():
+            return f"{var}={os.environ[var].strip()}"
+    n = torch.get_num_threads()
+    if n != (_initial if _applied is None else _applied):
+        return f"torch.set_num_threads({n})"
+    return None
+
+
+def auto_cpu_threads() -> int:
+    """The count ``cpu_threads=None`` chooses: 1 (see the module's docstring for the
+    measurements), never more than the CPUs available."""
+    return min(1, available_cpus())
+
+
+def resolve_cpu_threads(requested: int | None) -> tuple[int | None, str]:
+    """(count to set or None to leave torch's alone, why) for ``EngineConfig.cpu_threads``."""
+    if requested is not None:
+        return int(requested), f"cpu_threads={requested}"
+    own = user_setting()
+    if own is not None:
+        return None, f"kept the user's {own}"
+    return auto_cpu_threads(), "automatic (cpu_threads=None)"
+
+
+def apply_cpu_threads(requested: int | None) -> int:
+    """Set torch's thread count for a CPU engine (process-wide); returns the count in force."""
+    global _applied
+    n, why = resolve_cpu_threads(requested)
+    if n is not None and n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    if n is not None:
+        _applied = n
+    logger.info("CPU threads: %d (%s)", torch.get_num_threads(), why)
+    return torch.get_num_threads()
