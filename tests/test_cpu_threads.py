@@ -137,7 +137,10 @@ def _fake_llm(clock, costs, calls):
                 if speculative_config else None
             self.engine = SimpleNamespace(cpu_threads=1, device="cpu", spec=spec)
 
+        n = 0
+
         def chat(self, messages, params, use_tqdm=False):
+            self.n += 1
             cat = cats[messages[0][0]["content"]]
             key = (self.method, cat, params.max_tokens)
             calls[key] = calls.get(key, 0) + 1
@@ -148,7 +151,8 @@ def _fake_llm(clock, costs, calls):
                                     metrics=SimpleNamespace(spec=stats))]
 
         def get_metrics(self):
-            return SimpleNamespace(per_position_acceptance=[0.5], acceptance_rate=0.5,
+            # acceptance_rate: calls so far / 100, to tell when it was read
+            return SimpleNamespace(per_position_acceptance=[0.5], acceptance_rate=self.n / 100,
                                    mean_accepted_length=1.5)
 
     return FakeLLM
@@ -200,6 +204,8 @@ def test_demo_flags_a_lasting_slowdown(monkeypatch, capsys):
     assert "0.91x" in _line(out, "summarize") and "timed 4x" in _line(out, "summarize")
     assert "SLOWER than plain decoding" in out and "ngram: summarize (0.91x)" in out
     assert calls[("ngram", "summarize", 128)] == 4
+    # acceptance figures cover the warm-up and one pass of the 4 prompts, not the re-timed runs
+    assert _line(out, "ngram").split()[3] == "0.05"
 
 
 def test_demo_reports_unequal_outputs(monkeypatch, capsys):
