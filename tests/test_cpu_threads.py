@@ -125,9 +125,10 @@ class _Clock:
         return self.t
 
 
-def _fake_llm(clock, costs, calls):
+def _fake_llm(clock, costs, calls, cpu_clock=None, cpu_costs=None):
     """An LLM whose chat() advances ``clock`` by ``costs(method, category, n)`` seconds, n: how
-    many times that prompt ran on it, and returns the same tokens for either method."""
+    many times that prompt ran on it (``cpu_clock`` by ``cpu_costs``, default the same), and
+    returns the same tokens for either method."""
     cats = {p: c for c, p in demo.DEMO_PROMPTS}
 
     class FakeLLM:
@@ -145,6 +146,8 @@ def _fake_llm(clock, costs, calls):
             key = (self.method, cat, params.max_tokens)
             calls[key] = calls.get(key, 0) + 1
             clock.t += costs(self.method, cat, calls[key])
+            if cpu_clock is not None:
+                cpu_clock.t += (cpu_costs or costs)(self.method, cat, calls[key])
             stats = SimpleNamespace(num_accepted_tokens=1, num_draft_tokens=2,
                                     mean_accepted_length=1.5)
             return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * 10, text="hi")],
@@ -158,10 +161,12 @@ def _fake_llm(clock, costs, calls):
     return FakeLLM
 
 
-def _demo(monkeypatch, capsys, costs, **kw):
-    clock, calls = _Clock(), {}
+def _demo(monkeypatch, capsys, costs, cpu_costs=None, **kw):
+    clock, cpu_clock, calls = _Clock(), _Clock(), {}
     monkeypatch.setattr(demo.time, "perf_counter", clock)
-    monkeypatch.setattr(speculant, "LLM", _fake_llm(clock, costs, calls), raising=False)
+    monkeypatch.setattr(demo.time, "process_time", cpu_clock)
+    monkeypatch.setattr(speculant, "LLM", _fake_llm(clock, costs, calls, cpu_clock, cpu_costs),
+                        raising=False)
     rc = demo.run_demo(**kw)
     return rc, capsys.readouterr().out, calls
 
@@ -220,6 +225,44 @@ def test_demo_reports_unequal_outputs(monkeypatch, capsys):
             return out
 
     monkeypatch.setattr(demo.time, "perf_counter", clock)
+    monkeypatch.setattr(demo.time, "process_time", clock)
     monkeypatch.setattr(speculant, "LLM", Diverging, raising=False)
     assert demo.run_demo(repeats=1, retime=0) == 1
     assert "identical to plain decoding: NO" in capsys.readouterr().out
+
+
+def test_demo_on_a_starved_cpu_reports_cpu_time(monkeypatch, capsys):
+    # more CPU-bound processes than cores: every run waits ~as long as it computes, in bursts
+    # that hit qa's speculative runs; the CPU time (the work) says 1.25x, and the output says
+    # which clock the figures are from and gives the wall-clock tokens/s
+    def wall(method, cat, n):
+        return 3.0 if method == "ngram" and cat == "qa" else 2.0
+
+    def cpu(method, cat, n):
+        return 1.0 if method == "none" else 0.8
+
+    rc, out, calls = _demo(monkeypatch, capsys, wall, cpu, repeats=2, retime=2)
+    assert rc == 0 and "SLOWER" not in out
+    assert "1.25x" in _line(out, "qa") and "timed" not in _line(out, "qa")
+    assert "got 42% of a CPU" in out and "CPU time of each run" in out
+    assert "wall-clock tokens/s" in out and "none 5.0, ngram 4.4" in out
+    assert _line(out, "none").split()[1] == "10.0"  # 10 tokens per run, 1.0 s of CPU
+
+
+def test_demo_keeps_the_wall_clock_with_a_core_to_itself(monkeypatch, capsys):
+    # CPU time ~ wall time: the wall clock, which here shows qa slower: re-timed, then flagged
+    def wall(method, cat, n):
+        return 1.1 if method == "ngram" and cat == "qa" else 1.0
+
+    def cpu(method, cat, n):
+        return 0.95 * wall(method, cat, n)
+
+    rc, out, calls = _demo(monkeypatch, capsys, wall, cpu, repeats=2, retime=1)
+    assert "CPU time" not in out and "0.91x" in _line(out, "qa") and "SLOWER" in out
+
+
+def test_cpu_share():
+    t = demo.Timings([[(2.0, 1.0), (1.0, 0.5)], [(1.0, 1.0)]])
+    assert demo.cpu_share([t]) == pytest.approx(2.5 / 4.0)
+    assert t.best(demo.WALL) == [1.0, 1.0] and t.best(demo.CPU) == [0.5, 1.0]
+    assert demo.cpu_share([demo.Timings([[]])]) == 1.0
