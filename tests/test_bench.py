@@ -184,6 +184,7 @@ def test_spec_decoder_reset(tiny_factory):
     torch.cuda.is_available(), reason="a Triton-interpreter run for CPU machines; on a GPU run "
     "bench/bench_kernels.py itself"
 )
+@pytest.mark.slow  # a benchmark script's smoke run: a minute and more on the interpreter
 def test_bench_kernels_steady_sweep_smoke(tmp_path):
     """bench/bench_kernels.py's steady-state sweep on the Triton interpreter (tiny shapes): each
     override set gives the default launch's attention, with sequential block tables."""
@@ -222,6 +223,7 @@ def test_draft_graph_ab_variants_and_cpu_exit():
         assert r.returncode == 0 and "no CUDA device" in r.stdout
 
 
+@pytest.mark.slow  # a benchmark script's checks: three interpreters
 def test_run_variance_checks_gc_modes_and_exits_without_cuda(tmp_path):
     """bench/run_variance.py: a bad --gc-modes or --head-modes is refused before anything
     loads; without CUDA it says so and exits 0."""
@@ -298,6 +300,7 @@ print("reads ok")
 """
 
 
+@pytest.mark.slow  # a benchmark script's checks: five interpreters
 def test_decode_limits_reads_cover_exactly_the_paged_bytes():
     """bench/decode_limits.py's bare reads (the ceilings issue 5's goals are measured against)
     sum exactly the K/V elements of each sequence through its block table, whatever the grid:

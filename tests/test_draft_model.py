@@ -95,8 +95,12 @@ def test_common_prefix_matches_a_plain_scan():
                         assert _common_prefix(a, b, start) == p, (la, lb, cut, start)
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("which", ["same", "small"])
+# the default run: same-1, small-3, same-5 (k = 1, 3, 5 and both drafts); the rest are slow
+@pytest.mark.parametrize("which,k", [
+    ("same", 1), ("small", 3), ("same", 5),
+    pytest.param("small", 1, marks=pytest.mark.slow), pytest.param("same", 3, marks=pytest.mark.slow),
+    pytest.param("small", 5, marks=pytest.mark.slow),
+])
 def test_greedy_equivalence_batch_1_and_8(target, small_draft, plain_ref, which, k):
     draft = target if which == "same" else small_draft
     llm = _spec_llm(target, draft, k)
@@ -230,6 +234,7 @@ def small_vocab(tiny_factory):
     return target, draft, _exact_joint(target)
 
 
+@pytest.mark.slow  # the default run: test_distribution.py's [draft_model] (and its negative control)
 def test_sampling_matches_target_distribution(small_vocab):
     target, draft, joint = small_vocab
     toks, llm = _sample(target, draft)
@@ -239,6 +244,7 @@ def test_sampling_matches_target_distribution(small_vocab):
         assert tv < bound, f"{name}: TV {tv:.4f} >= bound {bound:.4f}"
 
 
+@pytest.mark.slow  # the default run: test_distribution.py's test_the_check_rejects_blind_acceptance
 def test_sampling_check_catches_a_broken_verifier(small_vocab, monkeypatch):
     """Negative control: a verifier that accepts every draft the target does not rule out
     (acceptance uniforms forced to 0, so min(1, p/q) is ignored) emits the draft's distribution;
@@ -298,6 +304,7 @@ def test_draft_probs_are_the_processed_draft_distribution(small_vocab):
 
 
 # ------------------------------------------------------------------ SmolLM2 as its own draft
+@pytest.mark.slow  # the default run: test_greedy_equivalence_batch_1_and_8[same-*] (tiny target)
 def test_smollm_self_draft_accepts_everything(default_model_path, smollm):
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0, max_tokens=32)

@@ -46,6 +46,7 @@ def test_batch_equals_one_at_a_time(tiny):
     assert mixed == [s[: 5 + 7 * i] for i, s in enumerate(single)]
 
 
+@pytest.mark.slow  # the default run: test_batch_equals_one_at_a_time (tiny), test_models_hf (batched)
 def test_smollm_batch_equals_one_at_a_time(smollm):
     prompts = ["The three primary colors are", "import numpy as np\n", "Once upon a time"]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -255,6 +256,7 @@ def test_cli_generate(tiny_llama, tiny):
     assert r.stdout == want + "\n"
 
 
+@pytest.mark.slow  # two interpreters; the default run: test_bad_input's test_cli_reports_without_traceback
 def test_cli_errors(tmp_path):
     r = _cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
     assert r.returncode == 2

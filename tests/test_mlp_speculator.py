@@ -237,6 +237,7 @@ def test_acceptance_of_a_hand_built_speculator(tmp_path, small_target):
     assert llm.get_metrics().num_accepted_tokens == expected
 
 
+@pytest.mark.slow  # the default run: test_distribution.py's [mlp_speculator] (and its negative control)
 def test_sampling_follows_the_target_distribution(tmp_path, small_target):
     """temperature 0.8 / top_p 0.95 over a 16-token vocabulary: the first two tokens of 6000
     speculative samples match the exact target distribution (TV bound, failure prob < 1e-6 per

@@ -46,17 +46,20 @@ SMOL_PROMPTS = [
 ]
 
 
-def test_smollm2_matches_hf_greedy(smollm, default_model_path):
+# the default run: a plain and a chat prompt batched, 16 tokens; the slow run: all five, 64 tokens
+@pytest.mark.parametrize("num_plain,new", [(1, 16), pytest.param(len(SMOL_PROMPTS), NEW,
+                                                                  marks=pytest.mark.slow)])
+def test_smollm2_matches_hf_greedy(smollm, default_model_path, num_plain, new):
     hf = load_hf(default_model_path)
     tok = smollm.tokenizer
-    prompts = [tok(p).input_ids for p in SMOL_PROMPTS]
+    prompts = [tok(p).input_ids for p in SMOL_PROMPTS[:num_plain]]
     chat = tok.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}],
                                    add_generation_prompt=True, tokenize=True)
     prompts.append(list(chat["input_ids"] if hasattr(chat, "keys") else chat))
-    ours = ours_greedy(smollm, prompts)  # all prompts batched in one call
+    ours = ours_greedy(smollm, prompts, new)  # all prompts batched in one call
     for p, o in zip(prompts, ours):
-        assert len(o) == NEW
-        assert o == hf_greedy(hf, p), tok.decode(p)
+        assert len(o) == new
+        assert o == hf_greedy(hf, p, new), tok.decode(p)
 
 
 def _randomize_biases(folder, out):
