@@ -88,8 +88,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("params", CASES, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
-@pytest.mark.parametrize("with_q", [False, True], ids=["point-mass", "draft-probs"])
+def _case_id(p):
+    return f"T{p.temperature}-k{p.top_k}-p{p.top_p}"
+
+
+# the default run: every sampling case once, each way of verifying twice; the other 4 are slow
+@pytest.mark.parametrize("with_q,params", [
+    pytest.param(with_q, p, id=f"{'draft-probs' if with_q else 'point-mass'}-{_case_id(p)}",
+                 marks=() if (i + with_q) % 2 == 0 else pytest.mark.slow)
+    for with_q in (False, True) for i, p in enumerate(CASES)
+])
 def test_first_and_second_token_follow_target(logits, params, with_q):
     torch.manual_seed(0)
     q = torch.softmax(torch.randn(2, V), -1)  # a draft distribution unlike the target

@@ -430,7 +430,10 @@ def _check_epilogue(x, w, b, kw, onw, ores, cfg):
 
 @pytest.mark.parametrize("dtype", EPI_DTYPES)
 @pytest.mark.parametrize("config", list(EPI_CONFIGS))
-@pytest.mark.parametrize("M", [1, 2, 3, 6, 8, 16, 32])
+# the default run: M = 1 (FMAs), 3 (odd), 8, 32 (the most rows); 2, 6, 16 are slow
+@pytest.mark.parametrize("M", [1, pytest.param(2, marks=pytest.mark.slow), 3,
+                               pytest.param(6, marks=pytest.mark.slow), 8,
+                               pytest.param(16, marks=pytest.mark.slow), 32])
 @pytest.mark.parametrize("case", EPI_PROLOGUES)
 def test_gemv_out_norm_matches_two_step(device, case, M, config, dtype):
     """The epilogue against gemv + fused.rms_norm (bit-exact) and against gemv_reference."""
