@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the engine keeps a set count
     report = {"host": {"platform": platform.platform(), "python": platform.python_version(),
                        "cpu_count": os.cpu_count(), "torch": torch.__version__,
                        "device": "cuda" if torch.cuda.is_available() else "cpu",

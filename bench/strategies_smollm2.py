@@ -263,6 +263,7 @@ def main() -> int:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the engine keeps a set count
     from speculant import LLM, SamplingParams
     from speculant.demo import DEMO_PROMPTS
 
