@@ -190,7 +190,10 @@ def test_sampling_follows_the_target_distribution(target, joint, configs, method
         assert tv < bound, f"{method} {name}: TV {tv:.4f} >= bound {bound:.4f} ({results})"
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "mlp_speculator", "eagle", "eagle3"])
+# the default run: the negative control with a draft model and EAGLE; the other three are slow
+@pytest.mark.parametrize("method", [pytest.param("ngram", marks=pytest.mark.slow), "draft_model",
+                                    pytest.param("mlp_speculator", marks=pytest.mark.slow), "eagle",
+                                    pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_the_check_rejects_blind_acceptance(target, joint, configs, method, monkeypatch):
     """Negative control: forcing every acceptance uniform to 0 accepts each draft the target
     does not rule out (p > 0), whatever min(1, p/q) says; the output then follows the drafter,

@@ -243,6 +243,7 @@ def _cli(*args, timeout=120):
     )
 
 
+@pytest.mark.slow  # an interpreter; the default run: test_cli_polish's in-process generate (same check)
 def test_cli_generate(tiny_llama, tiny):
     r = _cli("generate", "--model", str(tiny_llama), "--prompt", "Hello there", "--max-tokens", "7")
     assert r.returncode == 0, r.stderr
