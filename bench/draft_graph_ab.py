@@ -80,7 +80,7 @@ def main() -> int:
     import speculant.models.loader as loader
     from speculant import LLM
     from speculant.plugins import draft_graph as dg
-    from speculant.plugins.token_map import HotHead
+    from speculant.drafting.token_map import HotHead
 
     loader.load_model = gpu_8b.synthetic_loader(loader.load_model)
     llm_engine.load_model = loader.load_model

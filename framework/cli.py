@@ -239,7 +239,7 @@ def _load_tokenizer(name: str | None):
 
 
 def cmd_token_map(args) -> int:
-    from speculant.plugins.token_map import (
+    from speculant.drafting.token_map import (
         build_token_map_from_corpus,
         save_token_map,
         special_token_ids,

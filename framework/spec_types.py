@@ -8,6 +8,12 @@ from typing import Any
 import torch
 
 
+class StrategyError(ValueError):
+    """A strategy cannot be built or used as configured: an unknown method, invalid options, a
+    checkpoint that does not fit the target. The message names the problem and the fix; the
+    engine shows it to the user as is."""
+
+
 @dataclass
 class StrategyContext:
     """What a strategy gets when it is instantiated: ``cls(config, ctx)``, where ``config`` is

@@ -11,7 +11,7 @@ suffix), and feeds what it misses (accepted drafts it never cached, the bonus to
 produced while speculation was off, or a whole sequence that is new or came back after
 preemption). That catch-up forward also yields the first draft token; ``k - 1`` more batched
 decode steps (one forward for all sequences per step) yield the rest. On CUDA a greedy propose with
-short catch-ups is one CUDA graph replay instead (:mod:`speculant.plugins.draft_graph`).
+short catch-ups is one CUDA graph replay instead (:mod:`speculant.drafting.draft_graph`).
 
 With the option ``token_map`` (a file of hot token ids, plugins/token_map.py) the draft's LM head
 runs over a copy of its hot rows only, in the eager path and in the one-graph greedy propose alike:
@@ -34,19 +34,31 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from speculant import hookimpl
-from speculant.engine.block_manager import BlockManager
-from speculant.engine.cuda_graph import max_prefill_tokens
-from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
-from speculant.kernels.logprobs import row_argmax
-from speculant.plugins.draft_graph import capture_all, fused_greedy
-from speculant.plugins.mlp_speculator import (
+from speculant.drafting import (
+    BlockManager,
     DraftSampler,
     GraphCache,
+    HotHead,
+    ModelRunner,
+    StrategyError,
+    TokenMapError,
+    kv_bytes_per_block,
+    load_config,
+    load_model,
+    load_token_map,
+    load_tokenizer,
+    max_prefill_tokens,
+    resolve_model,
+    row_argmax,
     split_drafts,
     to_device_async,
 )
-from speculant.plugins.token_map import HotHead, TokenMapError, load_token_map
-from speculant.spec_registry import StrategyError
+from speculant.drafting import (
+    capture_draft_graphs as capture_all,
+)
+from speculant.drafting import (
+    draft_fused_greedy as fused_greedy,
+)
 from speculant.spec_types import Proposal, SpecBatch, SpecSequence, StrategyContext
 
 logger = logging.getLogger("speculant")
@@ -151,7 +163,6 @@ class DraftModelStrategy:
     Config = DraftModelConfig
 
     def __init__(self, config: DraftModelConfig, ctx: StrategyContext) -> None:
-        from speculant.models.loader import load_config, load_model, load_tokenizer, resolve_model
 
         self.config = config
         self.ctx = ctx
@@ -196,9 +207,15 @@ class DraftModelStrategy:
         # the draft's first feed of a sequence is its prompt plus the target's first token: a
         # prefill graph one token per sequence larger than the target's
         limit = max_prefill_tokens(ctx.max_prefill_graph_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype,
-                                  enforce_eager=ctx.enforce_eager,
-                                  max_graph_prefill=limit and limit + ctx.max_num_seqs)
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks,
+            self.block_size,
+            self.device,
+            self.dtype,
+            enforce_eager=ctx.enforce_eager,
+            max_graph_prefill=limit and limit + ctx.max_num_seqs,
+        )
         self.states: dict[int, _DraftSeq] = {}
         # greedy proposes as one CUDA graph replay each (draft_graph.py); off on the CPU
         self.graphs = GraphCache(self.device, "draft model propose", ctx.enforce_eager)
@@ -353,8 +370,9 @@ class DraftModelStrategy:
         """The draft runner's graphs (its catch-ups of up to k + 1 tokens and one-token steps
         for sampled requests, each request's first feed: the prompt's prefill) and the
         one-graph greedy proposes (``draft_graph.capture_all``)."""
-        n = self.runner.capture_graphs(max_num_seqs, self.num_speculative_tokens + 1, (), None,
-                                       progress)
+        n = self.runner.capture_graphs(
+            max_num_seqs, self.num_speculative_tokens + 1, (), None, progress
+        )
         return n + capture_all(self, max_num_seqs, progress)
 
     # ----------------------------------------------------------------- helpers

@@ -97,36 +97,49 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 from speculant import hookimpl
-from speculant.engine.attention import AttentionMetadata, ForwardContext
-from speculant.kernels.gemv import gemv
-from speculant.kernels.logprobs import row_argmax
-from speculant.kernels.stage_copy import pinned_copy
-from speculant.models import fused
-from speculant.models.layers import RMSNorm, RotaryEmbedding
-from speculant.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, mlp_gemv
-from speculant.models.weights import WeightLoader, WeightLoadError
-from speculant.plugins.eagle_graph import _slot, capture_all, fused_greedy
-from speculant.plugins.mlp_speculator import (
+from speculant.drafting import (
+    AttentionMetadata,
     DraftSampler,
+    ForwardContext,
     GraphCache,
+    HotHead,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    StrategyError,
+    TokenMapError,
+    WeightLoader,
+    WeightLoadError,
     bucket,
     checkpoint_files,
     checkpoint_keys,
+    fused,
+    gemv,
+    hot_argmax,
     iter_checkpoint,
+    load_config,
+    load_token_map,
+    mlp_gemv,
+    pinned_copy,
     read_config_json,
     resolve_draft_folder,
+    row_argmax,
+    scatter_hot,
     split_drafts,
     target_hidden_size,
     to_device_async,
 )
-from speculant.plugins.token_map import (
-    HotHead,
-    TokenMapError,
-    hot_argmax,
-    load_token_map,
-    scatter_hot,
+from speculant.drafting import (
+    cache_slot as _slot,
 )
-from speculant.spec_registry import StrategyError
+from speculant.drafting import (
+    capture_eagle_graphs as capture_all,
+)
+from speculant.drafting import (
+    eagle_fused_greedy as fused_greedy,
+)
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
 
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -421,8 +434,6 @@ class _EagleBase:
     # ----------------------------------------------------------------- set-up
     def _hf_config(self):
         import transformers
-
-        from speculant.models.loader import load_config
 
         try:
             cfg = load_config(self.folder)

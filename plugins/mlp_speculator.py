@@ -46,12 +46,9 @@ sampling).
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
-import os
 import re
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,365 +59,31 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from speculant import hookimpl
-from speculant.engine.cuda_graph import gc_paused
-from speculant.engine.staging import read_back
-from speculant.kernels.logprobs import row_argmax
-from speculant.kernels.stage_copy import pinned_copy
-from speculant.models import fused
-from speculant.plugins.token_map import (
+from speculant.drafting import (
+    BUCKETS,
+    DraftSampler,
+    GraphCache,
+    StrategyError,
     TokenMapError,
     ascending_ids,
+    bucket,
+    fused,
     hot_argmax,
+    iter_checkpoint,
     load_token_map,
+    pinned_copy,
+    read_config_json,
+    resolve_draft_folder,
+    row_argmax,
     scatter_hot,
+    split_drafts,
+    target_hidden_size,
+    to_device_async,
 )
-from speculant.spec_registry import StrategyError
-from speculant.spec_types import Proposal, SpecBatch, SpecSequence, StrategyContext
+from speculant.spec_types import Proposal, SpecBatch, StrategyContext
 
 logger = logging.getLogger("speculant")
 MLP_ARCHITECTURES = ("MLPSpeculatorPreTrainedModel", "MLPSpeculator")
-
-
-# --------------------------------------------------------------------------------------------
-# helpers shared with the EAGLE strategies
-# --------------------------------------------------------------------------------------------
-def resolve_draft_folder(model: str) -> Path:
-    """The local folder (with config.json) of a draft checkpoint given as a path or hub id."""
-    from speculant.models.loader import resolve_model
-
-    try:
-        return resolve_model(model)
-    except (FileNotFoundError, ValueError) as e:
-        raise StrategyError(f"speculative model {model!r}: {e}") from None
-
-
-def read_config_json(folder: Path) -> dict[str, Any]:
-    f = folder / "config.json"
-    try:
-        data = json.loads(f.read_text())
-    except FileNotFoundError:
-        raise StrategyError(
-            f"{f}: missing (a speculator checkpoint needs its config.json)"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise StrategyError(f"{f}: invalid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise StrategyError(f"{f}: expected a JSON object")
-    return data
-
-
-def checkpoint_files(folder: Path) -> list[Path]:
-    from speculant.models.loader import weight_files
-
-    try:
-        return weight_files(folder)
-    except FileNotFoundError as e:
-        raise StrategyError(str(e)) from None
-
-
-def iter_checkpoint(folder: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
-    """(file, tensor name, tensor) for every tensor of a safetensors / pytorch_model.bin checkpoint."""
-    from safetensors import safe_open
-
-    for f in checkpoint_files(folder):
-        if f.suffix == ".safetensors":
-            with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():
-                    yield f, k, sf.get_tensor(k)
-        else:
-            try:
-                state = torch.load(str(f), map_location="cpu", weights_only=True)
-            except Exception as e:
-                raise StrategyError(f"{f}: cannot be read as a PyTorch state dict ({e})") from None
-            if not isinstance(state, dict):
-                raise StrategyError(f"{f}: expected a state dict, got {type(state).__name__}")
-            for k, v in state.items():
-                yield f, k, v
-
-
-def checkpoint_keys(folder: Path) -> set[str]:
-    """Tensor names of a checkpoint without reading the tensors (for method inference)."""
-    from safetensors import safe_open
-
-    keys: set[str] = set()
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if (folder / index).exists():
-            try:
-                return set(json.loads((folder / index).read_text())["weight_map"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                return set()
-    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
-    for f in files:
-        try:
-            if f.suffix == ".safetensors":
-                with safe_open(str(f), framework="pt") as sf:
-                    keys.update(sf.keys())
-            else:
-                state = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
-                keys.update(state.keys())
-        except Exception:
-            continue
-    return keys
-
-
-def to_device_async(
-    values,  # python numbers, a numpy array or a CPU tensor
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    """A tensor of ``values`` on ``device``. On CUDA it goes through pinned memory with an
-    asynchronous copy: ``torch.tensor(values, device="cuda")`` copies from pageable memory,
-    which waits for everything queued on the stream (a full synchronisation)."""
-    if isinstance(values, torch.Tensor):
-        t = values.to(dtype)
-    elif isinstance(values, np.ndarray):
-        t = torch.from_numpy(values).to(dtype)
-    else:
-        t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    # the caching host allocator keeps the pinned block alive until the copy has run
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def graphs_wanted(device: torch.device, enforce_eager: bool = False) -> bool:
-    """CUDA graphs for the proposers' draft loops: on CUDA with the Triton kernels (the torch
-    attention path builds host tensors per call and cannot be captured), unless the engine runs
-    eagerly (``enforce_eager``, the engine's setting) or ``SPECULANT_ENFORCE_EAGER`` is set."""
-    eager = enforce_eager or os.environ.get("SPECULANT_ENFORCE_EAGER", "0") not in ("", "0")
-    if device.type != "cuda" or eager:
-        return False
-    from speculant.kernels._triton_utils import triton_enabled
-
-    return triton_enabled()
-
-
-class GraphCache:
-    """CUDA graphs of a function over static input buffers, one per key, captured on first use
-    (or ahead, at start-up, by the strategies' ``capture_graphs`` hooks with padding inputs).
-
-    ``buffers(key, make)`` returns the static inputs of ``key`` (made by ``make`` on first use);
-    the caller fills them, then ``replay(key, fn)`` captures ``fn(*inputs)`` on first use and
-    replays it, returning its (static) outputs: read or copy them before the next replay of the
-    same key. The warm-up run before a capture executes ``fn`` once on the inputs as they are
-    (so ``fn`` must be idempotent for given inputs, e.g. write the same K/V twice). If a capture
-    fails the cache turns itself off (``enabled`` False) and the caller runs ``fn`` eagerly."""
-
-    def __init__(self, device: torch.device, what: str, enforce_eager: bool = False) -> None:
-        self.device = device
-        self.what = what
-        self.enabled = graphs_wanted(device, enforce_eager)
-        self.inputs: dict[Any, tuple[torch.Tensor, ...]] = {}
-        self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, Any]] = {}
-        self.pool = None
-        self.inflight = False  # a replay whose pinned inputs may not have been read yet
-
-    def buffers(
-        self, key, make: Callable[[], tuple[torch.Tensor, ...]]
-    ) -> tuple[torch.Tensor, ...]:
-        if key not in self.inputs:
-            self.inputs[key] = make()
-        return self.inputs[key]
-
-    def host_vector(self, n: int) -> torch.Tensor:
-        """A host int64 vector [n] for graph inputs the graph copies itself: pinned on CUDA (the
-        graph's first node reads it with ``kernels/stage_copy.pinned_copy``), plain on CPU."""
-        return torch.zeros(n, dtype=torch.long, pin_memory=self.device.type == "cuda")
-
-    def writable(self, host: torch.Tensor) -> np.ndarray:
-        """``host`` (a ``host_vector``) as a numpy array to write a call's inputs into, once the
-        last replay has run (its pinned inputs may then be rewritten). The proposers read each
-        call's drafts back (``split_drafts(..., graphs=)`` then calls ``consumed``) before they
-        stage the next call, so this is a flag test; otherwise it waits for the stream."""
-        if self.inflight:
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            self.inflight = False
-        return host.numpy()
-
-    def consumed(self) -> None:
-        """The caller has read back results of work queued after the last replay: that replay
-        has run."""
-        self.inflight = False
-
-    def replay(self, key, fn: Callable[..., Any]) -> Any | None:
-        """The outputs of ``fn`` on the static inputs of ``key``; None if the capture failed."""
-        entry = self.graphs.get(key)
-        if entry is None:
-            try:
-                entry = self.graphs[key] = self._capture(fn, self.inputs[key])
-            except Exception as e:  # noqa: BLE001 - fall back to eager, say why
-                torch.cuda.synchronize(self.device)
-                self.enabled = False
-                logger.warning(
-                    "%s: CUDA graph capture failed, running eagerly (%s: %s)",
-                    self.what,
-                    type(e).__name__,
-                    e,
-                )
-                return None
-        entry[0].replay()
-        self.inflight = True
-        return entry[1]
-
-    def capture_all(
-        self,
-        items: list,
-        entry: Callable[[Any], tuple[Any, tuple[torch.Tensor, ...], Callable[..., Any]]],
-        pad: Callable[[np.ndarray, Any], None],
-        desc: str,
-        progress: bool = True,
-    ) -> int:
-        """Capture now the graph of each of ``items`` not captured yet (a strategy's start-up
-        capture, its ``capture_graphs`` hook): ``entry(item)`` gives (key, its static inputs, the
-        last one the pinned host vector, the function to capture), ``pad(host, item)`` writes
-        padding inputs into the host vector (nothing written to a cache, nothing attended). A
-        tqdm bar shows progress. Returns how many were captured (fewer if a capture failed: the
-        cache is then off)."""
-        from tqdm.auto import tqdm
-
-        if not self.enabled:
-            return 0
-        todo = [(item, *entry(item)) for item in items]
-        todo = [t for t in todo if t[1] not in self.graphs]
-        done = 0
-        for item, key, bufs, fn in tqdm(todo, desc=desc, unit="graph",
-                                        disable=not progress or not todo, dynamic_ncols=True):
-            pad(self.writable(bufs[-1]), item)
-            if self.replay(key, fn) is None:
-                break
-            done += 1
-        if todo and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.consumed()  # the replays ran: the pinned inputs may be rewritten
-        return done
-
-    def _capture(self, fn, inputs):
-        cur = torch.cuda.current_stream(self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(cur)
-        with torch.cuda.stream(stream):  # warm-up: compiles kernels for these shapes
-            fn(*inputs)
-        cur.wait_stream(stream)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with gc_paused(), torch.cuda.graph(graph, pool=self.pool):
-            out = fn(*inputs)
-        return graph, out
-
-
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # padded batch sizes of graphs
-
-
-def bucket(n: int) -> int:
-    """Padded batch size of a captured draft loop (n <= 256; larger n runs eagerly)."""
-    for b in BUCKETS:
-        if b >= n:
-            return b
-    return n
-
-
-class DraftSampler:
-    """Draft tokens of one propose call, chosen on the device: argmax for greedy requests, a
-    sample of the request's sampling distribution (temperature / top-k / top-p / min-p applied
-    to the draft logits) otherwise, with that distribution kept as q for the rejection sampler
-    (a one-hot row for greedy rows). Nothing here reads the device.
-
-    ``seqs``: the sequence of each row; ``steps[r]``: how many draft steps row r really uses
-    (rows may run more steps than they use; those draw no random number, so a seeded request's
-    generator advances exactly once per draft it gets)."""
-
-    def __init__(
-        self,
-        seqs: list[SpecSequence],
-        steps: list[int],
-        generator: torch.Generator,
-        device: torch.device,
-    ) -> None:
-        self.seqs = seqs
-        self.steps = steps
-        self.generator = generator
-        self.device = device
-        self.greedy = [s.sampling_params.is_greedy for s in seqs]
-        self.all_greedy = all(self.greedy)
-        self.qs: list[tuple[list[int], torch.Tensor]] = []  # per step: (rows, q [n, vocab])
-        self.params = None
-        if not self.all_greedy:
-            from speculant.engine.sampler import Row, sampling_tensors
-
-            self.params = sampling_tensors([Row(s, []) for s in seqs], device)
-            self.g = to_device_async(self.greedy, torch.bool, device)  # [rows]
-
-    def __call__(self, j: int, logits: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
-        """Step j: logits [n, vocab] float32 over the TARGET vocabulary of ``rows`` (positions
-        in ``seqs``; None: all rows, n = len(seqs)) -> tokens [n] int64 on the device."""
-        argmax = row_argmax(logits)  # [n]
-        if self.all_greedy:
-            return argmax
-        from speculant.kernels.rejection_sampling import sample_from_probs
-        from speculant.kernels.sampling import sampling_probs
-
-        sub = range(len(self.seqs)) if rows is None else rows
-        params, g = self.params, self.g
-        if rows is not None:
-            idx = to_device_async(rows, torch.long, self.device)
-            params, g = tuple(t[idx] for t in params), g[idx]
-        probs = sampling_probs(logits.float(), *params).contiguous()  # [n, vocab]
-        u = []
-        for r in sub:
-            if self.greedy[r] or j >= self.steps[r]:
-                u.append(torch.full((1,), 0.5))  # not used: draws nothing
-            else:
-                gen = self.seqs[r].generator or self.generator
-                u.append(torch.rand(1, generator=gen, dtype=torch.float32))
-        u_dev = to_device_async(torch.cat(u), torch.float32, self.device)  # [n]
-        tokens = torch.where(g, argmax, sample_from_probs(probs, u_dev))
-        if any(self.greedy[r] for r in sub):
-            onehot = F.one_hot(argmax, probs.shape[1]).to(probs.dtype)
-            probs = torch.where(g[:, None], onehot, probs)
-        self.qs.append((list(sub), probs))
-        return tokens
-
-    def probs(self, batch_rows: list[int], batch: int, vocab: int) -> torch.Tensor | None:
-        """[batch, steps, vocab] float32 q of every step (None when every row is greedy);
-        ``batch_rows[r]``: the batch index of row r."""
-        if self.all_greedy or not self.qs:
-            return None
-        out = torch.zeros(batch, len(self.qs), vocab, dtype=torch.float32, device=self.device)
-        for j, (sub, q) in enumerate(self.qs):
-            idx = to_device_async([batch_rows[r] for r in sub], torch.long, self.device)
-            out[idx, j] = q.float()
-        return out
-
-
-def split_drafts(
-    tokens: torch.Tensor,
-    rows: list[int],
-    steps: list[int],
-    batch: int,
-    graphs: GraphCache | None = None,
-) -> list[list[int]]:
-    """tokens [rows, max_steps] on the device -> per batch index the first ``steps[r]`` tokens of
-    its row (one device read for the whole call). ``graphs``: the strategy's graph cache, told
-    that its last replay has run (its pinned inputs may be rewritten)."""
-    drafts: list[list[int]] = [[] for _ in range(batch)]
-    # read_back: waits by polling, not in the driver's blocking copy (the host work right after a
-    # blocking wait of milliseconds runs slower; engine/staging.py)
-    for r, toks in enumerate(read_back(tokens)):
-        drafts[rows[r]] = toks[: steps[r]]
-    if graphs is not None:
-        graphs.consumed()
-    return drafts
-
-
-def target_hidden_size(ctx: StrategyContext) -> int:
-    h = getattr(ctx.target_model, "hidden_size", None) or getattr(
-        ctx.target_config, "hidden_size", None
-    )
-    if h is None:
-        raise StrategyError("the target model does not expose its hidden size")
-    return int(h)
 
 
 # --------------------------------------------------------------------------------------------
@@ -789,9 +452,13 @@ class MLPSpeculatorStrategy:
         def zeros(host: np.ndarray, Bp: int) -> None:
             host[:] = 0
 
-        return self.graphs.capture_all([b for b in BUCKETS if b <= top],
-                                       lambda Bp: self._entry(Bp, K), zeros,
-                                       "Capturing mlp_speculator propose graphs", progress)
+        return self.graphs.capture_all(
+            [b for b in BUCKETS if b <= top],
+            lambda Bp: self._entry(Bp, K),
+            zeros,
+            "Capturing mlp_speculator propose graphs",
+            progress,
+        )
 
 
 @hookimpl

@@ -17,16 +17,17 @@ from __future__ import annotations
 import torch
 
 from speculant import hookimpl
-from speculant.engine.sampler import (
+from speculant.drafting import (
     Row,
     params_need_processing,
     process_logits,
+    read_back,
+    rejection_sample,
     target_probs,
+    to_device,
+    token_logprobs,
     uniforms,
 )
-from speculant.engine.staging import read_back, to_device
-from speculant.kernels.logprobs import token_logprobs
-from speculant.kernels.rejection_sampling import rejection_sample
 from speculant.spec_types import Proposal, ScoreResult, SpecBatch, StrategyContext, VerifyResult
 
 
@@ -42,16 +43,23 @@ class RejectionSampler:
     def verify(self, batch: SpecBatch, proposal: Proposal, scores: ScoreResult) -> VerifyResult:
         seqs = batch.seqs
         if scores.greedy is not None and all(
-                s.params.is_greedy and not params_need_processing(s.params) for s in seqs):
+            s.params.is_greedy and not params_need_processing(s.params) for s in seqs
+        ):
             return verify_greedy(proposal.token_ids, scores.greedy)
-        rows = [Row(seq, drafts[:j]) for seq, drafts in zip(seqs, proposal.token_ids)
-                for j in range(len(drafts) + 1)]
+        rows = [
+            Row(seq, drafts[:j])
+            for seq, drafts in zip(seqs, proposal.token_ids)
+            for j in range(len(drafts) + 1)
+        ]
         if scores.logits.shape[0] != len(rows):
             raise ValueError(
                 f"ScoreResult.logits must have sum(k_i + 1) = {len(rows)} rows for proposal "
-                f"lengths {proposal.lengths}, got {scores.logits.shape[0]}")
+                f"lengths {proposal.lengths}, got {scores.logits.shape[0]}"
+            )
         device = scores.logits.device
-        processed = process_logits(scores.logits, rows, self.ctx.eos_token_id)  # [sum(k_i + 1), vocab]
+        processed = process_logits(
+            scores.logits, rows, self.ctx.eos_token_id
+        )  # [sum(k_i + 1), vocab]
         greedy_seq = [s.params.is_greedy for s in seqs]
         if all(greedy_seq):
             target = processed
@@ -63,30 +71,46 @@ class RejectionSampler:
         max_k = max(lengths, default=0)
         # every host-made input goes through pinned memory: no stream synchronisation before
         # the one read at the end (see speculant.engine.staging)
-        draft_ids = to_device([t for d in proposal.token_ids for t in d], torch.long, device)  # [sum(k_i)]
+        draft_ids = to_device(
+            [t for d in proposal.token_ids for t in d], torch.long, device
+        )  # [sum(k_i)]
         num_draft = to_device(lengths, torch.int32, device)  # [batch]
         draft_probs = None
         if proposal.probs is not None and not all(greedy_seq):
-            mask = torch.arange(proposal.probs.shape[1], device=proposal.probs.device)[None, :] < \
-                num_draft.to(proposal.probs.device)[:, None]
+            mask = (
+                torch.arange(proposal.probs.shape[1], device=proposal.probs.device)[None, :]
+                < num_draft.to(proposal.probs.device)[:, None]
+            )
             draft_probs = proposal.probs[mask].float().to(device)  # [total_draft, vocab]
         u_acc = uniforms(seqs, lengths, self.engine_gen, device)  # [sum(k_i)]
         u_smp = uniforms(seqs, [1] * len(seqs), self.engine_gen, device)  # [batch]
-        out, n_out = rejection_sample(draft_ids, num_draft, draft_probs, target.float(),
-                                      to_device(greedy_seq, torch.bool, device), u_acc, u_smp,
-                                      max_num_draft_tokens=max_k)  # [batch, max_k + 1], [batch]
+        out, n_out = rejection_sample(
+            draft_ids,
+            num_draft,
+            draft_probs,
+            target.float(),
+            to_device(greedy_seq, torch.bool, device),
+            u_acc,
+            u_smp,
+            max_num_draft_tokens=max_k,
+        )  # [batch, max_k + 1], [batch]
         # the target's log-probability (raw logits) of every output token: row start_i + j
         starts, acc = [], 0
         for n in lengths:
             starts.append(acc)
             acc += n + 1
-        rows_idx = (to_device(starts, torch.long, device)[:, None]
-                    + torch.arange(max_k + 1, device=device)[None, :]).clamp(max=len(rows) - 1)
+        rows_idx = (
+            to_device(starts, torch.long, device)[:, None]
+            + torch.arange(max_k + 1, device=device)[None, :]
+        ).clamp(max=len(rows) - 1)
         B, W = out.shape
-        lp = token_logprobs(scores.logits.float().contiguous(), out.clamp(min=0).reshape(-1),
-                            rows_idx.reshape(-1))[1].view(B, W)  # [batch, max_k + 1]
+        lp = token_logprobs(
+            scores.logits.float().contiguous(), out.clamp(min=0).reshape(-1), rows_idx.reshape(-1)
+        )[1].view(B, W)  # [batch, max_k + 1]
         # one device-to-host read for tokens, counts and logprobs (float64 holds the ids exactly)
-        flat = read_back(torch.cat([out.reshape(-1).double(), n_out.double(), lp.reshape(-1).double()]))
+        flat = read_back(
+            torch.cat([out.reshape(-1).double(), n_out.double(), lp.reshape(-1).double()])
+        )
         out_l = [flat[i * W : (i + 1) * W] for i in range(B)]
         n_l = [int(x) for x in flat[B * W : B * W + B]]
         lp_off = B * W + B
@@ -105,9 +129,11 @@ def verify_greedy(
     with unprocessed logits. One device-to-host read."""
     rows = sum(len(d) + 1 for d in drafts)
     if greedy.dim() != 2 or greedy.shape[0] != rows or greedy.shape[1] != 2:
-        raise ValueError(f"ScoreResult.greedy must have shape [sum(k_i + 1), 2] = [{rows}, 2] "
-                         f"for proposal lengths {[len(d) for d in drafts]}, got "
-                         f"{list(greedy.shape)}")
+        raise ValueError(
+            f"ScoreResult.greedy must have shape [sum(k_i + 1), 2] = [{rows}, 2] "
+            f"for proposal lengths {[len(d) for d in drafts]}, got "
+            f"{list(greedy.shape)}"
+        )
     packed = read_back(greedy)  # [[argmax, logprob], ...]
     tokens, accepted, logprobs = [], [], []
     r = 0

@@ -18,10 +18,7 @@ from pydantic import (
 )
 
 from speculant.plugin_manager import get_plugin_manager
-
-
-class StrategyError(ValueError):
-    pass
+from speculant.spec_types import StrategyError
 
 
 def _collect() -> tuple[dict[str, type], dict[str, list[type]]]:

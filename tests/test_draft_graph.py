@@ -18,8 +18,8 @@ import torch
 from staging_switch import use_staging
 from test_eagle_graph import _kernel_attention
 
+import speculant.drafting.draft_graph as draft_graph
 import speculant.engine.attention as attention_mod
-import speculant.plugins.draft_graph as draft_graph
 from speculant import LLM, SamplingParams
 from speculant.engine.staging import staging_ext
 
@@ -208,7 +208,7 @@ def test_fused_ints_c_equals_python(monkeypatch):
 def test_graph_cache_inflight_protocol():
     """GraphCache.writable() waits only for a replay whose drafts were not read back;
     split_drafts(..., graphs=) marks them read."""
-    from speculant.plugins.mlp_speculator import GraphCache, split_drafts
+    from speculant.drafting import GraphCache, split_drafts
 
     g = GraphCache(torch.device("cpu"), "test")
     assert not g.enabled and not g.inflight

@@ -115,7 +115,7 @@ class Reference:
 
         self.hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float64).eval()
         self.version, self.aux = version, tuple(aux_layers)
-        from speculant.plugins.mlp_speculator import iter_checkpoint
+        from speculant.drafting import iter_checkpoint
 
         self.t = {
             k: v.double() if v.is_floating_point() else v for _f, k, v in iter_checkpoint(ckpt)

@@ -14,12 +14,12 @@ import torch
 from checkpoints import H, make_eagle1, make_eagle3, make_mlp
 from test_eagle_graph import _kernel_attention
 
+import speculant.drafting.draft_graph as draft_graph
 import speculant.engine.attention as attention_mod
-import speculant.plugins.draft_graph as draft_graph
 from speculant import LLM, SamplingParams, hookimpl
+from speculant.drafting import BUCKETS
+from speculant.drafting.eagle_graph import QUERY_BUCKETS
 from speculant.engine.spec_decode import SpecDecoder
-from speculant.plugins.eagle_graph import QUERY_BUCKETS
-from speculant.plugins.mlp_speculator import BUCKETS
 
 V = 64
 PROMPT_LENS = [3, 9, 5, 12, 4, 7]
@@ -196,8 +196,8 @@ def test_enforce_eager_reaches_the_strategies(target, monkeypatch):
     """``enforce_eager=True`` keeps the strategies' own forwards eager too: it reaches them in
     the StrategyContext, their graph caches stay off on CUDA, and the draft model's runner is
     built eager."""
+    from speculant.drafting import GraphCache, graphs_wanted
     from speculant.engine import model_runner
-    from speculant.plugins.mlp_speculator import GraphCache, graphs_wanted
 
     monkeypatch.delenv("SPECULANT_ENFORCE_EAGER", raising=False)
     cuda = torch.device("cuda")

@@ -32,14 +32,13 @@ from checkpoints import (
 from test_eagle_graph import _kernel_attention
 from torch import nn
 
+import speculant.drafting.token_map as token_map_mod
 import speculant.engine.attention as attention_mod
 import speculant.plugins.eagle as eagle_mod
 import speculant.plugins.mlp_speculator as mlp_mod
-import speculant.plugins.token_map as token_map_mod
 from speculant import LLM, SamplingParams
 from speculant.cli import main
-from speculant.kernels.logprobs import row_argmax
-from speculant.plugins.token_map import (
+from speculant.drafting.token_map import (
     HotHead,
     TokenMapError,
     build_token_map,
@@ -49,6 +48,7 @@ from speculant.plugins.token_map import (
     scatter_hot,
     special_token_ids,
 )
+from speculant.kernels.logprobs import row_argmax
 from speculant.spec_registry import StrategyError
 
 V = 64

@@ -30,11 +30,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from speculant.drafting.graphs import BUCKETS, bucket, to_device_async
 from speculant.engine.attention import AttentionMetadata, ForwardContext
 from speculant.engine.gather import gather_rows
 from speculant.engine.staging import staging_ext
 from speculant.kernels.stage_copy import pinned_copy
-from speculant.plugins.mlp_speculator import BUCKETS, bucket, to_device_async
 
 QUERY_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)  # catch-up rows per sequence: 1..k+1 normally
 MAX_BATCH = 256
@@ -199,8 +199,9 @@ def capture_all(strat, max_seqs: int, progress: bool = True) -> int:
         else:
             chain_padding(host, Bp, K)
 
-    return strat.graphs.capture_all(items, entry, pad, f"Capturing {strat.name} propose graphs",
-                                    progress)
+    return strat.graphs.capture_all(
+        items, entry, pad, f"Capturing {strat.name} propose graphs", progress
+    )
 
 
 def propose_graph(

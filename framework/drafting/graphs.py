@@ -1,0 +1,176 @@
+"""CUDA graphs of a proposer's draft loop: :class:`GraphCache` (one graph per key over static
+input buffers, captured on first use or at start-up), the padded batch sizes (:data:`BUCKETS`),
+and :func:`to_device_async` (host values to the device without a synchronisation)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from speculant.engine.cuda_graph import gc_paused
+
+logger = logging.getLogger("speculant")
+
+
+def to_device_async(
+    values,  # python numbers, a numpy array or a CPU tensor
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """A tensor of ``values`` on ``device``. On CUDA it goes through pinned memory with an
+    asynchronous copy: ``torch.tensor(values, device="cuda")`` copies from pageable memory,
+    which waits for everything queued on the stream (a full synchronisation)."""
+    if isinstance(values, torch.Tensor):
+        t = values.to(dtype)
+    elif isinstance(values, np.ndarray):
+        t = torch.from_numpy(values).to(dtype)
+    else:
+        t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    # the caching host allocator keeps the pinned block alive until the copy has run
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def graphs_wanted(device: torch.device, enforce_eager: bool = False) -> bool:
+    """CUDA graphs for the proposers' draft loops: on CUDA with the Triton kernels (the torch
+    attention path builds host tensors per call and cannot be captured), unless the engine runs
+    eagerly (``enforce_eager``, the engine's setting) or ``SPECULANT_ENFORCE_EAGER`` is set."""
+    eager = enforce_eager or os.environ.get("SPECULANT_ENFORCE_EAGER", "0") not in ("", "0")
+    if device.type != "cuda" or eager:
+        return False
+    from speculant.kernels._triton_utils import triton_enabled
+
+    return triton_enabled()
+
+
+class GraphCache:
+    """CUDA graphs of a function over static input buffers, one per key, captured on first use
+    (or ahead, at start-up, by the strategies' ``capture_graphs`` hooks with padding inputs).
+
+    ``buffers(key, make)`` returns the static inputs of ``key`` (made by ``make`` on first use);
+    the caller fills them, then ``replay(key, fn)`` captures ``fn(*inputs)`` on first use and
+    replays it, returning its (static) outputs: read or copy them before the next replay of the
+    same key. The warm-up run before a capture executes ``fn`` once on the inputs as they are
+    (so ``fn`` must be idempotent for given inputs, e.g. write the same K/V twice). If a capture
+    fails the cache turns itself off (``enabled`` False) and the caller runs ``fn`` eagerly."""
+
+    def __init__(self, device: torch.device, what: str, enforce_eager: bool = False) -> None:
+        self.device = device
+        self.what = what
+        self.enabled = graphs_wanted(device, enforce_eager)
+        self.inputs: dict[Any, tuple[torch.Tensor, ...]] = {}
+        self.graphs: dict[Any, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self.pool = None
+        self.inflight = False  # a replay whose pinned inputs may not have been read yet
+
+    def buffers(
+        self, key, make: Callable[[], tuple[torch.Tensor, ...]]
+    ) -> tuple[torch.Tensor, ...]:
+        if key not in self.inputs:
+            self.inputs[key] = make()
+        return self.inputs[key]
+
+    def host_vector(self, n: int) -> torch.Tensor:
+        """A host int64 vector [n] for graph inputs the graph copies itself: pinned on CUDA (the
+        graph's first node reads it with ``kernels/stage_copy.pinned_copy``), plain on CPU."""
+        return torch.zeros(n, dtype=torch.long, pin_memory=self.device.type == "cuda")
+
+    def writable(self, host: torch.Tensor) -> np.ndarray:
+        """``host`` (a ``host_vector``) as a numpy array to write a call's inputs into, once the
+        last replay has run (its pinned inputs may then be rewritten). The proposers read each
+        call's drafts back (``split_drafts(..., graphs=)`` then calls ``consumed``) before they
+        stage the next call, so this is a flag test; otherwise it waits for the stream."""
+        if self.inflight:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self.inflight = False
+        return host.numpy()
+
+    def consumed(self) -> None:
+        """The caller has read back results of work queued after the last replay: that replay
+        has run."""
+        self.inflight = False
+
+    def replay(self, key, fn: Callable[..., Any]) -> Any | None:
+        """The outputs of ``fn`` on the static inputs of ``key``; None if the capture failed."""
+        entry = self.graphs.get(key)
+        if entry is None:
+            try:
+                entry = self.graphs[key] = self._capture(fn, self.inputs[key])
+            except Exception as e:  # noqa: BLE001 - fall back to eager, say why
+                torch.cuda.synchronize(self.device)
+                self.enabled = False
+                logger.warning(
+                    "%s: CUDA graph capture failed, running eagerly (%s: %s)",
+                    self.what,
+                    type(e).__name__,
+                    e,
+                )
+                return None
+        entry[0].replay()
+        self.inflight = True
+        return entry[1]
+
+    def capture_all(
+        self,
+        items: list,
+        entry: Callable[[Any], tuple[Any, tuple[torch.Tensor, ...], Callable[..., Any]]],
+        pad: Callable[[np.ndarray, Any], None],
+        desc: str,
+        progress: bool = True,
+    ) -> int:
+        """Capture now the graph of each of ``items`` not captured yet (a strategy's start-up
+        capture, its ``capture_graphs`` hook): ``entry(item)`` gives (key, its static inputs, the
+        last one the pinned host vector, the function to capture), ``pad(host, item)`` writes
+        padding inputs into the host vector (nothing written to a cache, nothing attended). A
+        tqdm bar shows progress. Returns how many were captured (fewer if a capture failed: the
+        cache is then off)."""
+        from tqdm.auto import tqdm
+
+        if not self.enabled:
+            return 0
+        todo = [(item, *entry(item)) for item in items]
+        todo = [t for t in todo if t[1] not in self.graphs]
+        done = 0
+        for item, key, bufs, fn in tqdm(
+            todo, desc=desc, unit="graph", disable=not progress or not todo, dynamic_ncols=True
+        ):
+            pad(self.writable(bufs[-1]), item)
+            if self.replay(key, fn) is None:
+                break
+            done += 1
+        if todo and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.consumed()  # the replays ran: the pinned inputs may be rewritten
+        return done
+
+    def _capture(self, fn, inputs):
+        cur = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(cur)
+        with torch.cuda.stream(stream):  # warm-up: compiles kernels for these shapes
+            fn(*inputs)
+        cur.wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with gc_paused(), torch.cuda.graph(graph, pool=self.pool):
+            out = fn(*inputs)
+        return graph, out
+
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # padded batch sizes of graphs
+
+
+def bucket(n: int) -> int:
+    """Padded batch size of a captured draft loop (n <= 256; larger n runs eagerly)."""
+    for b in BUCKETS:
+        if b >= n:
+            return b
+    return n

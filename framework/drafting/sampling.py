@@ -1,0 +1,105 @@
+"""Draft sampling that keeps the draft distribution ``q`` the lossless verifier needs
+(:class:`DraftSampler`), and reading a call's drafts back to the host (:func:`split_drafts`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from speculant.drafting.graphs import GraphCache, to_device_async
+from speculant.engine.staging import read_back
+from speculant.kernels.logprobs import row_argmax
+from speculant.spec_types import SpecSequence
+
+
+class DraftSampler:
+    """Draft tokens of one propose call, chosen on the device: argmax for greedy requests, a
+    sample of the request's sampling distribution (temperature / top-k / top-p / min-p applied
+    to the draft logits) otherwise, with that distribution kept as q for the rejection sampler
+    (a one-hot row for greedy rows). Nothing here reads the device.
+
+    ``seqs``: the sequence of each row; ``steps[r]``: how many draft steps row r really uses
+    (rows may run more steps than they use; those draw no random number, so a seeded request's
+    generator advances exactly once per draft it gets)."""
+
+    def __init__(
+        self,
+        seqs: list[SpecSequence],
+        steps: list[int],
+        generator: torch.Generator,
+        device: torch.device,
+    ) -> None:
+        self.seqs = seqs
+        self.steps = steps
+        self.generator = generator
+        self.device = device
+        self.greedy = [s.sampling_params.is_greedy for s in seqs]
+        self.all_greedy = all(self.greedy)
+        self.qs: list[tuple[list[int], torch.Tensor]] = []  # per step: (rows, q [n, vocab])
+        self.params = None
+        if not self.all_greedy:
+            from speculant.engine.sampler import Row, sampling_tensors
+
+            self.params = sampling_tensors([Row(s, []) for s in seqs], device)
+            self.g = to_device_async(self.greedy, torch.bool, device)  # [rows]
+
+    def __call__(self, j: int, logits: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """Step j: logits [n, vocab] float32 over the TARGET vocabulary of ``rows`` (positions
+        in ``seqs``; None: all rows, n = len(seqs)) -> tokens [n] int64 on the device."""
+        argmax = row_argmax(logits)  # [n]
+        if self.all_greedy:
+            return argmax
+        from speculant.kernels.rejection_sampling import sample_from_probs
+        from speculant.kernels.sampling import sampling_probs
+
+        sub = range(len(self.seqs)) if rows is None else rows
+        params, g = self.params, self.g
+        if rows is not None:
+            idx = to_device_async(rows, torch.long, self.device)
+            params, g = tuple(t[idx] for t in params), g[idx]
+        probs = sampling_probs(logits.float(), *params).contiguous()  # [n, vocab]
+        u = []
+        for r in sub:
+            if self.greedy[r] or j >= self.steps[r]:
+                u.append(torch.full((1,), 0.5))  # not used: draws nothing
+            else:
+                gen = self.seqs[r].generator or self.generator
+                u.append(torch.rand(1, generator=gen, dtype=torch.float32))
+        u_dev = to_device_async(torch.cat(u), torch.float32, self.device)  # [n]
+        tokens = torch.where(g, argmax, sample_from_probs(probs, u_dev))
+        if any(self.greedy[r] for r in sub):
+            onehot = F.one_hot(argmax, probs.shape[1]).to(probs.dtype)
+            probs = torch.where(g[:, None], onehot, probs)
+        self.qs.append((list(sub), probs))
+        return tokens
+
+    def probs(self, batch_rows: list[int], batch: int, vocab: int) -> torch.Tensor | None:
+        """[batch, steps, vocab] float32 q of every step (None when every row is greedy);
+        ``batch_rows[r]``: the batch index of row r."""
+        if self.all_greedy or not self.qs:
+            return None
+        out = torch.zeros(batch, len(self.qs), vocab, dtype=torch.float32, device=self.device)
+        for j, (sub, q) in enumerate(self.qs):
+            idx = to_device_async([batch_rows[r] for r in sub], torch.long, self.device)
+            out[idx, j] = q.float()
+        return out
+
+
+def split_drafts(
+    tokens: torch.Tensor,
+    rows: list[int],
+    steps: list[int],
+    batch: int,
+    graphs: GraphCache | None = None,
+) -> list[list[int]]:
+    """tokens [rows, max_steps] on the device -> per batch index the first ``steps[r]`` tokens of
+    its row (one device read for the whole call). ``graphs``: the strategy's graph cache, told
+    that its last replay has run (its pinned inputs may be rewritten)."""
+    drafts: list[list[int]] = [[] for _ in range(batch)]
+    # read_back: waits by polling, not in the driver's blocking copy (the host work right after a
+    # blocking wait of milliseconds runs slower; engine/staging.py)
+    for r, toks in enumerate(read_back(tokens)):
+        drafts[rows[r]] = toks[: steps[r]]
+    if graphs is not None:
+        graphs.consumed()
+    return drafts
