@@ -19,7 +19,7 @@ from staging_switch import use_staging
 from test_eagle_graph import _kernel_attention
 
 import speculant.drafting.draft_graph as draft_graph
-import speculant.engine.attention as attention_mod
+import speculant.models.attention as attention_mod
 from speculant import LLM, SamplingParams
 from speculant.engine.staging import staging_ext
 

@@ -18,7 +18,7 @@ from checkpoints import make_eagle1, make_eagle3
 from staging_switch import use_staging
 
 import speculant.drafting.eagle_graph as eagle_graph
-import speculant.engine.attention as attention_mod
+import speculant.models.attention as attention_mod
 from speculant import LLM, SamplingParams
 from speculant.engine.staging import staging_ext
 from speculant.kernels.kv_cache import store_kv_ref

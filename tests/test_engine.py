@@ -120,7 +120,7 @@ def test_block_manager_keeps_sequences_consecutive():
 def test_attention_slices_equal_gather_path():
     """The CPU attention over consecutive blocks (cache slices) gives what the padded gather path
     gives, for decode, verification (q_len > 1 over a longer context) and prefill rows."""
-    from speculant.engine.attention import AttentionMetadata, paged_attention_torch
+    from speculant.models.attention import AttentionMetadata, paged_attention_torch
 
     torch.manual_seed(0)
     bs, nkv, nh, d = 4, 2, 6, 8

@@ -199,8 +199,8 @@ def test_one_row_head_layers_equal_torch_path(monkeypatch, which):
     a cache holding 5 earlier tokens."""
     import transformers
 
-    from speculant.engine.attention import AttentionMetadata, ForwardContext
     from speculant.models import llama
+    from speculant.models.attention import AttentionMetadata, ForwardContext
     from speculant.models.layers import RotaryEmbedding
     from speculant.plugins import eagle
 

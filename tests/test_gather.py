@@ -1,11 +1,11 @@
-"""engine/gather.py: the row gather equals index_select for every row count and index dtype."""
+"""models/gather.py: the row gather equals index_select for every row count and index dtype."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from speculant.engine.gather import gather_rows
+from speculant.models.gather import gather_rows
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 6, 31, 32, 40])

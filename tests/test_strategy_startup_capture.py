@@ -15,7 +15,7 @@ from checkpoints import H, make_eagle1, make_eagle3, make_mlp
 from test_eagle_graph import _kernel_attention
 
 import speculant.drafting.draft_graph as draft_graph
-import speculant.engine.attention as attention_mod
+import speculant.models.attention as attention_mod
 from speculant import LLM, SamplingParams, hookimpl
 from speculant.drafting import BUCKETS
 from speculant.drafting.eagle_graph import QUERY_BUCKETS

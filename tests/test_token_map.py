@@ -33,7 +33,7 @@ from test_eagle_graph import _kernel_attention
 from torch import nn
 
 import speculant.drafting.token_map as token_map_mod
-import speculant.engine.attention as attention_mod
+import speculant.models.attention as attention_mod
 import speculant.plugins.eagle as eagle_mod
 import speculant.plugins.mlp_speculator as mlp_mod
 from speculant import LLM, SamplingParams

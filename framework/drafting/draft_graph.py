@@ -34,12 +34,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from speculant.engine.attention import AttentionMetadata, ForwardContext
 from speculant.engine.cuda_graph import BATCH_BUCKETS, QUERY_BUCKETS
-from speculant.engine.gather import gather_rows
 from speculant.engine.staging import staging_ext
 from speculant.kernels.logprobs import row_argmax
 from speculant.kernels.stage_copy import pinned_copy
+from speculant.models.attention import AttentionMetadata, ForwardContext
+from speculant.models.gather import gather_rows
 
 MAX_BATCH, MAX_QUERY = 128, 16  # ModelRunner's max_graph_batch / max_graph_query defaults
 

@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from speculant.drafting.graphs import BUCKETS, bucket, to_device_async
-from speculant.engine.attention import AttentionMetadata, ForwardContext
-from speculant.engine.gather import gather_rows
 from speculant.engine.staging import staging_ext
 from speculant.kernels.stage_copy import pinned_copy
+from speculant.models.attention import AttentionMetadata, ForwardContext
+from speculant.models.gather import gather_rows
 
 QUERY_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)  # catch-up rows per sequence: 1..k+1 normally
 MAX_BATCH = 256

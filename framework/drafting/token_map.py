@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculant.engine.gather import gather_rows
 from speculant.kernels.gemv import gemv
 from speculant.kernels.logprobs import row_argmax
 from speculant.models import fused
+from speculant.models.gather import gather_rows
 from speculant.models.layers import CpuLinear
 
 FORMATS = (".pt", ".pth", ".json", ".npy", ".txt")

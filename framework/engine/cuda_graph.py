@@ -61,10 +61,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from speculant.engine.attention import AttentionMetadata, ForwardContext
 from speculant.engine.sampler import greedy_pack
 from speculant.engine.staging import staging_ext
 from speculant.kernels.stage_copy import HEADER, StageLayout, stage_copy
+from speculant.models.attention import AttentionMetadata, ForwardContext
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 # tokens per sequence: decode (1), verification of k drafts (k + 1), draft catch-up (1..k+1)

@@ -13,9 +13,9 @@ import os
 
 import torch
 
-from speculant.engine.attention import AttentionMetadata, ForwardContext
 from speculant.engine.sampler import greedy_pack
 from speculant.engine.sequence import Sequence
+from speculant.models.attention import AttentionMetadata, ForwardContext
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:

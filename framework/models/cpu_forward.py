@@ -25,13 +25,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from speculant.engine.attention import (
+from speculant.models import cpu_kernels
+from speculant.models.attention import (
     CPU_FEW_ROWS,
     ForwardContext,
     attention_cpu,
     cpu_kv_views,
 )
-from speculant.models import cpu_kernels
 from speculant.models.layers import CpuLinear, RMSNorm, numpy_blas, rms_norm_cpu, rope_cpu
 
 

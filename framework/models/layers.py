@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculant.engine.attention import cpu_const
 from speculant.models import cpu_kernels, fused
+from speculant.models.attention import cpu_const
 
 
 def onednn_packing_available() -> bool:

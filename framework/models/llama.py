@@ -11,10 +11,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from speculant.engine.attention import ForwardContext
-from speculant.engine.gather import gather_rows
 from speculant.kernels.gemv import gemv, gemv_partials, gemv_split
 from speculant.models import cpu_forward, fused
+from speculant.models.attention import ForwardContext
+from speculant.models.gather import gather_rows
 from speculant.models.layers import RMSNorm, RotaryEmbedding, activation
 from speculant.models.weights import WeightLoader
 

@@ -7,8 +7,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from speculant.engine.attention import ForwardContext
-from speculant.engine.gather import gather_rows
+from speculant.models.attention import ForwardContext
+from speculant.models.gather import gather_rows
 from speculant.models.layers import activation
 from speculant.models.weights import WeightLoader
 
