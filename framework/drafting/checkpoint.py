@@ -100,3 +100,13 @@ def target_hidden_size(ctx: StrategyContext) -> int:
     if h is None:
         raise StrategyError("the target model does not expose its hidden size")
     return int(h)
+
+
+__all__ = [
+    "checkpoint_files",
+    "checkpoint_keys",
+    "iter_checkpoint",
+    "read_config_json",
+    "resolve_draft_folder",
+    "target_hidden_size",
+]

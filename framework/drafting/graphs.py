@@ -174,3 +174,12 @@ def bucket(n: int) -> int:
         if b >= n:
             return b
     return n
+
+
+__all__ = [
+    "BUCKETS",
+    "GraphCache",
+    "bucket",
+    "graphs_wanted",
+    "to_device_async",
+]

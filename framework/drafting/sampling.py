@@ -103,3 +103,9 @@ def split_drafts(
     if graphs is not None:
         graphs.consumed()
     return drafts
+
+
+__all__ = [
+    "DraftSampler",
+    "split_drafts",
+]

@@ -489,3 +489,17 @@ class HotHead:
         logits in the weight's dtype: float32 holds every half value exactly, so the argmax
         (ties included) is the float32 row's, one conversion kernel less per draft step."""
         return hot_argmax(self._logits(x), self.ids)  # [rows, N] -> [rows]
+
+
+__all__ = [
+    "HotHead",
+    "TokenMapError",
+    "ascending_ids",
+    "build_token_map",
+    "build_token_map_from_corpus",
+    "count_tokens",
+    "hot_argmax",
+    "load_token_map",
+    "save_token_map",
+    "scatter_hot",
+]
