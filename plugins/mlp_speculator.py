@@ -61,15 +61,15 @@ from torch import nn
 from speculant import hookimpl
 from speculant.drafting import (
     BUCKETS,
+    CheckpointConfig,
     DraftSampler,
     GraphCache,
     StrategyError,
-    TokenMapError,
     ascending_ids,
     bucket,
     fused,
     hot_argmax,
-    iter_checkpoint,
+    load_into,
     load_token_map,
     pinned_copy,
     read_config_json,
@@ -208,61 +208,31 @@ _KEY = re.compile(r"^(emb|proj|head|ln)\.(\d+)\.(weight|bias)$")
 
 
 def load_mlp_speculator(
-    folder: Path, cfg: dict[str, Any], device: torch.device, dtype: torch.dtype
+    cfg: CheckpointConfig, device: torch.device, dtype: torch.dtype
 ) -> MLPSpeculatorModel:
     """Build the model from config.json values and load its weights (strict)."""
-    n = int(cfg["n_predict"])
-    emb_dim = int(cfg["emb_dim"])
-    inner = int(cfg.get("inner_dim") or 0) or emb_dim
-    vocab = int(cfg["vocab_size"])
-    tie = bool(cfg.get("tie_weights", False))
-    model = MLPSpeculatorModel(n, emb_dim, inner, vocab, tie, bool(cfg.get("scale_input", False)))
+    n, emb_dim = cfg.field("n_predict", int, minimum=1), cfg.field("emb_dim", int)
+    inner = cfg.field("inner_dim", int, 0) or emb_dim
+    tie = cfg.field("tie_weights", bool, False)
+    vocab = cfg.field("vocab_size", int)
+    model = MLPSpeculatorModel(n, emb_dim, inner, vocab, tie, cfg.field("scale_input", bool, False))
     model = model.to(device=device, dtype=dtype)
-    params = dict(model.named_parameters())
-    loaded: dict[str, tuple[Path, torch.Tensor]] = {}
-    unexpected: list[str] = []
-    for file, name, tensor in iter_checkpoint(folder):
-        key = name.removeprefix("speculator.")
+
+    def rename(key: str) -> str:  # tied: every index loads the shared stage (its copies equal)
         m = _KEY.match(key)
-        if m is None or int(m.group(2)) >= n or (m.group(1) != "ln" and m.group(3) == "bias"):
-            unexpected.append(f"{name} ({file.name})")
-            continue
+        if m is None or not tie or int(m.group(2)) >= n:
+            return key
         kind, idx = m.group(1), int(m.group(2))
-        if tie:
-            idx = (0 if idx == 0 else len(model.proj) - 1) if kind == "proj" else 0
-        pname = f"{kind}.{idx}.{m.group(3)}"
-        param = params[pname]
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise StrategyError(
-                f"{file}: tensor {name!r} has shape {tuple(tensor.shape)} but {folder / 'config.json'} "
-                f"(n_predict={n}, emb_dim={emb_dim}, inner_dim={inner}, vocab_size={vocab}, "
-                f"tie_weights={tie}) implies {tuple(param.shape)}"
-            )
-        if pname in loaded:  # a tied copy: must be the same tensor
-            prev_file, prev = loaded[pname]
-            if not torch.equal(prev, tensor):
-                raise StrategyError(
-                    f"{file}: tensor {name!r} differs from the tied tensor it must equal ({pname} in "
-                    f"{prev_file.name}); config.json says tie_weights={tie}"
-                )
-            continue
-        with torch.no_grad():
-            param.copy_(tensor.to(dtype))
-        loaded[pname] = (file, tensor)
-    if unexpected:
-        shown = ", ".join(unexpected[:6]) + (" ..." if len(unexpected) > 6 else "")
-        raise StrategyError(
-            f"{folder}: {len(unexpected)} unexpected tensor(s) in the MLPSpeculator checkpoint: "
-            f"{shown}. Expected (optionally prefixed 'speculator.') emb.i.weight, proj.i.weight, "
-            f"head.i.weight, ln.i.weight, ln.i.bias for i < n_predict={n}"
-        )
-    missing = [p for p in params if p not in loaded]
-    if missing:
-        hint = " (tied: index 0 of emb/head/ln, proj.0 and proj.1)" if tie else ""
-        raise StrategyError(
-            f"{folder}: {len(missing)} tensor(s) missing from the MLPSpeculator checkpoint{hint}: "
-            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
-        )
+        idx = (0 if idx == 0 else len(model.proj) - 1) if kind == "proj" else 0
+        return f"{kind}.{idx}.{m.group(3)}"
+
+    hint = (
+        f"{cfg.file}: n_predict={n}, emb_dim={emb_dim}, inner_dim={inner}, vocab_size={vocab}, "
+        f"tie_weights={tie}; tensors emb.i.weight, proj.i.weight, head.i.weight, ln.i.weight, "
+        "ln.i.bias, optionally prefixed 'speculator.'"
+    )
+    load_into(model, cfg.file.parent, strip_prefixes=("speculator.",), rename=rename, hint=hint,
+              what="MLPSpeculator checkpoint")
     return model.eval()
 
 
@@ -300,54 +270,30 @@ class MLPSpeculatorStrategy:
         self.ctx = ctx
         folder = resolve_draft_folder(config.model)
         cfg = read_config_json(folder)
-        cfg_file = folder / "config.json"
-        archs = cfg.get("architectures") or []
         if not self.matches_model(folder, cfg):
             raise StrategyError(
-                f"{cfg_file}: not an MLPSpeculator checkpoint (architectures={archs}, model_type="
-                f"{cfg.get('model_type')!r}; expected MLPSpeculatorPreTrainedModel / mlp_speculator)"
+                f"{cfg.file}: not an MLPSpeculator checkpoint (architectures="
+                f"{cfg.get('architectures')}, model_type={cfg.get('model_type')!r}; expected "
+                "MLPSpeculatorPreTrainedModel / mlp_speculator)"
             )
-        missing = [k for k in ("n_predict", "emb_dim", "vocab_size") if cfg.get(k) is None]
-        if missing:
-            raise StrategyError(f"{cfg_file}: missing required field(s) {missing}")
-        n = int(cfg["n_predict"])
-        if n < 1:
-            raise StrategyError(f"{cfg_file}: n_predict must be >= 1, got {n}")
-        hidden = target_hidden_size(ctx)
-        if int(cfg["emb_dim"]) != hidden:
+        cfg.check_target("emb_dim", target_hidden_size(ctx), "hidden size")
+        cfg.check_target("vocab_size", ctx.vocab_size, "vocabulary size")
+        self.model = model = load_mlp_speculator(cfg, ctx.device, ctx.dtype)
+        n = model.n_predict
+        k = self.num_speculative_tokens = config.num_speculative_tokens or n
+        if k > n and k % n:
             raise StrategyError(
-                f"{cfg_file}: emb_dim={cfg['emb_dim']} but the target model's hidden size is {hidden}; "
-                "this speculator was trained for a different target"
+                f"num_speculative_tokens={k} is larger than the speculator's n_predict={n} "
+                f"({cfg.file}) and not a multiple of it; use k <= {n} or a multiple of {n}"
             )
-        if int(cfg["vocab_size"]) != ctx.vocab_size:
+        if k > n and (not model.tie_weights or n == 1) and model.inner_dim != model.emb_dim:
             raise StrategyError(
-                f"{cfg_file}: vocab_size={cfg['vocab_size']} but the target model's vocabulary has "
-                f"{ctx.vocab_size} tokens; this speculator was trained for a different target"
+                f"num_speculative_tokens={k} > n_predict={n} reuses the heads cyclically, which "
+                f"feeds the last state back into proj.0; {cfg.file} has inner_dim="
+                f"{model.inner_dim} != emb_dim={model.emb_dim}, so use k <= {n}"
             )
-        k = config.num_speculative_tokens or n
-        tie = bool(cfg.get("tie_weights", False))
-        inner = int(cfg.get("inner_dim") or 0) or int(cfg["emb_dim"])
-        if k > n:
-            if k % n:
-                raise StrategyError(
-                    f"num_speculative_tokens={k} is larger than the speculator's n_predict={n} "
-                    f"({cfg_file}) and not a multiple of it; use k <= {n} or a multiple of {n}"
-                )
-            if (not tie or n == 1) and inner != int(cfg["emb_dim"]):
-                raise StrategyError(
-                    f"num_speculative_tokens={k} > n_predict={n} reuses the heads cyclically, which "
-                    f"feeds the last state back into proj.0; {cfg_file} has inner_dim={inner} != "
-                    f"emb_dim={cfg['emb_dim']}, so use k <= {n}"
-                )
-        self.num_speculative_tokens = k
-        self.n_predict = n
-        self.folder = folder
-        self.model = load_mlp_speculator(folder, cfg, ctx.device, ctx.dtype)
         if config.token_map:  # the heads' hot rows, once here (the full heads are freed)
-            try:
-                self.model.restrict_heads(load_token_map(config.token_map, ctx.vocab_size))
-            except TokenMapError as e:
-                raise StrategyError(str(e)) from None
+            model.restrict_heads(load_token_map(config.token_map, ctx.vocab_size))
         self.generator = torch.Generator().manual_seed(ctx.seed + 104729)
         self.graphs = GraphCache(ctx.device, f"mlp_speculator {folder}", ctx.enforce_eager)
 

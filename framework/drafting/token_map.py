@@ -38,6 +38,7 @@ from speculant.kernels.logprobs import row_argmax
 from speculant.models import fused
 from speculant.models.gather import gather_rows
 from speculant.models.layers import CpuLinear
+from speculant.spec_types import StrategyError
 
 FORMATS = (".pt", ".pth", ".json", ".npy", ".txt")
 _BUILD_HINT = (
@@ -46,9 +47,10 @@ _BUILD_HINT = (
 )
 
 
-class TokenMapError(ValueError):
+class TokenMapError(StrategyError):
     """A token map file or a token-map build request that cannot be used (the message names the
-    file or argument, the problem and the fix)."""
+    file or argument, the problem and the fix). A StrategyError (so a ValueError): a strategy
+    may let it propagate as its own error."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,176 @@
+"""speculant.drafting as a public API: every exported name documented (a docstring and a mention
+in docs/drafting.md), and the checkpoint reader's contract (shapes, key mapping, errors naming
+file, key and expected shape) on tiny checkpoints in every stored layout."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import speculant.drafting as drafting
+from speculant.drafting import (
+    CheckpointConfig,
+    StrategyError,
+    checkpoint_index,
+    checkpoint_keys,
+    load_into,
+    read_config_json,
+    read_tensors,
+)
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "drafting.md"
+
+
+# --------------------------------------------------------------------------------------------
+# the public names
+# --------------------------------------------------------------------------------------------
+def test_every_public_name_has_a_docstring():
+    undocumented = [
+        name
+        for name in drafting.__all__
+        if (inspect.isclass(obj := getattr(drafting, name)) or inspect.isroutine(obj))
+        and not (obj.__doc__ or "").strip()
+    ]
+    assert not undocumented, f"public names without a docstring: {undocumented}"
+
+
+def test_every_public_name_is_in_docs_drafting_md():
+    text = DOC.read_text()
+    missing = [n for n in drafting.__all__ if not re.search(rf"\b{re.escape(n)}\b", text)]
+    assert not missing, f"speculant.drafting names not mentioned in docs/drafting.md: {missing}"
+
+
+# --------------------------------------------------------------------------------------------
+# the checkpoint reader
+# --------------------------------------------------------------------------------------------
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 3, bias=False)  # proj.weight [3, 4]
+        self.norm = nn.LayerNorm(3)  # norm.weight, norm.bias [3]
+
+
+def head_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "proj.weight": torch.randn(3, 4, generator=g),
+        "norm.weight": torch.randn(3, generator=g),
+        "norm.bias": torch.randn(3, generator=g),
+    }
+
+
+def write(folder: Path, tensors: dict[str, torch.Tensor], fmt: str = "safetensors") -> Path:
+    """``fmt``: safetensors (one file), sharded (two safetensors + index), bin, bin-sharded."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"hidden_size": 4}))
+    keys = sorted(tensors)
+    if fmt == "safetensors":
+        save_file(tensors, str(folder / "model.safetensors"))
+    elif fmt == "bin":
+        torch.save(tensors, str(folder / "pytorch_model.bin"))
+    else:
+        ext, index = ("safetensors", "model.safetensors") if fmt == "sharded" else ("bin", "pytorch_model.bin")
+        shards = [keys[: len(keys) // 2], keys[len(keys) // 2 :]]
+        weight_map = {}
+        for i, part in enumerate(shards):
+            name = f"model-0000{i + 1}-of-00002.{ext}"
+            sub = {k: tensors[k].contiguous() for k in part}
+            save_file(sub, str(folder / name)) if ext == "safetensors" else torch.save(sub, str(folder / name))
+            weight_map.update(dict.fromkeys(part, name))
+        (folder / f"{index}.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "sharded", "bin", "bin-sharded"])
+def test_every_layout_loads_into_a_module(tmp_path, fmt):
+    t = head_tensors()
+    ckpt = write(tmp_path / fmt, {f"medusa.{k}": v for k, v in t.items()}, fmt)
+    assert set(checkpoint_index(ckpt)) == {f"medusa.{k}" for k in t}
+    head = load_into(Head(), ckpt, strip_prefixes=("medusa.",))
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, t[k])
+
+
+def test_read_tensors_checks_renames_and_casts(tmp_path):
+    t = head_tensors()
+    ckpt = write(tmp_path / "c", {"model.w": t["proj.weight"], "model.skip": torch.zeros(2)})
+    got = read_tensors(
+        ckpt,
+        {"w": (None, 4)},
+        strip_prefixes=("model.",),
+        rename=lambda k: None if k == "skip" else k,
+        dtype=torch.float16,
+    )
+    assert list(got) == ["w"] and got["w"].dtype == torch.float16
+    assert torch.equal(got["w"], t["proj.weight"].half())
+    assert read_tensors(ckpt, {"w": (3, 4), "b": (3,)}, strip_prefixes=("model.",),
+                        optional={"b"}, strict=False).keys() == {"w"}
+
+
+def test_errors_name_file_key_and_expected_shape(tmp_path):
+    t = head_tensors()
+    bad = write(tmp_path / "shape", dict(t, **{"proj.weight": torch.zeros(3, 5)}))
+    with pytest.raises(StrategyError, match=r"shape/model\.safetensors: tensor 'proj\.weight' "
+                       r"has shape \(3, 5\), expected \(3, 4\) \(hidden 4\)"):
+        load_into(Head(), bad, hint="hidden 4")
+    missing = write(tmp_path / "missing", {k: v for k, v in t.items() if k != "norm.bias"}, "bin")
+    with pytest.raises(StrategyError, match=r"missing: 1 tensor\(s\) missing from the Medusa "
+                       r"head: norm\.bias"):
+        load_into(Head(), missing, what="Medusa head")
+    extra = write(tmp_path / "extra", dict(t, **{"lm_head.weight": torch.zeros(2)}), "sharded")
+    with pytest.raises(StrategyError, match=r"1 unexpected .*lm_head\.weight \(model-00001-of"):
+        load_into(Head(), extra)
+    load_into(Head(), extra, strict=False)  # skipped
+
+
+def test_tied_copies_must_be_equal(tmp_path):
+    t = head_tensors()
+    both = dict(t, **{"copy.proj.weight": t["proj.weight"].clone()})
+    ok = write(tmp_path / "ok", both)
+    load_into(Head(), ok, rename=lambda k: k.removeprefix("copy."))
+    both["copy.proj.weight"] = both["copy.proj.weight"] + 1
+    bad = write(tmp_path / "bad", both)
+    with pytest.raises(StrategyError, match=r"tensor 'proj\.weight' differs from 'copy\.proj\."
+                       r"weight' \(model\.safetensors\), which it must equal"):
+        load_into(Head(), bad, rename=lambda k: k.removeprefix("copy."))
+
+
+def test_unreadable_folders(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StrategyError, match="no weights found"):
+        checkpoint_index(tmp_path / "empty")
+    assert checkpoint_keys(tmp_path / "empty") == set()
+    with pytest.raises(StrategyError, match=r"empty/config\.json: missing"):
+        read_config_json(tmp_path / "empty")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(StrategyError, match=r"broken/model\.safetensors: cannot be read"):
+        read_tensors(tmp_path / "broken", {})
+
+
+def test_config_fields(tmp_path):
+    f = tmp_path / "config.json"
+    cfg = CheckpointConfig({"n": 3, "flag": True, "x": 2, "s": "a", "none": None}, f)
+    assert cfg.field("n", int, minimum=1) == 3 and cfg["n"] == 3
+    assert cfg.field("flag", bool) is True
+    assert cfg.field("x", float) == 2.0 and isinstance(cfg.field("x", float), float)
+    assert cfg.field("none", int, 7) == 7 and cfg.field("absent", str, "d") == "d"
+    assert cfg.check_target("n", 3, "depth") == 3
+    with pytest.raises(StrategyError, match=r"config\.json: missing required field 'absent'"):
+        cfg.field("absent", int)
+    with pytest.raises(StrategyError, match=r"config\.json: field 'flag' must be int, got True"):
+        cfg.field("flag", int)
+    with pytest.raises(StrategyError, match=r"config\.json: field 's' must be int, got 'a'"):
+        cfg.field("s", int)
+    with pytest.raises(StrategyError, match=r"field 'n' must be >= 4, got 3"):
+        cfg.field("n", int, minimum=4)
+    with pytest.raises(StrategyError, match=r"config\.json: n=3 but the target model's hidden "
+                       r"size is 64; this checkpoint was trained for a different target"):
+        cfg.check_target("n", 64, "hidden size")
