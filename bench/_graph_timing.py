@@ -1,5 +1,5 @@
 """CUDA-graph capture and timing shared by the benchmarks (bench_kernels.py, bench_gemv.py,
-bench_pdl.py, read_ceiling.py, draft_graph_ab.py)."""
+read_ceiling.py)."""
 
 from __future__ import annotations
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from speculant.envs import env_str
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -51,11 +52,12 @@ class EngineConfig(BaseModel):
     use_v2_block_manager: bool = Field(
         False, description="accepted for vLLM compatibility (deprecated there), no effect: "
         "speculant has one paged block manager")
-    enforce_eager: bool = False
+    enforce_eager: bool = Field(
+        False, description="no CUDA graphs: every step, and the strategy's own forwards, run "
+        "eagerly (debugging; the engine's torch attention, SPECULANT_DISABLE_TRITON, needs it)")
     max_prefill_graph_tokens: int | None = Field(
         None, ge=0, description="on CUDA, prefill steps of up to this many tokens (in all) replay "
-        "CUDA graphs captured per token bucket; 0: prefill runs eagerly; None: "
-        "SPECULANT_PREFILL_GRAPH_TOKENS when set, else 2048")
+        "CUDA graphs captured per token bucket; 0: prefill runs eagerly; None: 2048")
     cuda_graph_capture: Literal["startup", "lazy"] = Field(
         "startup", description="on CUDA with CUDA graphs: 'startup' captures the graphs of every "
         "decode, verification and prefill shape the engine can replay before the first request "
@@ -114,7 +116,7 @@ class EngineConfig(BaseModel):
         machine's engines on the CPU, as the test suite does), else CUDA when available."""
         name = self.device
         if name == "auto":
-            name = os.environ.get("SPECULANT_DEVICE", "").strip() or "auto"
+            name = env_str("SPECULANT_DEVICE") or "auto"
             if name == "auto":
                 return torch.device("cuda" if torch.cuda.is_available() else "cpu")
             try:

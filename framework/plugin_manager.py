@@ -1,5 +1,6 @@
 """The process-wide plugin manager: loads plugin modules from the ``speculant.strategies``
-entry-point group (built-ins and third-party alike) and collects the strategies they register.
+entry-point group (built-ins and third-party alike) and collects the strategies they register
+(:func:`collect_strategies`; :mod:`speculant.spec_registry` looks them up by name).
 
 Environment:
 - ``SPECULANT_PLUGINS=a,b``: load only these entry points (allow-list).
@@ -9,7 +10,6 @@ Environment:
 from __future__ import annotations
 
 import importlib.metadata as md
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +17,9 @@ from typing import Any
 import pluggy
 
 from speculant import hookspecs
+from speculant.hookspecs import StrategyInfo, strategy_info
+from speculant.spec_types import StrategyError
+from speculant.envs import env_list
 
 ENTRY_POINT_GROUP = "speculant.strategies"
 
@@ -39,10 +42,8 @@ _infos: dict[str, PluginInfo] = {}
 
 
 def _csv_env(name: str) -> set[str] | None:
-    v = os.environ.get(name)
-    if v is None:
-        return None
-    return {x.strip() for x in v.split(",") if x.strip()}
+    v = env_list(name)
+    return None if v is None else set(v)
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
@@ -96,22 +97,46 @@ def unregister(name: str) -> None:
     _infos.pop(name, None)
 
 
+def collect_strategies() -> list[StrategyInfo]:
+    """Every strategy class the loaded plugins register (their ``register_strategies`` hooks run
+    now), each checked against the :class:`~speculant.hookspecs.Strategy` contract, in
+    registration order. Raises :class:`~speculant.spec_types.StrategyError` for a class whose
+    attributes break the contract, or a name (or alias) two classes claim."""
+    pm = get_plugin_manager()
+    found: list[StrategyInfo] = []
+    owner: dict[str, StrategyInfo] = {}
+    for impl in pm.hook.register_strategies.get_hookimpls():
+        classes: list[type] = []
+        if "register" in impl.argnames:
+            impl.function(register=classes.append)
+        for cls in classes:
+            info = strategy_info(cls, impl.plugin_name)
+            for key in (info.name, *info.aliases):
+                if key in owner and owner[key].cls is not cls:
+                    raise StrategyError(
+                        f"strategy name {key!r} is registered twice ({owner[key].cls.__module__} "
+                        f"and {cls.__module__}); block one with SPECULANT_DISABLE_PLUGINS"
+                    )
+                owner[key] = info
+            found.append(info)
+    return found
+
+
 def list_plugins() -> list[dict]:
     """Loaded plugins with their distribution, version, hooks and the strategies they provide."""
-    from speculant.spec_registry import strategies_by_plugin
-
     pm = get_plugin_manager()
-    by_plugin = strategies_by_plugin()
+    by_plugin: dict[str, list[StrategyInfo]] = {}
+    for info in collect_strategies():
+        by_plugin.setdefault(info.plugin, []).append(info)
     out = []
     for name, plugin in pm.list_name_plugin():
         info = _infos.get(name) or PluginInfo(name, plugin)
         hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
         strategies = []
-        for cls in by_plugin.get(name, []):
-            impl = sorted(h for h in hookspecs.HOOK_NAMES if callable(getattr(cls, h, None))
-                          and hasattr(getattr(cls, h), "speculant_impl"))
-            strategies.append({"name": cls.name, "kind": getattr(cls, "kind", "proposer"),
-                               "hooks": impl})
+        for s in by_plugin.get(name, []):
+            impl = sorted(h for h in hookspecs.HOOK_NAMES if callable(getattr(s.cls, h, None))
+                          and hasattr(getattr(s.cls, h), "speculant_impl"))
+            strategies.append({"name": s.name, "kind": s.kind, "hooks": impl})
         out.append({
             "name": name,
             "distribution": info.distribution,

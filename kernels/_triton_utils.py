@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from speculant.envs import env_flag
+
 try:  # pragma: no cover - exercised implicitly by every kernel import
     import triton
     import triton.language as tl
@@ -41,7 +43,6 @@ __all__ = [
     "next_pow2",
     "cdiv",
     "check_tensor",
-    "env_switch",
     "pdl_enabled",
     "pdl_launch",
 ]
@@ -90,10 +91,9 @@ def lazy_jit(fn: Callable[..., Any] | None = None, **jit_kwargs: Any):
 
 
 def triton_enabled() -> bool:
-    """False when ``SPECULANT_DISABLE_TRITON=1`` (read at every call): CUDA tensors then take the
-    torch paths too (A/B comparisons, debugging). ``force_triton=True`` ignores it."""
-    off = os.environ.get("SPECULANT_DISABLE_TRITON", "0").lower() in ("1", "true", "yes", "on")
-    return HAS_TRITON and not off
+    """False when the flag ``SPECULANT_DISABLE_TRITON`` is set (read at every call): CUDA tensors
+    then take the torch paths too (debugging). ``force_triton=True`` ignores it."""
+    return HAS_TRITON and not env_flag("SPECULANT_DISABLE_TRITON")
 
 
 def use_triton(tensors: Sequence[torch.Tensor | None], force_triton: bool) -> bool:
@@ -117,17 +117,6 @@ def use_triton(tensors: Sequence[torch.Tensor | None], force_triton: bool) -> bo
     return all_cuda and triton_enabled()
 
 
-def env_switch(name: str, default: bool = True) -> bool:
-    """An on/off switch from the environment, read at every call (A/B runs; a CUDA graph keeps
-    what was read when it was captured): unset -> ``default``; ``0`` / ``false`` / ``no`` /
-    ``off`` (any case) -> False; anything else -> True. The kernels' ``SPECULANT_*`` switches
-    all read through here."""
-    v = os.environ.get(name)
-    if v is None:
-        return default
-    return v.strip().lower() not in ("0", "false", "no", "off")
-
-
 @functools.cache
 def _num_sms_cuda(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -148,9 +137,8 @@ def _sm90(index: int) -> bool:
 
 def pdl_enabled(device: torch.device) -> bool:
     """True when kernels on ``device`` launch with programmatic dependent launch (PDL, Hopper and
-    later): a CUDA device of compute capability >= 9, not the interpreter, a Triton that has
-    ``gdc_wait``, and ``SPECULANT_PDL`` not set to 0 (read at every call; a CUDA graph keeps what
-    was read when it was captured).
+    later): a CUDA device of compute capability >= 9, not the interpreter, and a Triton that has
+    ``gdc_wait``.
 
     With PDL a kernel's programs may start while the kernel before it on the stream is still
     running: each kernel that takes part (a ``GDC`` constexpr) first does only work that depends
@@ -161,25 +149,8 @@ def pdl_enabled(device: torch.device) -> bool:
     kernels per decode step)."""
     if device.type != "cuda" or interpret_mode() or not HAS_TRITON:
         return False
-    if not env_switch("SPECULANT_PDL"):
-        return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     return _sm90(idx) and hasattr(tl.extra.cuda, "gdc_wait")
-
-
-def pdl_trigger_first() -> bool:
-    """For kernels launched with PDL that read only what the kernel before wrote (a split-K
-    reduce, the attention merge): let the NEXT kernel launch before this one's ``gdc_wait``
-    instead of after it. Safe for any order: the next kernel's own ``gdc_wait`` still waits for
-    this one to finish, which finishes after the one before it. What it buys: the next GEMV's
-    programs start, and load their weight tiles, while the kernel before this one still runs.
-    H100, two same-machine A/B pairs (``bench/gpu_8b.py --only draft``, eleventh session): the
-    1B draft's propose with a 32k token map at batch 1 3.408 / 3.430 -> 3.366 / 3.371 ms, full
-    head 3.765 / 3.770 -> 3.719 / 3.526 ms; the 8B plain step 5.618 / 5.620 against 5.635 /
-    5.627 ms (within the run-to-run spread). Only where the next kernel is a one-row GEMV (the
-    launchers decide): after few-row dot GEMVs an early launch slows the step (see gemv.DOT_PDL).
-    ``SPECULANT_PDL_TRIGGER_FIRST=0`` turns it off."""
-    return env_switch("SPECULANT_PDL_TRIGGER_FIRST")
 
 
 def pdl_launch(device: torch.device) -> dict[str, bool]:

@@ -62,19 +62,20 @@ Triton kernel design
 * Programmatic dependent launch (Hopper; ``_triton_utils.pdl_launch``): with ``GDC`` the
   program waits (``gdc_wait``) after the optional first-tile prefetch (the weight is never
   written on the GPU) and before anything else, then lets the next kernel launch: at once on
-  the one-row path, after its stores on the few-row tensor-core path (``DOT_PDL``).
+  the one-row path and before a split-K reduce, after its stores on the few-row tensor-core
+  path without one (``GDC_LATE``: an early-launched kernel would wait on the multiprocessors
+  this one needs; docs/kernels.md, "Programmatic dependent launch", has the measurements).
 * The launch configuration depends on the shapes only (never on tensor contents): the call is
   CUDA-graph capturable (no host sync, no ``.item()``). Weight row offsets are int64 (N * K may
   exceed 2**31 elements, e.g. a large vocabulary).
 
 More than ``MAX_ROWS`` (32) rows take the torch path (``gemv_reference``: the separate ops);
-``force_triton=True`` then raises. The torch path is also used for CPU tensors and when
-``SPECULANT_DISABLE_TRITON=1``.
+``force_triton=True`` then raises. The torch path is also used for CPU tensors and with
+``SPECULANT_DISABLE_TRITON`` set.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -84,13 +85,11 @@ import torch.nn.functional as F
 from ._triton_utils import (
     cdiv,
     check_tensor,
-    env_switch,
     interpret_mode,
     lazy_jit,
     next_pow2,
     num_sms,
     pdl_launch,
-    pdl_trigger_first,
     tl,
     use_triton,
 )
@@ -108,26 +107,6 @@ __all__ = [
 
 MAX_ROWS = 32
 _SMEM = 200 * 1024  # shared memory the pipelined tiles of a 32-row dot may take (H100: 227 KB)
-# Programmatic dependent launch of the few-row (tensor-core) configurations: "early" (the next
-# kernel may launch as soon as every program has started, as the one-row path does), "late"
-# (once every program has stored its output) or "off". These launch fewer programs than the GPU
-# has multiprocessors (64-96 for the 8B projections at 2-8 rows); launched early, the next
-# kernel's programs pack onto the multiprocessors left free and wait there. H100, oracle k = 5
-# verification steps at 8B scale (bench/step_profile.py): the GEMVs took 5.59 ms per step with
-# "early" against 5.45 without PDL. Overridable with SPECULANT_PDL_DOT.
-DOT_PDL = "late"
-
-
-def _reduce_early() -> bool:
-    """With ``DOT_PDL = "late"``: the split-K reduce that follows a few-row kernel (its six-odd
-    programs) still launches early, and waits on the multiprocessors left free. H100, oracle
-    k = 5 verification steps at 8B scale (bench/step_profile.py, two A/B pairs in one session):
-    the 64 ``_split_reduce_norm_kernel`` calls 212.1 / 212.3 -> 203.7 / 203.2 us effective per
-    step, the step's GPU time 5.942 / 5.937 -> 5.929 / 5.929 ms. ``SPECULANT_PDL_REDUCE_EARLY=0``
-    turns it off."""
-    return env_switch("SPECULANT_PDL_REDUCE_EARLY")
-
-
 PROLOGUES = ("none", "rmsnorm", "silu_mul")
 _PROLOGUE_ID = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -480,13 +459,8 @@ class GemvConfig:
 def _deep_prefetch_config(N: int, K: int, prologue: str) -> GemvConfig | None:
     """One row, K <= 2048 (a Llama-3.2-1B draft's qkv, o_proj, gate/up, token-map head) or a
     4096 x 4096 o_proj: each program's whole K range is one weight tile, loaded before the PDL
-    wait (``prefetch``), so the weight streams while the kernel before finishes. H100,
-    bench/bench_gemv.py (eleventh session, one row, us): qkv_1b 7.19 -> 6.62, o_proj_1b 5.02 ->
-    3.96, gate_up_1b 26.12 -> 24.95, o_proj 13.94 -> 13.10; no better for the 8B qkv, gate/up or
-    the 1B down (K = 8192). Without a prologue (the 32768-row token-map head) 2-row tiles:
-    45.28 -> 44.39. ``SPECULANT_GEMV_DEEP=0`` turns it off."""
-    if not env_switch("SPECULANT_GEMV_DEEP"):
-        return None
+    wait (``prefetch``), so the weight streams while the kernel before finishes (4-20% faster
+    on those shapes, none on the others: docs/kernels.md, design decisions)."""
     if K <= 2048:
         if N <= 2048:
             return GemvConfig(block_n=8, block_k=2048, num_warps=8, use_dot=False, prefetch=True)
@@ -750,15 +724,9 @@ def _gemv_triton(
     ro = res_out if residual is not None else dummy
     extra = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
     pdl = pdl_launch(dev)
-    late = False
-    if cfg.use_dot and pdl["GDC"]:  # few rows: see DOT_PDL
-        mode = os.environ.get("SPECULANT_PDL_DOT", DOT_PDL)
-        if mode == "off":
-            pdl = {"GDC": False}
-        else:
-            # a reduce kernel follows (split-K / the output epilogue): let it launch early; its
-            # few programs wait on the multiprocessors this kernel leaves free
-            late = mode == "late" and not (partial and _reduce_early())
+    # few rows (dots): the next kernel launches after this one's stores, unless it is the
+    # split-K reduce, whose few programs wait on the multiprocessors this kernel leaves free
+    late = bool(cfg.use_dot) and pdl["GDC"] and not partial
     grid = (cdiv(N, cfg.block_n), split)
     _gemv_kernel[grid](
         x,
@@ -801,8 +769,8 @@ def _gemv_triton(
     )
     # one row: the next kernel (a one-row GEMV that prefetches its weight before its wait) may
     # launch before this reduce waits; after a few-row dot GEMV it may not (an early-launched
-    # dot kernel waits on multiprocessors the running one needs: see DOT_PDL)
-    first = pdl_trigger_first() and not cfg.use_dot
+    # dot kernel waits on multiprocessors the running one needs)
+    first = not cfg.use_dot
     if partials_only:
         return out, None
     if epilogue:

@@ -39,7 +39,6 @@ from ._triton_utils import (
     next_pow2,
     num_sms,
     pdl_launch,
-    pdl_trigger_first,
     tl,
     use_triton,
 )
@@ -625,7 +624,7 @@ def _paged_attention_triton(
             SPLITS_P2=next_pow2(splits),
             num_warps=4 if head_dim * next_pow2(splits) >= 4096 else 2,
             **pdl,
-            TRIGGER_FIRST=pdl_trigger_first() and num_tokens == 1,  # o_proj: a one-row GEMV
+            TRIGGER_FIRST=num_tokens == 1,  # o_proj: a one-row GEMV
         )
     return out
 

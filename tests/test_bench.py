@@ -202,27 +202,6 @@ def test_bench_kernels_steady_sweep_smoke(tmp_path):
     assert all(r["ms_graphN"] > 0 and r["rel_diff_vs_first"] < 1e-2 for r in rows)
 
 
-def test_draft_graph_ab_variants_and_cpu_exit():
-    """bench/draft_graph_ab.py: variant parsing, its errors, and a clean exit without CUDA."""
-    bench = Path(__file__).resolve().parents[1] / "bench"
-    sys.path.insert(0, str(bench))
-    try:
-        import draft_graph_ab
-    finally:
-        sys.path.remove(str(bench))
-    assert draft_graph_ab.parse_variant("on:SPECULANT_QKV_ROPE=1,X= 2") == (
-        "on", {"SPECULANT_QKV_ROPE": "1", "X": "2"})
-    assert draft_graph_ab.parse_variant("base") == ("base", {})
-    with pytest.raises(SystemExit, match="NAME=VALUE"):
-        draft_graph_ab.parse_variant("on:SPECULANT_QKV_ROPE")
-    with pytest.raises(SystemExit, match="needs a name"):
-        draft_graph_ab.parse_variant(":A=1")
-    if not torch.cuda.is_available():
-        r = subprocess.run([sys.executable, str(bench / "draft_graph_ab.py"), "--variant", "a",
-                            "--variant", "b:A=1"], capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0 and "no CUDA device" in r.stdout
-
-
 @pytest.mark.slow  # a benchmark script's checks: three interpreters
 def test_run_variance_checks_gc_modes_and_exits_without_cuda(tmp_path):
     """bench/run_variance.py: a bad --gc-modes or --head-modes is refused before anything

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from speculant import LLM, SamplingParams
-from speculant.models import cpu_kernels
+from speculant.models import cpu_kernels, layers
 
 
 def _run(llm, prompt, n, mode):
@@ -43,10 +43,9 @@ def _run(llm, prompt, n, mode):
 def test_cpu_decode_paths_agree(tiny_llama, monkeypatch, kernels):
     """Both CPU product back-ends: our C kernels (default where built) and, as on a machine
     without them, numpy's / torch's BLAS with the numpy attention loop."""
-    monkeypatch.setenv("SPECULANT_CPU_GEMV", "numpy")  # the load-time timing may pick torch's
+    monkeypatch.setattr(layers, "choose_gemv", lambda linears: True)  # numpy's, not a timing
     if kernels == "off":
-        monkeypatch.setenv("SPECULANT_CPU_KERNELS", "0")
-        monkeypatch.setattr(cpu_kernels, "_ext", None)  # forget the cached load
+        monkeypatch.setattr(cpu_kernels, "_ext", False)  # as where the extension is not built
     elif not cpu_kernels.available():
         pytest.skip("CPU kernels not built")
     llm = LLM(model=str(tiny_llama), max_num_seqs=4)
@@ -72,10 +71,9 @@ def test_cpu_decode_paths_agree(tiny_llama, monkeypatch, kernels):
 def test_cpu_speculation_equals_plain_on_both_backends(tiny_llama, monkeypatch, kernels):
     """Verification passes (several rows of one sequence through cpu_forward._forward_seq) give
     the plain greedy tokens with and without the C kernels."""
-    monkeypatch.setenv("SPECULANT_CPU_GEMV", "numpy")  # off: the numpy loop, not the torch one
+    monkeypatch.setattr(layers, "choose_gemv", lambda linears: True)  # off: the numpy loop
     if kernels == "off":
-        monkeypatch.setenv("SPECULANT_CPU_KERNELS", "0")
-        monkeypatch.setattr(cpu_kernels, "_ext", None)
+        monkeypatch.setattr(cpu_kernels, "_ext", False)
     elif not cpu_kernels.available():
         pytest.skip("CPU kernels not built")
     prompt = [1] + list(range(100, 120)) * 3  # repeats: n-gram drafts get proposed

@@ -230,15 +230,10 @@ def test_prefill_staging_pads_a_flat_token_bucket(monkeypatch, seed, staging):
     assert r.dev64.shape[0] == 3 * N
 
 
-def test_prefill_graph_limit_from_argument_environment_or_default(monkeypatch):
-    monkeypatch.delenv("SPECULANT_PREFILL_GRAPH_TOKENS", raising=False)
+def test_prefill_graph_limit_from_argument_or_default():
     assert cuda_graph.max_prefill_tokens() == cuda_graph.MAX_PREFILL_TOKENS
-    monkeypatch.setenv("SPECULANT_PREFILL_GRAPH_TOKENS", "256")
-    assert cuda_graph.max_prefill_tokens() == 256
-    assert cuda_graph.max_prefill_tokens(0) == 0  # an explicit value wins
-    monkeypatch.setenv("SPECULANT_PREFILL_GRAPH_TOKENS", "lots")
-    with pytest.raises(ValueError, match="SPECULANT_PREFILL_GRAPH_TOKENS='lots'.*0 to run"):
-        cuda_graph.max_prefill_tokens()
+    assert cuda_graph.max_prefill_tokens(256) == 256
+    assert cuda_graph.max_prefill_tokens(0) == 0
     with pytest.raises(ValueError, match=">= 0 tokens"):
         cuda_graph.max_prefill_tokens(-1)
 
@@ -485,18 +480,11 @@ def test_scored_steps_replay_head_graphs_up_to_head_max_rows(monkeypatch):
     assert (kind, plan) == ("head", (2, 16, 8))
 
 
-def test_head_graph_rows_env_is_validated(monkeypatch):
-    """SPECULANT_HEAD_GRAPH_ROWS overrides HEAD_MAX_ROWS (0: no head graphs); a value that is not
-    a whole number >= 0 is refused by name when the runner is built, not at the first step."""
-    monkeypatch.delenv("SPECULANT_HEAD_GRAPH_ROWS", raising=False)
-    assert cuda_graph.head_max_rows() == cuda_graph.HEAD_MAX_ROWS
-    monkeypatch.setenv("SPECULANT_HEAD_GRAPH_ROWS", "16")
+def test_head_graph_rows_limit_the_startup_keys(monkeypatch):
+    """A runner's head graphs (``head_rows``, ``HEAD_MAX_ROWS``) are the verification buckets of at
+    most that many rows."""
     r = _runner(monkeypatch)
+    assert r.head_rows == cuda_graph.HEAD_MAX_ROWS
+    r.head_rows = 16
     assert r.head_fits(16) and not r.head_fits(24)
     assert {k[1] for k in r.startup_keys(8, 8, head=True) if k[4]} <= {2, 3, 4, 6, 8, 12, 16}
-    monkeypatch.setenv("SPECULANT_HEAD_GRAPH_ROWS", "0")
-    assert not any(k[4] for k in _runner(monkeypatch).startup_keys(8, 8, head=True))
-    for bad in ("lots", "-1", "1.5"):
-        monkeypatch.setenv("SPECULANT_HEAD_GRAPH_ROWS", bad)
-        with pytest.raises(ValueError, match=f"SPECULANT_HEAD_GRAPH_ROWS='{bad}'.*or 0 to run"):
-            _runner(monkeypatch)

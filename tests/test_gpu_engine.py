@@ -81,9 +81,7 @@ def draft(tiny_factory):
 def torch_path_greedy(target):
     mp = pytest.MonkeyPatch()
     mp.setenv("SPECULANT_DISABLE_TRITON", "1")
-    # the torch attention path cannot be captured in a CUDA graph: run it eagerly
-    mp.setenv("SPECULANT_ENFORCE_EAGER", "1")
-    try:
+    try:  # the torch attention path cannot be captured in a CUDA graph: run it eagerly
         return _generate(_llm(target, enforce_eager=True), GREEDY)
     finally:
         mp.undo()
@@ -250,7 +248,6 @@ def test_triton_greedy_equals_torch_path(
     """Triton kernels, eagerly and inside the engine's CUDA graphs (the draft loops of the draft
     model, EAGLE and the MLPSpeculator included), vs the eager torch path."""
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
-    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "1" if eager else "0")
     out = _generate(
         _llm(target, speculative_config=_spec(kind, heads), enforce_eager=eager), GREEDY
     )
@@ -266,7 +263,6 @@ def test_overlapped_steps_equal_torch_path(target, heads, torch_path_greedy, kin
     synchronous ones give the torch path's tokens; for a strategy, its plain steps (speculation
     disabled by batch size: 6 prompts) overlap, then it speculates alone on the last prompts."""
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
-    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
     spec = _spec(kind, heads)
     if spec is not None:
         spec["disable_by_batch_size"] = 3
@@ -287,8 +283,6 @@ def test_prefill_graphs_equal_torch_path(target, heads, torch_path_greedy, kind,
     and give the torch path's tokens; with ``max_prefill_graph_tokens=0`` no prefill graph is
     captured and the tokens are the same."""
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
-    monkeypatch.delenv("SPECULANT_PREFILL_GRAPH_TOKENS", raising=False)
-    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
     for limit in (None, 0):
         llm = _llm(target, speculative_config=_spec(kind, heads), max_prefill_graph_tokens=limit)
         out = _generate(llm, GREEDY)
@@ -314,7 +308,6 @@ def test_startup_capture_covers_every_step(tiny_factory, target, heads, torch_pa
     the first request: generating the six ragged prompts then captures no new target graph,
     and gives the tokens of a lazily capturing engine (and of the torch path)."""
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
-    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
     tgt = target
     if kind == "eagle3":  # three layers for its three residual streams
         tgt = tiny_factory("llama", seed=0, **{**GEOMETRY, "num_hidden_layers": 3})
@@ -351,7 +344,6 @@ def test_head_graphs_equal_the_eager_head(tiny_factory, target, heads, kind, mon
     from speculant.engine import cuda_graph
 
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
-    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
     tgt = target
     if kind == "eagle3":
         tgt = tiny_factory("llama", seed=0, **{**GEOMETRY, "num_hidden_layers": 3})
@@ -385,7 +377,6 @@ def test_strategy_startup_capture(tiny_factory, target, heads, kind, monkeypatch
     prompts (catch-ups of 5-16 tokens), writes the tokens of a lazily capturing engine, and a
     startup engine's draft cache held nothing before the first request."""
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
-    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
     tgt = target
     if kind == "eagle3":
         tgt = tiny_factory("llama", seed=0, **{**GEOMETRY, "num_hidden_layers": 3})
@@ -421,7 +412,6 @@ def test_one_row_gemv_path_equals_torch_path(target, heads, torch_path_greedy, k
     from speculant.models import llama
 
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
-    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
     calls = [0]
     real = llama.gemv
 
@@ -442,7 +432,6 @@ def test_eagle3_greedy_equals_plain(tiny_factory, heads, monkeypatch):
     """EAGLE-3 (fused features of 3 layers, 600-token draft vocabulary mapped by d2t) in CUDA
     graphs: the same greedy tokens as plain decoding of its 3-layer target."""
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
-    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
     target3 = tiny_factory("llama", seed=0, **{**GEOMETRY, "num_hidden_layers": 3})
     plain = _generate(_llm(target3), GREEDY)
     llm = _llm(target3, speculative_config=_spec("eagle3", heads))
@@ -468,7 +457,6 @@ def test_eagle_one_graph_propose_equals_eager(tiny_factory, target, heads, kind,
     """The whole greedy propose as one CUDA graph (plugins/eagle_graph.py: catch-up, gather,
     K draft steps) proposes exactly the drafts of the eager propose, step for step."""
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
-    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
     tgt = target
     if kind == "eagle3":
         tgt = tiny_factory("llama", seed=0, **{**GEOMETRY, "num_hidden_layers": 3})
@@ -504,7 +492,6 @@ def test_draft_model_one_graph_propose_equals_eager(target, draft, monkeypatch):
     graph per forward, LM head and argmax outside), step for step; the draft is the target too,
     so catch-ups of accepted drafts (query bucket 2) are exercised as well as bonus-only ones."""
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
-    monkeypatch.setenv("SPECULANT_ENFORCE_EAGER", "0")
     for d in (draft, target):
         runs = []
         for graphs in (False, True):

@@ -83,18 +83,18 @@ def test_draft_model_captures_its_keys_and_writes_nothing(target, monkeypatch):
     captured.clear()
     cache = strat.runner.kv_cache.clone()
     states = {i: (list(s.tokens), s.num_cached_tokens, list(s.block_table))
-              for i, s in strat.states.items()}
-    free = strat.block_manager.num_free_blocks
+              for i, s in strat.runner.states.items()}
+    free = strat.runner.block_manager.num_free_blocks
 
     n = strat.capture_graphs(max_num_seqs=4, progress=False)
-    keys = draft_graph.startup_keys(strat, 4)
+    keys = draft_graph.startup_keys(strat.runner, 4)
     assert n == len(keys) == len(captured) and set(captured) == set(keys)
     assert {b for b, _, _ in keys} == {1, 2, 4} and {q for _, q, _ in keys} == {1, 2, 3, 4}
     assert {k for _, _, k in keys} == {3}
     assert torch.equal(strat.runner.kv_cache, cache)  # padding rows: slot -1, no K/V written
     assert {i: (list(s.tokens), s.num_cached_tokens, list(s.block_table))
-            for i, s in strat.states.items()} == states
-    assert strat.block_manager.num_free_blocks == free
+            for i, s in strat.runner.states.items()} == states
+    assert strat.runner.block_manager.num_free_blocks == free
     assert strat.capture_graphs(max_num_seqs=4, progress=False) == 0  # all there already
     llm.engine.abort_request("kept")
     llm.engine.step()
@@ -199,7 +199,6 @@ def test_enforce_eager_reaches_the_strategies(target, monkeypatch):
     from speculant.drafting import GraphCache, graphs_wanted
     from speculant.engine import model_runner
 
-    monkeypatch.delenv("SPECULANT_ENFORCE_EAGER", raising=False)
     cuda = torch.device("cuda")
     assert not graphs_wanted(cuda, enforce_eager=True)  # decided before any CUDA call
     assert not GraphCache(cuda, "test", enforce_eager=True).enabled

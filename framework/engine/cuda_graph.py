@@ -35,8 +35,7 @@ for that time, so each forward is captured as several graphs cut at layer bounda
 while the GPU runs the one before. The segments share one memory pool and are always replayed
 in the order they were captured, which is what makes the pool sharing safe.
 
-Head graphs (``head=True``, verification steps of up to ``HEAD_MAX_ROWS`` rows, or
-``SPECULANT_HEAD_GRAPH_ROWS``: ``run_head``)
+Head graphs (``head=True``, verification steps of up to ``HEAD_MAX_ROWS`` rows: ``run_head``)
 end with the LM head and, for every row, the greedy choice and its log-probability
 (``speculant.engine.sampler.greedy_pack``), so that scoring a speculative step launches nothing
 from the host after the forward's segments: the greedy verifier reads ``[rows, 2]`` numbers back
@@ -54,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -94,15 +92,10 @@ def gc_paused() -> Iterator[None]:
 
 
 def max_prefill_tokens(value: int | None = None) -> int:
-    """The prefill graph limit: ``value`` when given, else ``SPECULANT_PREFILL_GRAPH_TOKENS``
-    when set, else ``MAX_PREFILL_TOKENS``; 0 turns prefill graphs off."""
+    """The prefill graph limit: ``value`` (``EngineConfig.max_prefill_graph_tokens``) when given,
+    else ``MAX_PREFILL_TOKENS``; 0 turns prefill graphs off."""
     if value is None:
-        env = os.environ.get("SPECULANT_PREFILL_GRAPH_TOKENS", "").strip()
-        try:
-            value = int(env) if env else MAX_PREFILL_TOKENS
-        except ValueError:
-            raise ValueError(f"SPECULANT_PREFILL_GRAPH_TOKENS={env!r} is not a whole number of "
-                             "tokens; set it to e.g. 1024, or 0 to run prefill eagerly") from None
+        value = MAX_PREFILL_TOKENS
     if value < 0:
         raise ValueError(f"the prefill graph limit must be >= 0 tokens, got {value}")
     return value
@@ -120,7 +113,7 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
 SMALL_STAGE_TOKENS = 64
 # graphs of up to this many rows (B * Q) read their inputs themselves from a pinned ring buffer
 # (kernels/stage_copy.py: no copy or event call between a step's read-back and the next launch);
-# larger ones are staged with one host-to-device copy. SPECULANT_ZERO_COPY_STAGING=0: never.
+# larger ones are staged with one host-to-device copy.
 ZERO_COPY_MAX_ROWS = 64
 STAGE_RING = 8  # slots of that ring: the host waits only when this many launches ahead
 # layers in the first captured segment and in each later one (see the module doc)
@@ -137,24 +130,7 @@ def segment_starts(num_layers: int) -> frozenset[int]:
 # choice of every row (``head=True``): a scored step then needs no launch from the host after its
 # forward's, and its logits buffer ([rows, vocab] fp32: 33 MB at 64 rows of a 128k vocabulary)
 # stays small; larger steps compute their logits eagerly after the replay.
-# SPECULANT_HEAD_GRAPH_ROWS overrides it (0: no head graphs, e.g. to save their memory).
 HEAD_MAX_ROWS = 64
-
-
-def head_max_rows() -> int:
-    """``HEAD_MAX_ROWS``, or ``SPECULANT_HEAD_GRAPH_ROWS`` when set."""
-    env = os.environ.get("SPECULANT_HEAD_GRAPH_ROWS", "").strip()
-    if not env:
-        return HEAD_MAX_ROWS
-    try:
-        value = int(env)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"SPECULANT_HEAD_GRAPH_ROWS={env!r} is not a whole number of rows >= 0; "
-                         "set it to e.g. 64, or 0 to run the LM head after the graph (no head "
-                         "graphs)")
-    return value
 
 
 @dataclass
@@ -216,8 +192,6 @@ class CudaGraphRunner:
         # that the first kernel of their graph copies from (kernels/stage_copy.py)
         pin = device.type == "cuda"
         R = STAGE_RING
-        off = os.environ.get("SPECULANT_ZERO_COPY_STAGING", "1") in ("0", "false", "off")
-        self.zero_copy_max_rows = 0 if off else ZERO_COPY_MAX_ROWS
         self.ring64 = torch.zeros(R, 3 * N + HEADER, dtype=torch.int64, pin_memory=pin)
         self.ring32 = torch.zeros(R, self.len32, dtype=torch.int32, pin_memory=pin)
         self.ack = torch.zeros(R, dtype=torch.int64, pin_memory=pin)  # [R] written by the GPU
@@ -229,9 +203,7 @@ class CudaGraphRunner:
         self._stage_warm = False
         self.graphs: dict[tuple[int, int, int, tuple[int, ...], bool], _Graph] = {}  # (B, M, Q, aux, head)
         self.pool = None
-        # verification graphs of up to this many rows are head graphs: read once, here (a bad
-        # SPECULANT_HEAD_GRAPH_ROWS fails now, not at the first step; no parse on the hot path)
-        self.head_rows = head_max_rows()
+        self.head_rows = HEAD_MAX_ROWS  # verification graphs of up to this many rows are head graphs
 
     # ----------------------------------------------------------------- static views
     def _views(self, B: int, M: int):
@@ -363,7 +335,7 @@ class CudaGraphRunner:
         T = sum(query_lens)
         B, M, Q = plan or self.plan(seqs, query_lens)
         key = (B, M, Q, tuple(aux_layers), head)
-        ring = M <= self.zero_copy_max_rows
+        ring = M <= ZERO_COPY_MAX_ROWS
         g = self.graphs.get(key)
         if ring:
             slot = self._stage_ring(seqs, new_tokens, query_lens, B, M,
@@ -392,8 +364,7 @@ class CudaGraphRunner:
         if self.err_np[0]:
             raise RuntimeError(
                 f"CUDA-graph input staging out of step: launch {int(self.err_np[0])} found a "
-                "stale ring slot (a bug: please report it with SPECULANT_ZERO_COPY_STAGING=0 as "
-                "the workaround)"
+                "stale ring slot (a bug: please report it)"
             )
         n = self.launches + 1
         R = self.ring64.shape[0]
@@ -520,7 +491,7 @@ class CudaGraphRunner:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         stage = None
-        if M <= self.zero_copy_max_rows:
+        if M <= ZERO_COPY_MAX_ROWS:
             self._warm_stage_kernel()
             layout = self._layout(B, M)
 
@@ -569,5 +540,5 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         if int(ack[0]) != 1 or int(err[0]) != 0:
             raise RuntimeError("the CUDA-graph staging kernel failed its warm-up copy (a bug: "
-                               "SPECULANT_ZERO_COPY_STAGING=0 avoids it)")
+                               "please report it)")
         self._stage_warm = True

@@ -3,13 +3,10 @@
 On CUDA, decode and verification steps (at most ``max_graph_query`` tokens per sequence, at most
 ``max_graph_batch`` sequences) and prefill steps of at most ``max_graph_prefill`` tokens replay
 CUDA graphs (:mod:`speculant.engine.cuda_graph`); larger prefills and everything on the CPU run
-eagerly. ``enforce_eager=True`` (or ``SPECULANT_ENFORCE_EAGER=1``)
-turns graphs off.
+eagerly. ``enforce_eager=True`` turns graphs off.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -36,8 +33,7 @@ class ModelRunner:
                                     dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model.num_layers)]
         self.graphs = None
-        eager = enforce_eager or os.environ.get("SPECULANT_ENFORCE_EAGER", "0") not in ("", "0")
-        if device.type == "cuda" and not eager:
+        if device.type == "cuda" and not enforce_eager:
             from speculant.engine.cuda_graph import CudaGraphRunner, max_prefill_tokens
 
             max_len = getattr(model, "max_positions", None) or 4096

@@ -11,7 +11,6 @@ GPU computes. On the CPU it is a plain tensor constructor.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -24,13 +23,13 @@ _ext = None
 def staging_ext():
     """The C staging of CUDA-graph int inputs (``speculant._staging``, framework/csrc/staging.c:
     the one-graph proposes' ``draft_ints`` and ``eagle_ints``, the engine forwards'
-    ``ring_ints``), or None: not built (it is an optional extension) or ``SPECULANT_C_STAGING=0``
-    (read once). Without it ``draft_graph`` and ``eagle_graph``'s ``fused_ints`` and
+    ``ring_ints``), or None where it was not built (it is an optional extension; read once).
+    Without it ``draft_graph`` and ``eagle_graph``'s ``fused_ints`` and
     ``CudaGraphRunner._fill_small`` build the same inputs in Python, which the tests compare with
     the C value for value."""
     global _ext
     if _ext is None:
-        _ext = import_extension("speculant._staging", "SPECULANT_C_STAGING") or False
+        _ext = import_extension("speculant._staging") or False
     return _ext or None
 
 
@@ -53,12 +52,10 @@ def to_device(
 
 def read_back(t: torch.Tensor) -> list:
     """``t.tolist()``, waiting for the GPU by polling an event from Python instead of blocking in
-    the driver's synchronous copy. On the H100 machine the host's bookkeeping right after a
-    blocking wait of a few milliseconds ran several times slower than the same code measured in
-    a loop (``bench/spec_timeline.py``: ~0.25 ms between the read-back and the next launch of a
-    verification step, ~0.05 ms of it in isolation); the poll keeps the core busy in the
-    interpreter while the GPU computes. ``SPECULANT_SPIN_READBACK=0``: the blocking read."""
-    if not t.is_cuda or os.environ.get("SPECULANT_SPIN_READBACK", "1") in ("0", "false", "off"):
+    the driver's synchronous copy: after a blocking wait the host's bookkeeping ran several times
+    slower than in a loop (a cold core; ``bench/spec_timeline.py``, docs/perf.md), and the poll
+    keeps the core busy while the GPU computes."""
+    if not t.is_cuda:
         return t.tolist()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)

@@ -16,8 +16,8 @@ the call (each GEMM output is one FMA chain over ``in``; each attention row runs
 causal prefix), which lets a verification pass reproduce the plain decode steps bit for bit
 (``cpu_forward._forward_seq``; tested).
 
-``available()`` is False without the built extension, on a CPU without AVX2/FMA, or with
-``SPECULANT_CPU_KERNELS=0``; callers then keep BLAS / torch.
+``available()`` is False without the built extension or on a CPU without AVX2/FMA; callers then
+keep BLAS / torch.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ _ext = None
 def _load():
     global _ext
     if _ext is None:
-        ext = import_extension("speculant._cpu_kernels", "SPECULANT_CPU_KERNELS")
+        ext = import_extension("speculant._cpu_kernels")
         _ext = ext if ext is not None and ext.supported() else False
     return _ext or None
 
@@ -49,7 +49,7 @@ def _require():
     if ext is None:
         raise RuntimeError(
             "speculant's CPU kernels are not available (the extension speculant._cpu_kernels was "
-            "not built, the CPU lacks AVX2/FMA, or SPECULANT_CPU_KERNELS=0); reinstall with a C "
+            "not built, or the CPU lacks AVX2/FMA); reinstall with a C "
             "compiler present (pip install -e .) or use the BLAS path"
         )
     return ext

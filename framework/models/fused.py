@@ -6,13 +6,10 @@ layers.py / llama.py stays the CPU path)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from speculant.kernels._triton_utils import (
-    env_switch,
     lazy_jit,
     next_pow2,
     pdl_launch,
@@ -26,68 +23,35 @@ def enabled(x: torch.Tensor) -> bool:
     return use_triton([x], False)
 
 
-def qkv_rope_enabled() -> bool:
-    """``forward_fused``'s fused QKV reduce + RoPE + K/V store (``reduce_rope_store_``; see
-    ``LlamaAttention.rope_fusable``), unless ``SPECULANT_QKV_ROPE=0``."""
-    return env_switch("SPECULANT_QKV_ROPE")
-
-
-# Rows up to which the layers run as GEMVs. Measured on an H100 (bench/bench_gemv.py, Llama-3-8B
-# shapes, bf16): at 1 row the kernel beats cuBLAS on every projection (qkv 1.15x, o_proj 1.16x,
-# gate/up 1.05x, down 1.07x, LM head 1.05x, before counting the norm / SiLU kernels it removes);
-# at 4-8 rows its best configurations fall to 0.4-0.7x on qkv, gate/up and the LM head.
+# Rows up to which the layers run as GEMVs (kernels/gemv.py) instead of cuBLAS; the figures
+# that set them (bench/bench_gemv.py, H100, Llama-3-8B shapes) are in docs/kernels.md.
+# One-row steps: all four projections, with their prologues (RMSNorm, SiLU * up) fused.
 GEMV_MAX_ROWS = 1
-
-
-# Rows up to which the multi-row CUDA layer path (``LlamaDecoderLayer.forward_fused``: verification
-# steps, small batches) runs o_proj and down_proj (SiLU * up fused) as few-row GEMVs, their
-# split-K reduce doing the residual add and the next RMSNorm. Same-process A/B on an H100
-# (Llama-3-8B scale, oracle k=5 verification steps of 6 rows): 6.908 -> 6.802 ms per step.
-# Tenth session, bench/bench_gemv.py on an H100 against cuBLAS: at 16 rows o_proj 14.24 against
-# 16.69 us and down 45.00 against 46.67; at 24 and 32 rows down loses (48.5-56.7 against 47.3-47.8).
+# The multi-row CUDA layer path (``LlamaDecoderLayer.forward_fused``: verification steps, small
+# batches): o_proj and down_proj (SiLU * up fused) as few-row GEMVs whose split-K reduce does the
+# residual add and the next RMSNorm (down loses to cuBLAS above 16 rows).
 GEMV_FEW_ROWS = 16
-# Rows up to which qkv and gate/up (whose input arrives normed: no prologue) and the LM head of
-# 3 or more rows are GEMVs. bench/bench_gemv.py on an H100, bf16, Llama-3-8B shapes, against
-# cuBLAS (us): qkv 19.9 / 19.7 / 19.8 / 20.3 / 20.5 against 21.1 / 21.1 / 21.4 / 21.7 / 21.8 at
-# 6 / 8 / 16 / 24 / 32 rows; gate/up 80.9 / 81.0 / 81.7 / 83.2 / 83.4 against 85.8 / 86.2 / 82.9 /
-# 86.9 / 87.5; LM head 343 / 345 / 350 / 353 / 355 against 373 / 374 / 376 / 377 / 379.
+# qkv and gate/up (whose input arrives normed: no prologue) and the LM head of 3 or more rows.
 GEMV_IN_ROWS = 32
 
 
-def _rows_limit(env: str, default: int) -> int:
-    """A row limit above, or its override from the environment (A/B runs)."""
-    v = os.environ.get(env)
-    return int(v) if v else default
-
-
-def gemv_switch() -> bool:
-    """The layers' GEMV paths at all (``gemv_enabled`` / ``gemv_few_enabled`` /
-    ``gemv_in_enabled``): off with ``SPECULANT_GEMV=0`` (or ``false`` / ``no`` / ``off``, any
-    case: the kernels' switch parser, ``_triton_utils.env_switch``)."""
-    return env_switch("SPECULANT_GEMV")
-
-
 def gemv_few_enabled(x: torch.Tensor) -> bool:
-    """``forward_fused``'s o_proj / down_proj as GEMVs (see ``GEMV_FEW_ROWS``;
-    ``SPECULANT_GEMV_FEW_ROWS`` overrides it), unless ``SPECULANT_GEMV=0``."""
-    return (x.shape[0] <= _rows_limit("SPECULANT_GEMV_FEW_ROWS", GEMV_FEW_ROWS) and enabled(x)
-            and gemv_switch())
+    """``forward_fused``'s o_proj / down_proj as GEMVs (see ``GEMV_FEW_ROWS``)."""
+    return x.shape[0] <= GEMV_FEW_ROWS and enabled(x)
 
 
 def gemv_in_enabled(x: torch.Tensor) -> bool:
     """``forward_fused``'s qkv and gate/up, and the LM head of 3 or more rows, as GEMVs (see
-    ``GEMV_IN_ROWS``; ``SPECULANT_GEMV_IN_ROWS`` overrides it), unless ``SPECULANT_GEMV=0``."""
-    return (x.shape[0] <= _rows_limit("SPECULANT_GEMV_IN_ROWS", GEMV_IN_ROWS) and enabled(x)
-            and gemv_switch())
+    ``GEMV_IN_ROWS``)."""
+    return x.shape[0] <= GEMV_IN_ROWS and enabled(x)
 
 
 def gemv_enabled(x: torch.Tensor) -> bool:
     """One-row steps on CUDA (batch-1 decode, a draft model's steps): the layers run as GEMVs with
     fused prologues (kernels/gemv.py: RMSNorm and the residual add inside the QKV and gate/up
-    products, SiLU * up inside the down product), unless ``SPECULANT_GEMV=0``. The row count is a
-    shape, so a CUDA graph takes one path."""
-    return (x.shape[0] <= GEMV_MAX_ROWS and enabled(x)
-            and gemv_switch())
+    products, SiLU * up inside the down product). The row count is a shape, so a CUDA graph
+    takes one path."""
+    return x.shape[0] <= GEMV_MAX_ROWS and enabled(x)
 
 
 def linear(
@@ -316,9 +280,8 @@ def reduce_rope_store_(partials: torch.Tensor, bias: torch.Tensor | None,
                                       slots, num_heads, num_kv_heads, dtype)
     y = torch.empty(T, N, dtype=dtype, device=partials.device)
     heads = num_heads + 2 * num_kv_heads
-    # 8 heads a program (T x 6 programs for Llama-3.2-1B / -3-8B heads): H100, the 1B draft's
-    # greedy propose graph at batch 4 / 8 / 16 (an A/B as bench/draft_graph_ab.py's, us): unfused
-    # 3258 / 3385 / 3541, 8 heads 3188 / 3310 / 3507, all heads in one program 3229 / 3333 / 3500
+    # 8 heads a program (T x 6 programs for Llama-3.2-1B / -3-8B heads): faster than all heads
+    # in one program at batch 4-8 of the 1B draft's propose graph (docs/kernels.md)
     block_h = min(next_pow2(heads), 8)
     if T:
         _reduce_rope_kernel[(T, -(-heads // block_h))](

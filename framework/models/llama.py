@@ -79,12 +79,10 @@ class LlamaAttention(nn.Module):
     def rope_fusable(self, x: torch.Tensor) -> bool:
         """Whether ``forward_fused`` runs qkv as ``gemv_partials`` + ``attend_partials``: on the
         Triton path, with full-width rotary, and where the GEMV splits K anyway (a reduce kernel
-        runs either way: RoPE and the K/V store join it, one launch less per layer). H100, a
-        Llama-3.2-1B draft's greedy propose graph (3 forwards of 4-16 rows; the separate RoPE
-        kernel, removed outright, was 3.0-3.5% of its GPU time): 1.0-2.4% less GPU time, the
-        same drafts (bit-identical arithmetic). The 8B target's qkv does not split at 2-32 rows:
-        unchanged. ``SPECULANT_QKV_ROPE=0`` turns it off."""
-        return (fused.qkv_rope_enabled() and self.rope.cos_cache.shape[-1] == self.head_dim
+        runs either way: RoPE and the K/V store join it, one launch less per layer; the same
+        arithmetic bit for bit, 1-2% less GPU time for a Llama-3.2-1B draft's propose graph:
+        docs/kernels.md). The 8B target's qkv does not split at 2-32 rows."""
+        return (self.rope.cos_cache.shape[-1] == self.head_dim
                 and gemv_split(x, self.qkv_proj.weight) > 1)
 
     def attend_partials(

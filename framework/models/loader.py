@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from speculant.envs import env_str
+
 logger = logging.getLogger("speculant")
 
 DEFAULT_MODEL_ALIASES = ("smollm2-135m-instruct", "smollm2", "default")
@@ -25,7 +27,7 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SPECULANT_CACHE") or os.path.join(
+    root = env_str("SPECULANT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "speculant"
     )
     return Path(root)
@@ -243,16 +245,12 @@ def load_model(folder: Path, config, dtype: torch.dtype, device: torch.device, m
 
 def _hugepage_arena(nbytes: int) -> torch.Tensor | None:
     """A uint8 CPU tensor [nbytes] in anonymous memory advised for transparent huge pages (2 MiB
-    aligned), or None where that is unavailable or ``SPECULANT_CPU_HUGEPAGES=0``. A decode step
+    aligned), or None where that is unavailable. A decode step
     streams every weight once; with 4 KiB pages that is a TLB miss (and a page walk through the
     caches) every 4 KiB, with huge pages one every 2 MiB."""
     import mmap
 
-    if (
-        nbytes < (64 << 20)
-        or not hasattr(mmap, "MADV_HUGEPAGE")
-        or os.environ.get("SPECULANT_CPU_HUGEPAGES", "1") in ("", "0")
-    ):
+    if nbytes < (64 << 20) or not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
     try:
         import numpy as np
@@ -270,19 +268,17 @@ def _hugepage_arena(nbytes: int) -> torch.Tensor | None:
 def prepare_cpu_linears(model: torch.nn.Module) -> None:
     """CPU weight layouts for fast matmuls (same values and shapes, see layers.CpuLinear):
 
-    * with our C kernel (``models/cpu_kernels.py``, the default where it is built and the CPU has
-      AVX2/FMA; ``SPECULANT_CPU_KERNELS=0`` turns it off): every fp32 Linear gets a blocked copy
-      of its weight that the kernel multiplies with any number of rows, reading it once per call;
+    * with our C kernel (``models/cpu_kernels.py``, where it is built and the CPU has AVX2/FMA):
+      every fp32 Linear gets a blocked copy of its weight that the kernel multiplies with any
+      number of rows, reading it once per call;
     * without it: every Linear weight [out, in] is stored column-major (its transpose
       contiguous), so F.linear / numpy's GEMV stream it for one query row (1.45x faster than the
       checkpoint layout on SmolLM2-135M fp32); fp32 Linears also get a oneDNN pre-packed copy used
-      for 2+ rows (``SPECULANT_CPU_PACKED=0`` skips it); one-row products go through numpy's
-      OpenBLAS GEMV if a load-time timing on these weights finds it faster than torch's
-      (``SPECULANT_CPU_GEMV=auto|numpy|torch``); ``SPECULANT_CPU_WEIGHT_LAYOUT=row`` keeps the
-      checkpoint layout.
+      for 2+ rows; one-row products go through numpy's OpenBLAS GEMV if a load-time timing on
+      these weights finds it faster than torch's (``layers.choose_gemv``).
 
     The blocked (kernel) or column-major (BLAS) copies live in one mapping advised for
-    transparent huge pages (``_hugepage_arena``; ``SPECULANT_CPU_HUGEPAGES=0`` opts out)."""
+    transparent huge pages (``_hugepage_arena``)."""
     from speculant.models import cpu_kernels
     from speculant.models.layers import CpuLinear, choose_gemv
 
@@ -309,11 +305,8 @@ def prepare_cpu_linears(model: torch.nn.Module) -> None:
             model._cpu_plan = None
         logger.info("CPU Linear: %d layers on the blocked C kernel", len(fp32))
         return
-    col = os.environ.get("SPECULANT_CPU_WEIGHT_LAYOUT", "col") == "col"
-    packed = os.environ.get("SPECULANT_CPU_PACKED", "1") not in ("", "0")
-    gemv = os.environ.get("SPECULANT_CPU_GEMV", "auto")  # auto | numpy | torch
     linears = []
-    moved = {id(m.weight) for m in todo if col and m.weight.is_contiguous()}
+    moved = {id(m.weight) for m in todo if m.weight.is_contiguous()}
     arena = _hugepage_arena(sum(m.weight.nbytes for m in todo if id(m.weight) in moved))
     offset = 0
     for mod in todo:
@@ -331,14 +324,13 @@ def prepare_cpu_linears(model: torch.nn.Module) -> None:
             mod.__class__ = CpuLinear  # in place: references to the module stay valid
         if isinstance(mod, CpuLinear):
             linears.append(mod)
-    use_numpy = gemv == "numpy" or (gemv == "auto" and col and choose_gemv(linears))
+    use_numpy = choose_gemv(linears)
     for mod in linears:
-        mod.pack(packed=packed, numpy_gemv=use_numpy)
+        mod.pack(packed=True, numpy_gemv=use_numpy)
     if hasattr(model, "_cpu_plan"):
         model._cpu_plan = None  # rebuilt from the prepared Linears at the next forward
     logger.info(
-        "CPU Linear: %d layers, packed oneDNN copy %s, one-row GEMV via %s",
+        "CPU Linear: %d layers, packed oneDNN copy on, one-row GEMV via %s",
         len(linears),
-        "on" if packed else "off",
         "numpy/OpenBLAS" if use_numpy else "torch",
     )

@@ -280,14 +280,13 @@ def test_choose_config_valid():
             assert cfg.split_k >= 1 and cfg.block_n >= 1
 
 
-def test_choose_config_deep_prefetch_switch(monkeypatch):
-    """One row, K <= 2048: the whole K range of a program is one prefetched tile, unless
-    SPECULANT_GEMV_DEEP=0 (the A/B switch) restores the 512-wide tiles."""
+def test_choose_config_deep_prefetch():
+    """One row, K <= 2048: the whole K range of a program is one prefetched tile; a longer K
+    (the 8B gate/up) keeps the 512-wide tiles."""
     dev = torch.device("cpu")
     cfg = choose_config(1, 3072, 2048, "rmsnorm", dev)
     assert cfg.prefetch and cfg.block_k == 2048 and cfg.split_k == 1
-    monkeypatch.setenv("SPECULANT_GEMV_DEEP", "0")
-    cfg = choose_config(1, 3072, 2048, "rmsnorm", dev)
+    cfg = choose_config(1, 28672, 4096, "rmsnorm", dev)
     assert not cfg.prefetch and cfg.block_k == 512
 
 

@@ -2,7 +2,7 @@
 
 A kernel launched with PDL may start before the kernel ahead of it has finished, so each one
 that takes part must wait (``gdc_wait``) before it reads anything written on the GPU. The CPU
-tests check the switch and, in the source of every kernel with a ``GDC`` constexpr, that the
+tests check when it is on and, in the source of every kernel with a ``GDC`` constexpr, that the
 wait comes before any load other than a weight prefetch; the CUDA test runs a decode-layer chain
 in a CUDA graph with PDL on and off and wants the same bits (Hopper or later)."""
 
@@ -47,44 +47,9 @@ def test_pdl_off_on_cpu_and_under_the_interpreter(monkeypatch):
     assert tu.pdl_launch(cpu) == {"GDC": False}  # never launch_pdl without the wait
     if HAS_CUDA:
         dev = torch.device("cuda")
-        monkeypatch.setenv("SPECULANT_PDL", "0")
-        assert tu.pdl_launch(dev) == {"GDC": False}
-        monkeypatch.setenv("SPECULANT_PDL", "1")
         assert tu.pdl_launch(dev) == ({"GDC": True, "launch_pdl": True} if SM90 else {"GDC": False})
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert not tu.pdl_enabled(dev)
-
-
-def test_pdl_trigger_first_switch(monkeypatch):
-    monkeypatch.delenv("SPECULANT_PDL_TRIGGER_FIRST", raising=False)
-    assert tu.pdl_trigger_first()  # default on
-    for off in ("0", "false", "off", "NO"):
-        monkeypatch.setenv("SPECULANT_PDL_TRIGGER_FIRST", off)
-        assert not tu.pdl_trigger_first()
-    monkeypatch.setenv("SPECULANT_PDL_TRIGGER_FIRST", "1")
-    assert tu.pdl_trigger_first()
-
-
-def test_env_switch_and_the_kernel_switches_that_use_it(monkeypatch):
-    """One parser for the kernels' on/off switches: unset -> the default, 0 / false / no / off
-    in any case (spaces trimmed) -> off, anything else -> on; the GEMV deep prefetch and the
-    early reduce launch read through it."""
-    from speculant.kernels.gemv import _deep_prefetch_config, _reduce_early
-
-    monkeypatch.delenv("SPECULANT_X_TEST", raising=False)
-    assert tu.env_switch("SPECULANT_X_TEST") and not tu.env_switch("SPECULANT_X_TEST", False)
-    for off in ("0", "false", "No", " OFF "):
-        monkeypatch.setenv("SPECULANT_X_TEST", off)
-        assert not tu.env_switch("SPECULANT_X_TEST")
-    for on in ("1", "yes", "true"):
-        monkeypatch.setenv("SPECULANT_X_TEST", on)
-        assert tu.env_switch("SPECULANT_X_TEST", False)
-    assert _deep_prefetch_config(2048, 2048, "none") is not None
-    monkeypatch.setenv("SPECULANT_GEMV_DEEP", "no")
-    assert _deep_prefetch_config(2048, 2048, "none") is None
-    assert _reduce_early()
-    monkeypatch.setenv("SPECULANT_PDL_REDUCE_EARLY", "OFF")
-    assert not _reduce_early()
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
@@ -96,7 +61,7 @@ def test_every_gdc_kernel_waits_before_reading_inputs(name):
     body = src.split("):\n", 1)[1]  # after the signature
     before, sep, _ = body.partition("tl.extra.cuda.gdc_wait()")
     assert sep, f"{name} never calls gdc_wait"
-    if "TRIGGER_FIRST: tl.constexpr" in src:  # pdl_trigger_first: the trigger alone may come
+    if "TRIGGER_FIRST: tl.constexpr" in src:  # a trigger-first reduce: the trigger alone may come
         # first, and only under the constexpr (nothing is read before the wait either way)
         trigger = re.compile(r"if TRIGGER_FIRST:\s*\n\s*tl\.extra\.cuda\.gdc_launch_dependents\(\)")
         assert trigger.search(before), name
@@ -167,11 +132,12 @@ def test_pdl_graph_matches_plain_launches(monkeypatch):
     )
     x = w(1, H, std=1)
     outs = {}
-    for label, flag, first in (("off", "0", "0"), ("on", "1", "0"), ("first", "1", "1")):
-        # "first": the split-K reduces and the attention merge trigger before they wait
-        monkeypatch.setenv("SPECULANT_PDL_TRIGGER_FIRST", first)
-        monkeypatch.setenv("SPECULANT_PDL", flag)
-        assert tu.pdl_enabled(torch.device(dev)) == (flag == "1")
+    pdl_enabled = tu.pdl_enabled
+    for label in ("off", "on"):
+        # "on" as the engine launches (the split-K reduces and the attention merge of the one-row
+        # steps trigger the next kernel before they wait); "off" as on a GPU without PDL
+        monkeypatch.setattr(tu, "pdl_enabled", pdl_enabled if label == "on" else lambda d: False)
+        assert tu.pdl_launch(torch.device(dev))["GDC"] == (label == "on")
         eager = _chain(x, layers, caches, meta, 1 / math.sqrt(32))
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -185,9 +151,8 @@ def test_pdl_graph_matches_plain_launches(monkeypatch):
             graph.replay()
         torch.cuda.synchronize()
         outs[label] = (eager, captured)
-    for other in ("on", "first"):
-        for a, b in zip(outs["off"][0] + outs["off"][1], outs[other][0] + outs[other][1]):
-            assert torch.equal(a, b)
+    for a, b in zip(outs["off"][0] + outs["off"][1], outs["on"][0] + outs["on"][1]):
+        assert torch.equal(a, b)
     assert torch.equal(outs["off"][0][0], outs["off"][1][0])
 
 
@@ -210,7 +175,6 @@ def test_trigger_first_only_before_one_row_gemvs(monkeypatch, device):
     merge of a single query token; never after a few-row (dot) GEMV or a multi-token merge."""
     from speculant.kernels.gemv import GemvConfig, gemv
 
-    monkeypatch.setenv("SPECULANT_PDL_TRIGGER_FIRST", "1")
     rec = _Recorder()
     monkeypatch.setattr(gemv_mod, "_split_reduce_kernel", rec)
     monkeypatch.setattr(gemv_mod, "_split_reduce_norm_kernel", rec)
@@ -223,11 +187,7 @@ def test_trigger_first_only_before_one_row_gemvs(monkeypatch, device):
     gemv(torch.randn(3, 64, device=device), w, force_triton=True, config=dot, out_norm_weight=nw,
          out_residual=torch.randn(3, 48, device=device))
     assert [c["TRIGGER_FIRST"] for c in rec.calls] == [True, False, False]
-    monkeypatch.setenv("SPECULANT_PDL_TRIGGER_FIRST", "0")
-    gemv(torch.randn(1, 64, device=device), w, force_triton=True, config=one)
-    assert rec.calls[-1]["TRIGGER_FIRST"] is False
 
-    monkeypatch.setenv("SPECULANT_PDL_TRIGGER_FIRST", "1")
     merge = _Recorder()
     monkeypatch.setattr(paged_attention, "_paged_attn_reduce_kernel", merge)
     kc = torch.randn(4, 16, 2, 32, device=device)
