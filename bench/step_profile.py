@@ -6,8 +6,7 @@ The same synthetic target as ``bench/gpu_8b.py``; ``kernel_profile`` from there 
 CUDA activity) for 16 plain steps and 40 oracle steps. Besides the profiler's own kernel times
 it reports each kernel's *effective* time (``effective_kernel_time``: what it adds to the GPU
 timeline), the figure that stays meaningful with programmatic dependent launch, where a kernel's
-own duration includes its wait for the one before. Run it twice (``SPECULANT_PDL=0`` and 1) for
-an A/B. Writes step_profile.json.
+own duration includes its wait for the one before. Writes step_profile.json.
 """
 
 from __future__ import annotations

@@ -460,7 +460,7 @@ def _deep_prefetch_config(N: int, K: int, prologue: str) -> GemvConfig | None:
     """One row, K <= 2048 (a Llama-3.2-1B draft's qkv, o_proj, gate/up, token-map head) or a
     4096 x 4096 o_proj: each program's whole K range is one weight tile, loaded before the PDL
     wait (``prefetch``), so the weight streams while the kernel before finishes (4-20% faster
-    on those shapes, none on the others: docs/kernels.md, design decisions)."""
+    on those shapes, none on the others: docs/kernels.md, "Deep prefetch")."""
     if K <= 2048:
         if N <= 2048:
             return GemvConfig(block_n=8, block_k=2048, num_warps=8, use_dot=False, prefetch=True)
