@@ -29,30 +29,26 @@ Greedy requests take the argmax of each stage; sampled requests draw from the st
 after the request's temperature / top-k / top-p / min-p and pass those probabilities as ``q`` to
 the rejection sampler, so the output distribution stays exactly the target's.
 
-With the option ``token_map`` (a file of hot token ids, plugins/token_map.py) every head keeps
-only the hot rows: greedy drafts are the argmax over the hot logits mapped through the hot ids,
-sampled drafts use full-vocabulary rows where the other tokens get logit -inf (q = 0 for them).
+With the option ``token_map`` (a file of hot token ids, ``speculant.drafting.load_token_map``)
+every head keeps only the hot rows: greedy drafts are the argmax over the hot logits mapped
+through the hot ids, sampled drafts use full-vocabulary rows where the other tokens get logit
+-inf (q = 0 for them).
 
 ``num_speculative_tokens`` defaults to ``n_predict``. Larger values must be multiples of
 ``n_predict``: with ``tie_weights`` the recurrence simply continues with the shared stage (the
 model is recurrent by construction, as in vLLM); without it stage ``j`` reuses head
 ``j % n_predict`` and feeds the last state back into ``proj.0`` (this needs ``inner_dim ==
 emb_dim``; those extra stages were never trained, so expect low acceptance for them).
-
-This module also holds the small helpers the EAGLE strategies share (checkpoint reading and draft
-sampling).
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 import re
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
@@ -60,18 +56,15 @@ from torch import nn
 
 from speculant import hookimpl
 from speculant.drafting import (
-    BUCKETS,
+    ChainGraphs,
     CheckpointConfig,
     DraftSampler,
-    GraphCache,
     StrategyError,
     ascending_ids,
-    bucket,
-    fused,
     hot_argmax,
+    linear,
     load_into,
     load_token_map,
-    pinned_copy,
     read_config_json,
     resolve_draft_folder,
     row_argmax,
@@ -82,7 +75,6 @@ from speculant.drafting import (
 )
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
 
-logger = logging.getLogger("speculant")
 MLP_ARCHITECTURES = ("MLPSpeculatorPreTrainedModel", "MLPSpeculator")
 
 
@@ -178,8 +170,8 @@ class MLPSpeculatorModel(nn.Module):
         logits fp32: [rows, vocab], or with a token map [rows, N] over the hot ids)."""
         emb, proj, ln, head = self.stage_modules(j)
         z = emb(tokens) * self.emb_scale
-        state = F.gelu(ln(fused.linear(state, proj.weight, proj.bias) * self.state_weight + z))
-        return state, fused.linear(state, head.weight, head.bias).float()  # [rows, vocab or N]
+        state = F.gelu(ln(linear(state, proj.weight, proj.bias) * self.state_weight + z))
+        return state, linear(state, head.weight, head.bias).float()  # [rows, vocab or N]
 
     def expand(self, logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab or N] -> [rows, vocab]
         """The head's logits as full-vocabulary rows (with a token map: -inf outside the hot
@@ -246,7 +238,7 @@ class MLPSpeculatorOptions(BaseModel):
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
     token_map: str | None = Field(
         None,
-        description="file of hot token ids (.pt, .json, .npy or .txt; plugins/token_map.py): "
+        description="file of hot token ids (.pt, .json, .npy or .txt; docs/drafting.md): "
         "every stage's head keeps only those rows (FR-Spec)",
     )
 
@@ -295,7 +287,10 @@ class MLPSpeculatorStrategy:
         if config.token_map:  # the heads' hot rows, once here (the full heads are freed)
             model.restrict_heads(load_token_map(config.token_map, ctx.vocab_size))
         self.generator = torch.Generator().manual_seed(ctx.seed + 104729)
-        self.graphs = GraphCache(ctx.device, f"mlp_speculator {folder}", ctx.enforce_eager)
+        self.graphs = ChainGraphs(  # all K greedy stages as one CUDA graph replay
+            ctx.device, f"mlp_speculator {folder}", ctx.enforce_eager, model.emb_dim, ctx.dtype,
+            lambda state, tokens, K: self._stages(state, tokens, K, None),
+        )
 
     @hookimpl
     @torch.inference_mode()
@@ -323,9 +318,8 @@ class MLPSpeculatorStrategy:
             state = hs[to_device_async(last, torch.long, dev)]  # [rows, emb_dim]
         tokens = [batch.seqs[i].token_ids[-1] for i in rows]
         sampler = DraftSampler([batch.seqs[i] for i in rows], want, self.generator, dev)
-        if sampler.all_greedy and self.graphs.enabled and len(rows) <= 256:
-            out = self._greedy_graph(state, tokens, K)  # [rows, K]
-        else:
+        out = self.graphs.run(state, tokens, K) if sampler.all_greedy else None  # [rows, K]
+        if out is None:
             tok_t = to_device_async(tokens, torch.long, dev)  # [rows]
             choose = None if sampler.all_greedy else sampler  # all greedy: no q to keep
             out = self._stages(state, tok_t, K, choose)  # [rows, K]
@@ -356,55 +350,12 @@ class MLPSpeculatorStrategy:
             out.append(tokens)
         return torch.stack(out, dim=1)  # [rows, K]
 
-    def _greedy_graph(self, state: torch.Tensor, tokens: list[int], K: int) -> torch.Tensor:
-        """All K greedy stages as one CUDA graph replay (batch padded to a bucket)."""
-        n = state.shape[0]
-        key, (st_buf, tok_buf, host), fn = self._entry(bucket(n), K)
-        st_buf[:n].copy_(state)
-        self.graphs.writable(host)[:n] = tokens  # the graph copies it
-        out = self.graphs.replay(key, fn)
-        if out is None:  # the capture failed: eagerly
-            out = fn(st_buf, tok_buf, host)
-        return out[:n]  # [rows, K]
-
-    def _entry(self, Bp: int, K: int):
-        """(key, its static inputs ([Bp, emb_dim] states, [Bp] tokens, [Bp] pinned host
-        tokens), the function the graph captures) of one (Bp, K) greedy stages graph."""
-        dev = self.ctx.device
-
-        def make():
-            return (
-                torch.zeros(Bp, self.model.emb_dim, dtype=self.ctx.dtype, device=dev),
-                torch.zeros(Bp, dtype=torch.long, device=dev),
-                self.graphs.host_vector(Bp),
-            )
-
-        key = (Bp, K)
-        bufs = self.graphs.buffers(key, make)  # [Bp, emb_dim], [Bp], [Bp]
-
-        def fn(st, tok, host):
-            pinned_copy(host, tok)  # [Bp] pinned -> device: the graph's first node
-            return self._stages(st, tok, K, None)  # greedy
-
-        return key, bufs, fn
-
     @hookimpl
     @torch.inference_mode()
     def capture_graphs(self, max_num_seqs: int, progress: bool) -> int:
         """The greedy stages graph of every batch bucket up to ``max_num_seqs`` sequences (at
         most 256), K = k, captured on zero states and tokens (it writes no cache)."""
-        K, top = self.num_speculative_tokens, bucket(min(max_num_seqs, BUCKETS[-1]))
-
-        def zeros(host: np.ndarray, Bp: int) -> None:
-            host[:] = 0
-
-        return self.graphs.capture_all(
-            [b for b in BUCKETS if b <= top],
-            lambda Bp: self._entry(Bp, K),
-            zeros,
-            "Capturing mlp_speculator propose graphs",
-            progress,
-        )
+        return self.graphs.capture(self.num_speculative_tokens, max_num_seqs, progress)
 
 
 @hookimpl

@@ -5,7 +5,6 @@ and :func:`to_device_async` (host values to the device without a synchronisation
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +12,7 @@ import numpy as np
 import torch
 
 from speculant.engine.cuda_graph import gc_paused
+from speculant.kernels.stage_copy import pinned_copy
 
 logger = logging.getLogger("speculant")
 
@@ -38,11 +38,10 @@ def to_device_async(
 
 
 def graphs_wanted(device: torch.device, enforce_eager: bool = False) -> bool:
-    """CUDA graphs for the proposers' draft loops: on CUDA with the Triton kernels (the torch
-    attention path builds host tensors per call and cannot be captured), unless the engine runs
-    eagerly (``enforce_eager``, the engine's setting) or ``SPECULANT_ENFORCE_EAGER`` is set."""
-    eager = enforce_eager or os.environ.get("SPECULANT_ENFORCE_EAGER", "0") not in ("", "0")
-    if device.type != "cuda" or eager:
+    """Whether a proposer's draft loop should run as CUDA graphs: on CUDA with the Triton
+    kernels (the torch attention path builds host tensors per call and cannot be captured),
+    unless the engine runs eagerly (``enforce_eager``: ``StrategyContext.enforce_eager``)."""
+    if device.type != "cuda" or enforce_eager:
         return False
     from speculant.kernels._triton_utils import triton_enabled
 
@@ -165,6 +164,81 @@ class GraphCache:
         return graph, out
 
 
+class ChainGraphs(GraphCache):
+    """CUDA graphs of a greedy draft chain conditioned, per sequence, on one state row and the
+    last token (MLPSpeculator, a Medusa or MTP head): ``chain(state, tokens, K)`` maps states
+    ``[rows, width]`` (in ``dtype``) and tokens ``[rows]`` int64 to K greedy drafts ``[rows, K]``
+    int64 with device-side work only (no host reads, shapes fixed by the inputs').
+
+    One graph per (padded batch :func:`bucket`, K): :meth:`run` copies the rows into that
+    graph's static inputs (the tokens through a pinned host vector that the graph's first node
+    reads, so staging costs no copy call) and replays it; :meth:`capture` makes them all at
+    start-up (the strategy's ``capture_graphs`` hook). Read each result back with
+    :func:`~speculant.drafting.split_drafts` (``graphs=`` this object) before the next run."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        what: str,
+        enforce_eager: bool,
+        width: int,
+        dtype: torch.dtype,
+        chain: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    ) -> None:
+        super().__init__(device, what, enforce_eager)
+        self.width = width
+        self.dtype = dtype
+        self.chain = chain
+
+    def run(self, state: torch.Tensor, tokens: list[int], K: int) -> torch.Tensor | None:
+        """state [rows, width], tokens: the last token of each row -> drafts [rows, K] int64
+        on the device, from the graph of (bucket(rows), K). None when graphs are off, rows >
+        256 or the capture failed: the caller then runs ``chain`` eagerly."""
+        n = state.shape[0]
+        if not self.enabled or n > BUCKETS[-1]:
+            return None
+        key, (st_buf, _tok_buf, host), fn = self._entry(bucket(n), K)
+        st_buf[:n].copy_(state)
+        self.writable(host)[:n] = tokens  # the graph copies it
+        out = self.replay(key, fn)
+        return None if out is None else out[:n]
+
+    def capture(self, K: int, max_num_seqs: int, progress: bool = True) -> int:
+        """Capture the graph of every bucket up to ``max_num_seqs`` rows (at most 256) for K
+        steps, on zero states and tokens. Returns how many were captured."""
+        top = bucket(min(max_num_seqs, BUCKETS[-1]))
+
+        def zeros(host: np.ndarray, Bp: int) -> None:
+            host[:] = 0
+
+        return self.capture_all(
+            [b for b in BUCKETS if b <= top],
+            lambda Bp: self._entry(Bp, K),
+            zeros,
+            f"Capturing {self.what} graphs",
+            progress,
+        )
+
+    def _entry(self, Bp: int, K: int):
+        """(key, its static inputs ([Bp, width] states, [Bp] tokens, [Bp] pinned host tokens),
+        the function the graph captures) of one (Bp, K) graph."""
+        def make() -> tuple[torch.Tensor, ...]:
+            return (
+                torch.zeros(Bp, self.width, dtype=self.dtype, device=self.device),
+                torch.zeros(Bp, dtype=torch.long, device=self.device),
+                self.host_vector(Bp),
+            )
+
+        key = (Bp, K)
+        bufs = self.buffers(key, make)  # [Bp, width], [Bp], [Bp]
+
+        def fn(st: torch.Tensor, tok: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+            pinned_copy(host, tok)  # [Bp] pinned -> device: the graph's first node
+            return self.chain(st, tok, K)  # [Bp, K]
+
+        return key, bufs, fn
+
+
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # padded batch sizes of graphs
 
 
@@ -178,6 +252,7 @@ def bucket(n: int) -> int:
 
 __all__ = [
     "BUCKETS",
+    "ChainGraphs",
     "GraphCache",
     "bucket",
     "graphs_wanted",

@@ -1,5 +1,8 @@
 """Draft sampling that keeps the draft distribution ``q`` the lossless verifier needs
-(:class:`DraftSampler`), and reading a call's drafts back to the host (:func:`split_drafts`)."""
+(:class:`DraftSampler`), reading a call's drafts back to the host (:func:`split_drafts`), and
+the two public kernel launchers a draft head's step runs: :func:`linear` (the head product, the
+one-row GEMV kernel on CUDA) and :func:`row_argmax` (the greedy token of each row). Both are
+capturable in a CUDA graph and fall back to torch on the CPU."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import torch.nn.functional as F
 from speculant.drafting.graphs import GraphCache, to_device_async
 from speculant.engine.staging import read_back
 from speculant.kernels.logprobs import row_argmax
+from speculant.models.fused import linear
 from speculant.spec_types import SpecSequence
 
 
@@ -107,5 +111,7 @@ def split_drafts(
 
 __all__ = [
     "DraftSampler",
+    "linear",
+    "row_argmax",
     "split_drafts",
 ]
