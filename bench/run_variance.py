@@ -191,7 +191,7 @@ def main() -> int:
     from speculant.bench import _decode_run, _set_strategy, random_prompts
     from speculant.engine import cuda_graph
 
-    head_rows = {"on": cuda_graph.head_max_rows(), "off": 0}
+    head_rows = {"on": cuda_graph.HEAD_MAX_ROWS, "off": 0}
 
     def head_mode(h: str) -> None:  # the target runner's head-graph row limit
         engine.runner.graphs.head_rows = head_rows[h]

@@ -472,44 +472,23 @@ def _deep_prefetch_config(N: int, K: int, prologue: str) -> GemvConfig | None:
 
 
 def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -> GemvConfig:
-    """Default launch parameters from the shapes only (CUDA-graph safe).
-
-    From two H100 sweeps of bench/bench_gemv.py (Llama-3-8B shapes, bf16, steady state in a
-    CUDA graph; ratios are the torch baseline's time over ours, the baseline being the model's
-    separate kernels: fused RMSNorm / SiLU*up then cuBLAS):
+    """Default launch parameters from the shapes only (CUDA-graph safe). Each regime takes the
+    fastest configuration of bench/bench_gemv.py's H100 sweeps (Llama-3-8B and Llama-3.2-1B
+    shapes, bf16); the figures are in docs/kernels.md ("GEMV") and bench/results/gemv_h100*.json.
 
     * one row: CUDA-core FMAs over 8 x 512 weight tiles (16 x 256 for a vocabulary-sized N), no
-      split: qkv 1.11x, o_proj 1.16x, gate_up 1.05x, down 1.06x, lm_head 1.09x (81-105% of
-      the copy bandwidth).
-    * one row, N <= 2048 (a Llama-3.2-1B draft's o_proj and down_proj): 4 x 512 tiles, and
-      split-K in two where K >= 4 N. Fourth sweep (2026-11-23, with PDL): o_proj 2048 x 2048
-      5.41 -> 5.02 us, down 2048 x 8192 17.05 -> 14.58 us (qkv 3072 x 2048 equal either way).
-    * 2-8 rows, no prologue or silu_mul: dots with the weight as first operand, 64 x 128 tiles,
-      split-K up to 4 until there are two programs per multiprocessor: o_proj 1.00-1.07x, down
-      1.01-1.07x.
-    * 2 rows, rmsnorm: the same with 8 warps: qkv 1.03x, gate_up 1.00x, lm_head 1.06x.
-    * 4-8 rows, rmsnorm: the prologue on interleaved rows measured 1.5-2x slower there (not
-      understood yet); 16-row masked x tiles, 64 x 256 (lm_head 64 x 128, 8 warps) measured
-      qkv 0.84x, gate_up 0.87x, lm_head 1.05x: for qkv / gate_up the separate kernels are faster.
-
-    * Sixth sweep (2026-11-24, PDL, 4 and 6 rows; ``bench/results/gemv_h100_verify_rows_2.json``):
-      down (silu_mul) at 5-8 rows on 16-row masked x tiles, 49.06 -> 45.56 us at 6 rows; o_proj
-      (N = 4096: 64 output blocks) with K in two, 14.86 -> 14.31 us at 6 rows.
-    * Tenth session (2026-11-24, 8-32 rows; the same configurations): o_proj 14.24 / 14.69 /
-      14.76 us at 16 / 24 / 32 rows (cuBLAS 16.69 / 14.53 / 14.79), qkv 19.81 / 20.33 / 20.48
-      (21.43 / 21.68 / 21.82), gate_up 81.74 / 83.22 / 83.43 (82.89 / 86.92 / 87.46), the LM head
-      349.9 / 352.6 / 355.2 (375.6 / 377.3 / 378.6). down at 24 / 32 rows loses to cuBLAS (best
-      48.5 / 49.2 against 47.3 / 47.8), so the layers keep cuBLAS for it there (fused.py).
-    * 3-8 rows, no prologue (verification steps: o_proj, and qkv / gate_up whose input arrives
-      normed), N >= 4096: dots with the weight first, 64 x 256 tiles, 16-row masked x tiles, 4
-      warps, no split (smaller N keep the split-K config below: 64 programs or fewer otherwise).
-      A third sweep (2026-11-23, this revision, 4 and 6 rows) against cuBLAS: qkv 1.06x,
-      gate_up 1.02-1.06x, o_proj 1.04-1.10x (and 1.04-1.10x over the split-K config before it).
-      The same for the LM head (128256 x 4096, input already normed) at 4 and 6 rows: 342-343
-      us against cuBLAS's 371-373 us (103% of the copy bandwidth; fourth sweep, with PDL).
-
-    The first two sweeps ran on earlier revisions of the kernel (the last one before the main loop's
-    offsets became 2D); rerun the bench to confirm.
+      split; N <= 2048 (a 1B draft's o_proj and down): 4 x 512 tiles, K split in two where
+      K >= 4 N; K <= 2048, or the 8B o_proj: one prefetched tile per program
+      (``_deep_prefetch_config``).
+    * 3+ rows, rmsnorm: dots on 16-row masked x tiles, 64 x 256 (64 x 128 with 8 warps for a
+      vocabulary-sized N). The prologue on interleaved rows was 1.5-2x slower there.
+    * 2-32 rows, no prologue, N >= 4096 (3+ rows) or a 1B shape (K <= 2048, N >= 2048): dots
+      with the weight first, 64-wide output tiles, K in two where the output blocks fill at most
+      half the multiprocessors (in four for the 1B shapes where they fill at most a quarter).
+    * otherwise (2 rows with rmsnorm, silu_mul, smaller shapes): dots with the weight first,
+      64 x 128 tiles, split-K up to 4 until there are two programs per multiprocessor, 8 warps
+      with rmsnorm; a 1B down_proj (N <= 2048, K >= 8192) on 256-wide K chunks; silu_mul above
+      4 rows on 16-row masked x tiles instead of 8 interleaved rows.
     """
     big_n = N >= 65536
     if M <= 1:
@@ -530,13 +509,11 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
     small = K <= 2048 and N >= 2048
     if prologue == "none" and 2 <= M <= 32 and ((4096 <= N and M >= 3) or small):
         # K in two where the output blocks alone fill at most half the multiprocessors (o_proj
-        # 4096 x 4096: 64 blocks; sixth sweep at 4 / 6 rows 14.89 / 14.86 -> 14.24 / 14.31 us)
+        # 4096 x 4096: 64 blocks)
         blocks = cdiv(N, 64)
         split = 2 if 2 * blocks <= num_sms(device) and K >= 2048 else 1
-        # 1B shapes (eleventh session, 2-16 rows, against the generic configuration below, us):
-        # o_proj 2048 x 2048 in four, 6.04 / 6.32 / 6.81 -> 5.46 / 5.55 / 5.70 at 2 / 4 / 8
-        # rows; qkv 3072 x 2048 in two, 7.21 / 7.66 / 8.63 -> 6.93 / 6.91 / 6.93; gate/up
-        # 16384 x 2048 on 128-wide K chunks, 25.86 / 24.81 / 24.95 -> 24.20 / 24.29 / 24.48
+        # 1B shapes: o_proj 2048 x 2048 in four (10-16% faster than the generic configuration
+        # below), qkv 3072 x 2048 in two, gate/up 16384 x 2048 on 128-wide K chunks
         if small and 4 * blocks <= num_sms(device):
             split = 4
         return GemvConfig(
@@ -555,9 +532,8 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
         split *= 2
     num_warps = 8 if prologue == "rmsnorm" else 4
     if prologue == "silu_mul" and N <= 2048 and K >= 8192:
-        # a 1B draft's down_proj 2048 x 8192 (eleventh session, us): 256-wide K chunks, 8 warps
-        # above 2 rows: 15.65 / 16.32 / 18.17 / 18.60 -> 14.63 / 15.73 / 16.58 / 16.53 at
-        # 2 / 4 / 8 / 16 rows
+        # a 1B draft's down_proj 2048 x 8192: 256-wide K chunks, 8 warps above 2 rows (4-11%
+        # faster at 2-16 rows)
         block_k, num_warps = 256, 8 if M > 2 else 4
     return GemvConfig(
         block_n=block_n,
@@ -567,8 +543,7 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
         use_dot=True,
         swap_ab=True,
         # 5-8 rows: SiLU * up on 16-row masked x tiles, not on 8 rows interleaved with zero rows
-        # (sixth sweep, down 4096 x 14336 at 6 rows: 49.06 -> 45.56 us; at 4 rows the
-        # interleaved 4 rows stay ahead, 44.24 against 44.93 us)
+        # (7% faster for the 8B down at 6 rows; at 4 rows the interleaved rows stay ahead)
         pad_rows=not (prologue == "silu_mul" and M > 4),
     )
 

@@ -13,23 +13,9 @@ the engine leaves it alone:
   default: pass ``cpu_threads`` for it).
 
 Why 1: a decode step of a small model is a chain of short products (our C kernels are
-single-threaded, ``models/cpu_kernels.py``) and of short torch ops. Extra OpenMP threads buy
-nothing there on a quiet machine and cost a lot as soon as another process uses a core: an
-OpenMP region waits for its slowest thread, which the OS has descheduled. Measured on the 2-core
-box of issue 32 (SmolLM2-135M fp32, tokens/s, plain decoding of the demo's prompts, in-process,
-interleaved):
-
-=====================  =========  =========
-                       1 thread   2 threads
-=====================  =========  =========
-quiet                  19.5       19.7
-busy (a `while True`)  19.1       15.8
-busy (test suites)     18.0-19.8  8.7-9.4
-=====================  =========  =========
-
-and with neighbours (other test suites) running: a batch of 8 sequences decoding 32 tokens took
-5.0 s at 1 thread and 143 s at 2; a 1200-token prefill 6.9 s and 10.6 s. N-gram speculation
-suffered most: 2 threads turned its 1.36x over plain decoding into 0.95-1.14x.
+single-threaded, ``models/cpu_kernels.py``) and of short torch ops; extra OpenMP threads buy
+nothing on a quiet machine and cost half the speed or more as soon as another process uses a
+core (docs/perf.md, "CPU", has the measurements).
 The GPU engine leaves the count alone (its host thread only launches work).
 """
 

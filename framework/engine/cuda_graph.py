@@ -26,9 +26,8 @@ paged-attention kernel picks its launch configuration from shapes only (never fr
 contents), which is what makes it capturable.
 
 Segments: the GPU starts on a graph only when the host's launch call returns, and that call's
-cost grows with the graph's kernel nodes (~450-600 for a 32-layer step). Measured on the H100
-machine at Llama-3-8B scale without a profiler: 40-70 us for the whole step (under
-torch.profiler / CUPTI 0.4-0.8 ms), 15-24 us for a one-layer segment. A step whose inputs depend
+cost grows with the graph's kernel nodes (~450-600 for a 32-layer step: 40-70 us on an H100 at
+Llama-3-8B scale, 15-24 us for a one-layer segment). A step whose inputs depend
 on the previous step's result (a verification step, any synchronous step) leaves the GPU idle
 for that time, so each forward is captured as several graphs cut at layer boundaries
 (``segment_starts``): the first is one layer long, and the host launches each next segment

@@ -2,14 +2,10 @@
 ``speculant._cpu_kernels``): a GEMM for few rows, one sequence's causal attention and RMSNorm.
 
 BLAS libraries pack the weight into panels on every call; with few rows that pass costs as much
-as the product, so on SmolLM2-135M one core's MKL / OpenBLAS / oneDNN took 1.6-2x the one-row
-time for 2 rows and 2.2-2.6x for 6 (a k+1 verification pass). ``gemm`` runs on a copy of the
-weight BLOCKED as ``[ceil(out / 16), in, 16]`` (``block_weight``): it streams each block once and
-multiplies it with up to 6 rows in registers, so 2 rows cost ~1.2x and 6 rows ~1.6x of one row
-on the same CPU (compute-bound from ~4 rows on this AVX2 core), and one row is ~10% faster than
-OpenBLAS's GEMV. Single-threaded: splitting the columns of 4+-row products over the second core
-of this machine made the products alone 15-35% faster but a whole verification forward no faster
-(measured, not kept).
+as the product (2.2-2.6x the one-row time for a 6-row verification pass on SmolLM2-135M).
+``gemm`` runs on a copy of the weight BLOCKED as ``[ceil(out / 16), in, 16]`` (``block_weight``):
+it streams each block once and multiplies it with up to 6 rows in registers (6 rows ~1.6x of one
+row). Single-threaded (docs/perf.md, "CPU").
 
 All three are batch-invariant: a row's result is the same arithmetic whatever the other rows of
 the call (each GEMM output is one FMA chain over ``in``; each attention row runs over its own
