@@ -14,18 +14,31 @@ implementations are called every speculative step::
 the lossless rejection sampler plugin, both ``trylast``) so a strategy usually implements only
 ``propose``.
 
+The class attributes the engine reads from a strategy class are declared once, by
+:class:`Strategy` at the end of this file; :func:`strategy_info` checks a class against it.
+
 Markers: ``from speculant import hookimpl``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from speculant.spec_types import Proposal, ScoreResult, SpecBatch, VerifyResult
+    from pydantic import BaseModel
+
+    from speculant.spec_types import (
+        Proposal,
+        ScoreResult,
+        SpecBatch,
+        StrategyContext,
+        VerifyResult,
+    )
 
 PROJECT_NAME = "speculant"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -172,4 +185,167 @@ HOOK_NAMES: tuple[str, ...] = (
     "capture_graphs",
 )
 
-__all__ = ["hookimpl", "hookspec", "HOOK_NAMES", "Any"]
+
+StrategyKind = Literal["proposer", "verifier", "modifier"]
+KINDS: tuple[str, ...] = ("proposer", "verifier", "modifier")
+
+
+class Strategy:
+    """The contract of a strategy class: the class attributes the engine reads, with their
+    defaults. Subclassing is optional (a registered class that does not subclass it is read
+    with the same defaults), but it documents the contract where the class is written.
+
+    The engine builds the chosen class as ``cls(config, ctx)`` and registers the instance with
+    its hook implementations (:func:`propose`, ...). ``num_speculative_tokens``,
+    ``needs_hidden_states`` and ``aux_hidden_layers`` may also be set on the instance in
+    ``__init__`` (they are read after it); the others are read from the class.
+    """
+
+    name: ClassVar[str] = ""
+    """Required, unique: the value users pass as ``method`` (``acceptance_method`` for a
+    verifier)."""
+
+    aliases: ClassVar[tuple[str, ...]] = ()
+    """Other names users may pass for it."""
+
+    kind: ClassVar[StrategyKind] = "proposer"
+    """``"proposer"`` (chosen by ``method``), ``"verifier"`` (chosen by ``acceptance_method``;
+    see :func:`verify`) or ``"modifier"`` (the engine's own ``batch_size_disable``)."""
+
+    Config: ClassVar[type[BaseModel] | None] = None
+    """A pydantic model (``extra="forbid"``) validating the strategy's options from
+    ``speculative_config``. ``None``: the only option accepted is ``num_speculative_tokens``."""
+
+    num_speculative_tokens: int | None = None
+    """The default k. The engine takes k from the instance's own value (set in ``__init__``, or
+    a property) if any, else from the user's ``num_speculative_tokens`` (through ``Config`` or
+    ``speculative_config``), else from this class attribute; with none of them it refuses the
+    configuration."""
+
+    needs_hidden_states: bool = False
+    """``True``: :func:`propose` gets the target's hidden states of the positions verified since
+    the previous call (``SpecBatch.hidden_states``, the LM head's input)."""
+
+    aux_hidden_layers: tuple[int, ...] = ()
+    """Target layers whose inputs (the residual stream before the layer's norm) come in
+    ``SpecBatch.aux_hidden_states``, concatenated in this order (EAGLE-3)."""
+
+    default_for_model: ClassVar[bool] = False
+    """``True``: the method of a ``speculative_config`` ``model`` that no strategy's
+    :meth:`matches_model` recognises (the draft model)."""
+
+    @classmethod
+    def matches_model(cls, path: Path, config: dict[str, Any]) -> bool:
+        """Whether the checkpoint folder ``path`` (with its parsed ``config.json``, ``{}`` when
+        absent) is this strategy's, to infer ``method`` from a ``model`` alone. Default: no."""
+        return False
+
+    def __init__(self, config: BaseModel | None, ctx: StrategyContext) -> None:
+        """``config``: the validated ``Config`` instance (``None`` without a ``Config``, and
+        always ``None`` for a verifier); ``ctx``: what the strategy knows of the target and the
+        engine (:class:`~speculant.spec_types.StrategyContext`)."""
+        self.config = config
+        self.ctx = ctx
+
+
+@dataclass(frozen=True)
+class StrategyInfo:
+    """A strategy class's attributes as the engine reads them, checked against
+    :class:`Strategy` and with its defaults filled in (:func:`strategy_info`)."""
+
+    cls: type
+    plugin: str  # the plugin (entry point) that registered it; "" when unknown
+    name: str
+    aliases: tuple[str, ...]
+    kind: StrategyKind
+    Config: type[BaseModel] | None
+    # read from a class: its default k; from an instance: the k it settled on itself (None when
+    # it left k to the user's value or the class default)
+    num_speculative_tokens: int | None
+    needs_hidden_states: bool
+    aux_hidden_layers: tuple[int, ...]
+    default_for_model: bool
+    matches_model: Callable[[Path, dict[str, Any]], bool]
+
+
+def strategy_info(strategy: type | object, plugin: str = "") -> StrategyInfo:
+    """Check a strategy class (or an instance of it) against the :class:`Strategy` contract and
+    return its attributes, the contract's defaults where it has none.
+
+    :param strategy: a registered class, or the instance the engine built from it (then
+        ``num_speculative_tokens``, ``needs_hidden_states`` and ``aux_hidden_layers`` are read
+        through the instance, so values set in ``__init__`` count).
+    :param plugin: the plugin that registered it, for error messages.
+    :return: a :class:`StrategyInfo`.
+    :raises StrategyError: an attribute has the wrong type; the message names the plugin, the
+        class and the attribute.
+    """
+    from speculant.spec_types import StrategyError
+
+    cls = strategy if isinstance(strategy, type) else type(strategy)
+    where = f"plugin {plugin!r}: strategy class {cls.__module__}.{cls.__qualname__}"
+
+    def fail(attr: str, want: str, value: Any) -> StrategyError:
+        return StrategyError(f"{where}: `{attr}` must be {want}, got {value!r} "
+                             f"({type(value).__name__}); see speculant.hookspecs.Strategy")
+
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise StrategyError(f"{where} has no `name` (a non-empty str: the `method` users pass)"
+                            if name in (None, "") else fail("name", "a non-empty str", name))
+    aliases = getattr(cls, "aliases", None) or ()
+    if (not isinstance(aliases, (tuple, list))
+            or not all(isinstance(a, str) and a for a in aliases)):
+        raise fail("aliases", "a tuple of non-empty str", aliases)
+    kind = getattr(cls, "kind", None) or "proposer"
+    if kind not in KINDS:
+        raise fail("kind", f"one of {', '.join(map(repr, KINDS))}", kind)
+    config_cls = getattr(cls, "Config", None)
+    if config_cls is not None:
+        from pydantic import BaseModel
+
+        if not (isinstance(config_cls, type) and issubclass(config_cls, BaseModel)):
+            raise fail("Config", "a pydantic BaseModel subclass or None", config_cls)
+    default_for_model = getattr(cls, "default_for_model", False)
+    if not isinstance(default_for_model, bool):
+        raise fail("default_for_model", "a bool", default_for_model)
+    matches = getattr(cls, "matches_model", None)
+    if matches is None:
+        matches = Strategy.matches_model
+    elif not callable(matches):
+        raise fail("matches_model", "a classmethod (path, config) -> bool", matches)
+
+    def per_instance(attr: str, default: Any) -> Any:
+        """``attr`` read through the instance; on a class, a property gives the default."""
+        value = getattr(strategy, attr, default)
+        return default if isinstance(value, property) else value
+
+    declared = getattr(cls, "num_speculative_tokens", None)
+    if isinstance(strategy, type):  # the default k
+        k = None if isinstance(declared, property) else declared
+    elif isinstance(declared, property):  # the instance's own k
+        k = strategy.num_speculative_tokens
+    else:  # an instance: only a value it set itself
+        k = getattr(strategy, "__dict__", {}).get("num_speculative_tokens")
+    if k is not None and not (is_int(k) and k >= 1):
+        raise fail("num_speculative_tokens", "an int >= 1 or None", k)
+    needs_hidden = per_instance("needs_hidden_states", False)
+    if not isinstance(needs_hidden, bool):
+        raise fail("needs_hidden_states", "a bool", needs_hidden)
+    aux = per_instance("aux_hidden_layers", None) or ()
+    if not isinstance(aux, (tuple, list)) or not all(is_int(i) and i >= 0 for i in aux):
+        raise fail("aux_hidden_layers", "a tuple of layer indices (int >= 0)", aux)
+    return StrategyInfo(
+        cls=cls, plugin=plugin, name=name, aliases=tuple(aliases), kind=kind, Config=config_cls,
+        num_speculative_tokens=k, needs_hidden_states=needs_hidden, aux_hidden_layers=tuple(aux),
+        default_for_model=default_for_model, matches_model=matches,
+    )
+
+
+__all__ = [
+    "hookimpl", "hookspec", "HOOK_NAMES", "Any", "Strategy", "StrategyInfo", "StrategyKind",
+    "strategy_info",
+]

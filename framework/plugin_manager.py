@@ -17,9 +17,9 @@ from typing import Any
 import pluggy
 
 from speculant import hookspecs
+from speculant.envs import env_list
 from speculant.hookspecs import StrategyInfo, strategy_info
 from speculant.spec_types import StrategyError
-from speculant.envs import env_list
 
 ENTRY_POINT_GROUP = "speculant.strategies"
 

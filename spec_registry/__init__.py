@@ -17,53 +17,48 @@ from pydantic import (
     model_validator,
 )
 
-from speculant.plugin_manager import get_plugin_manager
+from speculant.hookspecs import StrategyInfo, StrategyKind, strategy_info
+from speculant.plugin_manager import collect_strategies
 from speculant.spec_types import StrategyError
 
 
-def _collect() -> tuple[dict[str, type], dict[str, list[type]]]:
-    pm = get_plugin_manager()
-    by_name: dict[str, type] = {}
-    by_plugin: dict[str, list[type]] = {}
-    for impl in pm.hook.register_strategies.get_hookimpls():
-        found: list[type] = []
-        impl.function(register=found.append) if "register" in impl.argnames else None
-        for cls in found:
-            name = getattr(cls, "name", None)
-            if not isinstance(name, str) or not name:
-                raise StrategyError(f"plugin {impl.plugin_name!r} registered {cls!r} without a `name`")
-            for key in (name, *getattr(cls, "aliases", ())):
-                if key in by_name and by_name[key] is not cls:
-                    raise StrategyError(
-                        f"strategy name {key!r} is registered twice ({by_name[key].__module__} and "
-                        f"{cls.__module__}); block one with SPECULANT_DISABLE_PLUGINS"
-                    )
-                by_name[key] = cls
-            cls._plugin_name = impl.plugin_name
-            by_plugin.setdefault(impl.plugin_name, []).append(cls)
-    return by_name, by_plugin
+def _by_name(kind: StrategyKind | None = None) -> dict[str, StrategyInfo]:
+    """Every registered name and alias (of ``kind``, or of any kind) -> its strategy."""
+    return {key: info for info in collect_strategies() for key in (info.name, *info.aliases)
+            if kind is None or info.kind == kind}
 
 
-def available_strategies(kind: str | None = None) -> dict[str, type]:
-    by_name, _ = _collect()
-    return {n: c for n, c in by_name.items()
-            if kind is None or getattr(c, "kind", "proposer") == kind}
+def available_strategies(kind: StrategyKind | None = None) -> dict[str, type]:
+    """Every registered name and alias (of ``kind``, or of any kind) -> its strategy class."""
+    return {n: info.cls for n, info in _by_name(kind).items()}
 
 
 def strategies_by_plugin() -> dict[str, list[type]]:
-    return _collect()[1]
+    """Plugin name -> the strategy classes it registers."""
+    out: dict[str, list[type]] = {}
+    for info in collect_strategies():
+        out.setdefault(info.plugin, []).append(info.cls)
+    return out
 
 
-def get_strategy(name: str, kind: str = "proposer") -> type:
-    found = available_strategies(kind)
+def lookup(name: str, kind: StrategyKind = "proposer") -> StrategyInfo:
+    """The strategy of ``kind`` registered as ``name`` (or an alias), with its attributes
+    checked against :class:`speculant.hookspecs.Strategy`. Unknown: a StrategyError listing
+    the installed ones."""
+    found = _by_name(kind)
     if name not in found:
-        names = sorted({c.name for c in found.values()})
+        names = sorted({info.name for info in found.values()})
         raise StrategyError(
             f"unknown speculative method {name!r}; installed {kind} strategies: "
             f"{', '.join(names) or '(none)'}. Check the spelling, or install the plugin package "
             "that provides it (`speculant plugins` lists what is loaded)"
         )
     return found[name]
+
+
+def get_strategy(name: str, kind: StrategyKind = "proposer") -> type:
+    """The strategy class of ``kind`` registered as ``name`` (:func:`lookup`)."""
+    return lookup(name, kind).cls
 
 
 class SpeculativeConfig(BaseModel):
@@ -136,12 +131,11 @@ def infer_method(model: str) -> str:
         except json.JSONDecodeError as e:
             raise StrategyError(f"{cfg_file}: invalid JSON ({e})") from None
     fallback = None
-    for cls in dict.fromkeys(available_strategies("proposer").values()):
-        detect = getattr(cls, "matches_model", None)
-        if detect is not None and detect(path, config):
-            return cls.name
-        if getattr(cls, "default_for_model", False):
-            fallback = cls.name
+    for info in {info.cls: info for info in _by_name("proposer").values()}.values():
+        if info.matches_model(path, config):
+            return info.name
+        if info.default_for_model:
+            fallback = info.name
     if fallback is None:
         raise StrategyError(
             f"cannot infer the speculative method for model {model!r}; set `method` explicitly"
@@ -180,32 +174,35 @@ ENGINE_OPTIONS = ("method", "acceptance_method", "disable_by_batch_size", "draft
                   "auto_disable", "auto_disable_tolerance", "auto_disable_interval")
 
 
-def build_strategy_config(cls: type, spec: SpeculativeConfig) -> BaseModel | None:
-    """Validate the options meant for strategy ``cls`` with its own pydantic ``Config``."""
-    Config = getattr(cls, "Config", None)
+def build_strategy_config(strategy: type | StrategyInfo, spec: SpeculativeConfig) -> BaseModel | None:
+    """Validate the options meant for ``strategy`` (a class or its :class:`StrategyInfo`) with
+    its own pydantic ``Config``."""
+    info = strategy if isinstance(strategy, StrategyInfo) else strategy_info(strategy)
+    Config, name = info.Config, info.name
     data = {k: v for k, v in spec.model_dump(exclude_none=True).items()
             if k not in ENGINE_OPTIONS}
     data.update(spec.strategy_options)
     if Config is None:
         extra = sorted(set(data) - {"num_speculative_tokens"})
         if extra:
-            raise StrategyError(f"strategy {cls.name!r} takes no options, got {extra}")
+            raise StrategyError(f"strategy {name!r} takes no options, got {extra}")
         return None
     known = set(Config.model_fields)
     unknown = sorted(set(data) - known)
     if unknown:
         raise StrategyError(
-            f"speculative_config for method {cls.name!r}: unknown option(s) {unknown}; "
-            f"{cls.name!r} accepts {sorted(known)}, and every method "
+            f"speculative_config for method {name!r}: unknown option(s) {unknown}; "
+            f"{name!r} accepts {sorted(known)}, and every method "
             f"{sorted(set(ENGINE_OPTIONS) - {'method'})}"
         )
     try:
         return Config(**data)
     except ValidationError as e:
-        raise StrategyError(f"speculative_config for method {cls.name!r} is invalid:\n{e}") from None
+        raise StrategyError(f"speculative_config for method {name!r} is invalid:\n{e}") from None
 
 
 __all__ = [
     "SpeculativeConfig", "StrategyError", "available_strategies", "get_strategy",
     "infer_method", "pop_legacy_kwargs", "build_strategy_config", "strategies_by_plugin",
+    "lookup",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,9 +17,12 @@ from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
 from speculant.engine.sampler import Row, sample_with_logprobs, topn_dict
 from speculant.engine.scheduler import Scheduler
 from speculant.engine.sequence import Sequence
+from speculant.engine.spec_decode import SpecDecoder
+from speculant.engine.target import DecodeStep
 from speculant.models.loader import load_config, load_model, load_tokenizer, resolve_model
 from speculant.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecMetrics
 from speculant.sampling_params import SamplingParams
+from speculant.spec_types import StrategyContext
 
 logger = logging.getLogger("speculant")
 
@@ -69,8 +73,6 @@ class LLMEngine:
         self.finished_ids: list[int] = []  # sequences finished since the last step's release
         self.spec = None
         if config.speculative_config is not None:
-            from speculant.engine.spec_decode import SpecDecoder
-
             self.spec = SpecDecoder(self, config.speculative_config)
         self.async_decoder = AsyncDecoder(self) if self._async_scheduling() else None
         if config.cuda_graph_capture == "startup":
@@ -242,7 +244,7 @@ class LLMEngine:
         elif self.spec is not None:
             self.spec.step(seqs)
         elif seqs:
-            self._decode(seqs)
+            self.decode(seqs)
         released = self.scheduler.take_preempted() + self.finished_ids
         self.finished_ids = []
         if self.spec is not None and released:
@@ -260,26 +262,36 @@ class LLMEngine:
         last = hidden[ends.to(hidden.device)]
         logits = self.runner.logits(last)
         self._maybe_prompt_logprobs(seqs, new_tokens, hidden)
-        tokens = self._sample_and_append(seqs, logits)
+        self._sample_and_append(seqs, logits)
         if self.spec is not None:
-            counts = [len(t) for t in new_tokens]
-            self.spec.record_hidden(seqs, counts, hidden, aux_hidden, counts, [0] * len(seqs), reset=True)
-            for s in seqs:  # spec_token_acceptance_counts[0] counts the prefill (vLLM V0)
-                s.metrics.spec.num_prefill_steps += 1
-                s.metrics.spec.num_speculative_tokens = self.spec.k
-            self.spec.total.num_prefill_steps += len(seqs)
-        del tokens
+            self.spec.record_prefill(seqs, [len(t) for t in new_tokens], hidden, aux_hidden)
 
-    def _decode(self, seqs: list[Sequence]) -> None:
-        if self.async_decoder is not None:
-            if self.async_decoder.eligible(seqs):
-                self.async_decoder.step(seqs)
-                return
-            seqs = self.take_back(seqs)
-            if not seqs:
-                return
-        hidden, _ = self.runner.forward(seqs, [[s.last_token] for s in seqs])
-        self._sample_and_append(seqs, self.runner.logits(hidden))
+    # ----------------------------------------------------------------- the speculative decoder's
+    # calls (engine/target.py: TargetEngine)
+    def strategy_context(self) -> StrategyContext:
+        """The target and this engine's limits, as a strategy gets them (``cls(config, ctx)``)."""
+        cfg = self.config
+        return StrategyContext(
+            target_model=self.model, target_config=self.hf_config, vocab_size=self.vocab_size,
+            device=self.device, dtype=self.dtype, block_size=self.block_size,
+            max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
+            tokenizer=self.tokenizer, eos_token_id=self.eos_token_id, seed=cfg.seed,
+            max_prefill_graph_tokens=cfg.max_prefill_graph_tokens, enforce_eager=cfg.enforce_eager,
+        )
+
+    def decode(self, seqs: list[Sequence], aux_layers: tuple[int, ...] = (), overlap: bool = True,
+               on_append: Callable[[Sequence], None] | None = None) -> DecodeStep:
+        """One plain decode step, overlapped with the host work of the one before when
+        ``overlap`` and the batch allow it (see TargetEngine.decode)."""
+        if overlap and self.async_decoder is not None and self.async_decoder.eligible(seqs):
+            return DecodeStep(*self.async_decoder.step(seqs, aux_layers, on_append=on_append))
+        seqs = self.take_back(seqs)
+        if not seqs:
+            return DecodeStep([], None, None, [])
+        starts = [len(s) - 1 for s in seqs]
+        hidden, aux = self.runner.forward(seqs, [[s.last_token] for s in seqs], aux_layers)
+        self._sample_and_append(seqs, self.runner.logits(hidden), on_append)
+        return DecodeStep(seqs, hidden, aux, starts)
 
     def take_back(self, seqs: list[Sequence]) -> list[Sequence]:
         """Append the tokens of an overlapped step still in flight (if any); returns ``seqs``
@@ -289,13 +301,35 @@ class LLMEngine:
         self.async_decoder.drain()
         return [s for s in seqs if not s.is_finished]
 
-    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    def score(self, seqs: list[Sequence], new_tokens: list[list[int]],
+              aux_layers: tuple[int, ...] = (), greedy: bool = False, keep_hidden: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """The target over several new tokens per sequence, with every row's logits
+        (``ModelRunner.score``)."""
+        return self.runner.score(seqs, new_tokens, aux_layers, greedy=greedy,
+                                 keep_hidden=keep_hidden)
+
+    def reserve_slots(self, seq: Sequence, num_tokens: int) -> int:
+        """Cache slots for positions [0, num_tokens) of ``seq`` if blocks are free; returns how
+        many positions it has slots for."""
+        bm = self.block_manager
+        if bm.can_reserve(seq, num_tokens):
+            bm.reserve(seq, num_tokens)
+        return len(seq.block_table) * bm.block_size
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the cache of positions [0, num_tokens) of ``seq`` only."""
+        self.block_manager.rollback(seq, num_tokens)
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor,
+                           on_append: Callable[[Sequence], None] | None = None) -> None:
         rows = [Row(s, []) for s in seqs]
         tokens, lps, dicts = sample_with_logprobs(logits, rows, self.generator, self.eos_token_id,
                                                   self.tokenizer)
         for s, t, lp, d in zip(seqs, tokens, lps, dicts):
+            if on_append is not None:
+                on_append(s)
             self.append_token(s, t, lp, d)
-        return tokens
 
     def _maybe_prompt_logprobs(self, seqs, new_tokens, hidden) -> None:
         start = 0

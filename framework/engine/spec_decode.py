@@ -1,5 +1,6 @@
 """The speculative decode step: propose -> score -> verify -> append, through the hooks of a
-per-engine plugin manager holding the chosen strategy, the scorer and the verifier."""
+per-engine plugin manager holding the chosen strategy, the scorer and the verifier. The decoder
+uses its engine through :class:`~speculant.engine.target.TargetEngine` only."""
 
 from __future__ import annotations
 
@@ -15,16 +16,19 @@ from speculant.engine.sampler import topn_dict
 from speculant.engine.sequence import Sequence
 from speculant.engine.spec_control import SpecController
 from speculant.engine.staging import to_device
-from speculant.hookspecs import hookimpl
+from speculant.engine.target import TargetEngine
+from speculant.hookspecs import StrategyInfo, hookimpl, strategy_info
 from speculant.kernels.logprobs import token_logprobs
 from speculant.outputs import SpecMetrics
-from speculant.spec_registry import (
-    SpeculativeConfig,
-    StrategyError,
-    build_strategy_config,
-    get_strategy,
+from speculant.spec_registry import SpeculativeConfig, StrategyError, build_strategy_config, lookup
+from speculant.spec_types import (
+    Proposal,
+    ScoreResult,
+    SpecBatch,
+    SpecSequence,
+    StrategyContext,
+    VerifyResult,
 )
-from speculant.spec_types import Proposal, ScoreResult, SpecBatch, SpecSequence, StrategyContext
 
 logger = logging.getLogger("speculant")
 
@@ -41,78 +45,72 @@ class TargetScorer:
 
     @hookimpl(trylast=True)
     def score(self, batch: SpecBatch, proposal: Proposal) -> ScoreResult:
-        eng = self.d.engine
         seqs = [self.d.seq_by_id[s.seq_id] for s in batch.seqs]
         new_tokens = [[s.last_token, *drafts] for s, drafts in zip(seqs, proposal.token_ids)]
         # the greedy pack is free inside a head graph; eagerly, only for all-greedy batches
         greedy = all(s.params.is_greedy for s in seqs)
-        hidden, aux, logits, packed = eng.runner.score(seqs, new_tokens, self.d.aux_layers,
-                                                       greedy=greedy,
-                                                       keep_hidden=self.d.needs_hidden)
+        hidden, aux, logits, packed = self.d.engine.score(seqs, new_tokens, self.d.aux_layers,
+                                                          greedy=greedy,
+                                                          keep_hidden=self.d.needs_hidden)
         return ScoreResult(logits=logits, hidden_states=hidden, aux_hidden_states=aux,
                            greedy=packed)
 
 
+def _parse(speculative_config: dict) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig(**speculative_config)
+    except ValidationError as e:
+        raise StrategyError(f"invalid speculative_config: {explain(e, 'speculative_config')}") from None
+    except TypeError as e:
+        raise StrategyError(f"invalid speculative_config: {e}") from None
+
+
+def _build(info: StrategyInfo, config, ctx: StrategyContext):
+    """``info.cls(config, ctx)``, a bad checkpoint's error turned into a StrategyError."""
+    try:
+        return info.cls(config, ctx)
+    except StrategyError:
+        raise
+    except (ValueError, FileNotFoundError) as e:  # bad checkpoint, vocab mismatch, ...
+        raise StrategyError(f"speculative method {info.name!r}: {e}") from e
+
+
 class SpecDecoder:
-    def __init__(self, engine, speculative_config: dict) -> None:
+    def __init__(self, engine: TargetEngine, speculative_config: dict) -> None:
         self.engine = engine
-        try:
-            spec = SpeculativeConfig(**speculative_config)
-        except ValidationError as e:
-            raise StrategyError(f"invalid speculative_config: {explain(e, 'speculative_config')}") from None
-        except TypeError as e:
-            raise StrategyError(f"invalid speculative_config: {e}") from None
-        self.spec_config = spec
-        ctx = StrategyContext(
-            target_model=engine.model, target_config=engine.hf_config, vocab_size=engine.vocab_size,
-            device=engine.device, dtype=engine.dtype, block_size=engine.block_size,
-            max_model_len=engine.max_model_len, max_num_seqs=engine.config.max_num_seqs,
-            tokenizer=engine.tokenizer, eos_token_id=engine.eos_token_id, seed=engine.config.seed,
-            max_prefill_graph_tokens=engine.config.max_prefill_graph_tokens,
-            enforce_eager=engine.config.enforce_eager,
-        )
-        self.ctx = ctx
-        cls = get_strategy(spec.method, "proposer")
-        self.name = cls.name
-        self.strategy_config = build_strategy_config(cls, spec)
-        try:
-            self.strategy = cls(self.strategy_config, ctx)
-        except StrategyError:
-            raise
-        except (ValueError, FileNotFoundError) as e:  # bad checkpoint, vocab mismatch, ...
-            raise StrategyError(f"speculative method {cls.name!r}: {e}") from e
+        self.spec_config = spec = _parse(speculative_config)
+        self.ctx = ctx = engine.strategy_context()
+        info = lookup(spec.method, "proposer")
+        self.name = info.name
+        self.strategy_config = build_strategy_config(info, spec)
+        self.strategy = _build(info, self.strategy_config, ctx)
         # k: what the instance settled on (its __init__, or a property), else the user's value
-        # (through the strategy's Config or speculative_config), else a class attribute
-        # ``num_speculative_tokens = N``, which is the strategy's default
-        default = getattr(cls, "num_speculative_tokens", None)
-        if isinstance(default, property):
-            k, default = self.strategy.num_speculative_tokens, None
-        else:
-            k = getattr(self.strategy, "__dict__", {}).get("num_speculative_tokens")
-        k = (k or getattr(self.strategy_config, "num_speculative_tokens", None)
-             or spec.num_speculative_tokens or default)
+        # (through the strategy's Config or speculative_config), else the class's default
+        own = strategy_info(self.strategy, info.plugin)
+        k = (own.num_speculative_tokens or getattr(self.strategy_config, "num_speculative_tokens", None)
+             or spec.num_speculative_tokens or info.num_speculative_tokens)
         if not k:
             raise StrategyError(
-                f"speculative_config for {cls.name!r} needs num_speculative_tokens (or give the "
+                f"speculative_config for {info.name!r} needs num_speculative_tokens (or give the "
                 f"strategy class a default: num_speculative_tokens = N)")
         self.k = int(k)
-        self.needs_hidden = bool(getattr(self.strategy, "needs_hidden_states", False))
-        self.aux_layers = tuple(getattr(self.strategy, "aux_hidden_layers", ()) or ())
+        self.needs_hidden = own.needs_hidden_states
+        self.aux_layers = own.aux_hidden_layers
 
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
-        self.pm.register(self.strategy, name=f"strategy:{cls.name}")
+        self.pm.register(self.strategy, name=f"strategy:{info.name}")
         self.pm.register(TargetScorer(self), name="scorer:target")
-        verifier_cls = get_strategy(spec.acceptance_method, "verifier")
-        self.pm.register(verifier_cls(None, ctx), name=f"verifier:{verifier_cls.name}")
+        verifier = lookup(spec.acceptance_method, "verifier")
+        self.pm.register(verifier.cls(None, ctx), name=f"verifier:{verifier.name}")
         if spec.disable_by_batch_size is not None:
-            mod_cls = get_strategy("batch_size_disable", "modifier")
-            mod_cfg = mod_cls.Config(disable_by_batch_size=spec.disable_by_batch_size)
-            self.pm.register(mod_cls(mod_cfg, ctx), name="modifier:batch_size_disable")
+            modifier = lookup("batch_size_disable", "modifier")
+            mod_cfg = modifier.Config(disable_by_batch_size=spec.disable_by_batch_size)
+            self.pm.register(modifier.cls(mod_cfg, ctx), name="modifier:batch_size_disable")
         try:
             self.pm.check_pending()
         except pluggy.PluginValidationError as e:
-            raise StrategyError(f"strategy {cls.name!r} implements an unknown hook: {e}") from None
+            raise StrategyError(f"strategy {info.name!r} implements an unknown hook: {e}") from None
         self.seq_by_id: dict[int, Sequence] = {}
         # hidden states not yet handed to the proposer, per seq id: (start_pos, [tensors], [aux])
         self.pending: dict[int, tuple[int, list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -145,8 +143,7 @@ class SpecDecoder:
     def capture_graphs(self, progress: bool = True) -> int:
         """The plugins' ``capture_graphs`` hook (their own CUDA graphs, at start-up): how many
         they captured."""
-        done = self.pm.hook.capture_graphs(max_num_seqs=self.engine.config.max_num_seqs,
-                                           progress=progress)
+        done = self.pm.hook.capture_graphs(max_num_seqs=self.ctx.max_num_seqs, progress=progress)
         return sum(int(n or 0) for n in done)
 
     def release(self, seq_ids: list[int]) -> None:
@@ -154,6 +151,17 @@ class SpecDecoder:
             self.pending.pop(i, None)
             self.seq_by_id.pop(i, None)
         self.pm.hook.on_requests_finished(seq_ids=list(seq_ids))
+
+    def record_prefill(self, seqs: list[Sequence], counts: list[int], hidden: torch.Tensor,
+                       aux: torch.Tensor | None) -> None:
+        """A prefill step fed ``counts[i]`` tokens of ``seqs[i]`` (from position 0 on a
+        recompute) and appended each one's first token: keep the hidden states for the proposer
+        and count the step (``spec_token_acceptance_counts[0]`` counts prefills, as vLLM V0)."""
+        self.record_hidden(seqs, counts, hidden, aux, counts, [0] * len(seqs), reset=True)
+        for s in seqs:
+            s.metrics.spec.num_prefill_steps += 1
+            s.metrics.spec.num_speculative_tokens = self.k
+        self.total.num_prefill_steps += len(seqs)
 
     def record_hidden(self, seqs, counts, hidden, aux, keep, starts, reset: bool = False) -> None:
         """Remember target hidden states of newly verified positions for the proposer.
@@ -199,22 +207,18 @@ class SpecDecoder:
             self.total.num_times_enabled += 1
 
     def _step(self, seqs: list[Sequence], speculate: bool) -> None:
-        asy = self.engine.async_decoder
-        if not speculate and asy is not None and asy.eligible(seqs):
-            self._async_plain_step(seqs)
+        if not speculate:
+            # build no batch: it would hand the pending target hidden states to no proposer
+            # (and drop them); kept, they let the proposer catch up when speculation returns
+            self._plain_step(seqs, overlap=True)
             return
         seqs = self.engine.take_back(seqs)  # the proposer needs every token on the host
         if not seqs:
             return
-        if not speculate:
-            # build no batch: it would hand the pending target hidden states to no proposer
-            # (and drop them); kept, they let the proposer catch up when speculation returns
-            self._plain_step(seqs)
-            return
         batch = self._batch(seqs)
         proposal = self._propose(batch)
         if proposal is None or not any(proposal.token_ids):
-            self._plain_step(seqs)
+            self._plain_step(seqs, overlap=False)
             return
         scores = self.pm.hook.score(batch=batch, proposal=proposal)
         result = self.pm.hook.verify(batch=batch, proposal=proposal, scores=scores)
@@ -225,11 +229,10 @@ class SpecDecoder:
         len(s) - 1 + k, so it needs len(s) + k cache slots; the scheduler reserved k extra slots
         only if speculation was on at the previous step (``max_lookahead``). On the step that
         turns it back on, reserve them now if blocks are free, else draft fewer tokens."""
-        bm = self.engine.block_manager
-        want = min(self.k, self.engine.max_model_len - len(s) - 1)
-        if want > 0 and bm.can_reserve(s, len(s) + want):
-            bm.reserve(s, len(s) + want)
-        return max(0, min(want, len(s.block_table) * bm.block_size - len(s)))
+        want = min(self.k, self.ctx.max_model_len - len(s) - 1)
+        if want <= 0:
+            return 0
+        return max(0, min(want, self.engine.reserve_slots(s, len(s) + want) - len(s)))
 
     def _batch(self, seqs: list[Sequence]) -> SpecBatch:
         room = [self._room(s) for s in seqs]
@@ -240,8 +243,8 @@ class SpecDecoder:
             hs, aux, counts, starts = [], [], [], []
             for s in seqs:
                 pos0, h, a = self.pending.pop(s.seq_id, (len(s) - 1, [], []))
-                t = torch.cat(h) if h else torch.empty(0, self.engine.model.hidden_size,
-                                                       device=self.engine.device, dtype=self.engine.dtype)
+                t = torch.cat(h) if h else torch.empty(0, self.ctx.target_model.hidden_size,
+                                                       device=self.ctx.device, dtype=self.ctx.dtype)
                 hs.append(t)
                 if a:
                     aux.append(torch.cat(a))
@@ -263,7 +266,7 @@ class SpecDecoder:
         if len(proposal.token_ids) != len(batch.seqs):
             raise ProposalError(f"strategy {self.name!r} proposed for {len(proposal.token_ids)} "
                                 f"sequences but the batch has {len(batch.seqs)}")
-        V = self.engine.vocab_size
+        V = self.ctx.vocab_size
         for s, toks in zip(batch.seqs, proposal.token_ids):
             if len(toks) > s.max_draft:
                 raise ProposalError(f"strategy {self.name!r} proposed {len(toks)} tokens for sequence "
@@ -279,28 +282,15 @@ class SpecDecoder:
                                     f"expected [batch, >= max_len, vocab] = {need}")
         return proposal
 
-    def _plain_step(self, seqs: list[Sequence]) -> None:
-        eng = self.engine
-        hidden, aux = eng.runner.forward(seqs, [[s.last_token] for s in seqs], self.aux_layers)
-        for s in seqs:
-            s.metrics.spec.num_plain_steps += 1
-            s.metrics.spec.num_emitted_tokens += 1
-        self.total.num_plain_steps += len(seqs)
-        self.total.num_emitted_tokens += len(seqs)
-        ones = [1] * len(seqs)
-        self.record_hidden(seqs, ones, hidden, aux, ones, [len(s) - 1 for s in seqs])
-        eng._sample_and_append(seqs, eng.runner.logits(hidden))
-        self._rollback(seqs)
-
-    def _async_plain_step(self, seqs: list[Sequence]) -> None:
-        """A plain step overlapped with the host work of the one before (engine/async_decode.py);
-        its tokens are appended, and counted, at the next step."""
-        launched, hidden, aux, starts = self.engine.async_decoder.step(
-            seqs, self.aux_layers, on_append=self._count_plain)
-        ones = [1] * len(launched)
-        self.record_hidden(launched, ones, hidden, aux, ones, starts)
-        for s in launched:  # drop the draft slots; keep those of the tokens in the cache
-            self.engine.block_manager.rollback(s, s.num_cached_tokens)
+    def _plain_step(self, seqs: list[Sequence], overlap: bool) -> None:
+        """A plain decode step; with ``overlap`` it may run overlapped with the host work of the
+        one before (engine/async_decode.py), its tokens appended, and counted, at the next."""
+        step = self.engine.decode(seqs, self.aux_layers, overlap=overlap, on_append=self._count_plain)
+        ones = [1] * len(step.seqs)
+        self.record_hidden(step.seqs, ones, step.hidden, step.aux, ones, step.starts)
+        for s in step.seqs:  # drop the draft slots; keep those of the tokens in the cache
+            if not s.is_finished:
+                self.engine.rollback(s, s.num_cached_tokens)
 
     def _count_plain(self, s: Sequence) -> None:
         s.metrics.spec.num_plain_steps += 1
@@ -308,7 +298,8 @@ class SpecDecoder:
         self.total.num_plain_steps += 1
         self.total.num_emitted_tokens += 1
 
-    def _apply(self, seqs, proposal: Proposal, scores: ScoreResult, result) -> None:
+    def _apply(self, seqs: list[Sequence], proposal: Proposal, scores: ScoreResult,
+               result: VerifyResult) -> None:
         eng = self.engine
         counts = [n + 1 for n in proposal.lengths]
         starts = [0]
@@ -340,19 +331,14 @@ class SpecDecoder:
             if s.params.logprobs is not None:  # top-N dicts: this sequence's rows only
                 full = torch.log_softmax(scores.logits[r0 : r0 + len(toks)].float(), dim=-1)
             for j, (t, lp) in enumerate(zip(toks, lps)):
-                top = topn_dict(full[j], t, s.params.logprobs, eng.tokenizer) if full is not None else None
+                top = topn_dict(full[j], t, s.params.logprobs, self.ctx.tokenizer) if full is not None else None
                 m.num_emitted_tokens += 1
                 total.num_emitted_tokens += 1
                 if eng.append_token(s, t, lp, top):
                     break
             # the cache is valid for the last token and the accepted drafts only
             if not s.is_finished:
-                eng.block_manager.rollback(s, base + acc)
+                eng.rollback(s, base + acc)
         total.num_spec_steps += len(seqs)
         self.record_hidden(seqs, counts, scores.hidden_states, scores.aux_hidden_states, keep,
                            hidden_starts)
-
-    def _rollback(self, seqs) -> None:
-        for s in seqs:
-            if not s.is_finished:
-                self.engine.block_manager.rollback(s, len(s) - 1)
