@@ -409,7 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-k", type=int, default=5,
                    help="num_speculative_tokens: tokens proposed per step (default: 5)")
     d.add_argument("--methods", default="ngram",
-                   help="comma-separated speculation methods to compare with plain decoding "
+                   help="comma-separated speculation methods to compare with plain decoding, "
+                   "each NAME or NAME=CHECKPOINT for a method that loads one (eagle=PATH, "
+                   "medusa=PATH, ...; medusa alone: untrained heads built for the model) "
                    "(default: ngram; `speculant plugins` lists them)")
     d.set_defaults(func=cmd_demo)
 

@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 CODE = '''def moving_average(values, window):
     result = []
@@ -114,6 +117,45 @@ def _time_round(configs: list, prompts: list[str], which: list[int], params, rnd
             timings[c].outputs[i] = out
 
 
+def untrained_medusa_head(folder: Path, hidden: int, vocab: int, heads: int, seed: int = 0) -> Path:
+    """Random-weight Medusa-1 heads in FasterDecoding's layout (config.json +
+    medusa_lm_head.safetensors, float16), shaped for a target of this hidden size and vocabulary:
+    what the demo runs ``medusa`` with when no trained head is given. Untrained: they exercise the
+    strategy at the target's real size, and their drafts are almost never accepted."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(heads):
+        tensors[f"{i}.0.linear.weight"] = (torch.randn(hidden, hidden, generator=g) * 0.02).half()
+        tensors[f"{i}.0.linear.bias"] = torch.zeros(hidden, dtype=torch.float16)
+        tensors[f"{i}.1.weight"] = (torch.randn(vocab, hidden, generator=g) / hidden**0.5).half()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"medusa_num_heads": heads,
+                                                    "medusa_num_layers": 1}))
+    save_file(tensors, str(folder / "medusa_lm_head.safetensors"))
+    return folder
+
+
+def _method_config(method: str, k: int, base, scratch: Path) -> tuple[str, dict]:
+    """(label, speculative_config) of one ``--methods`` entry, ``name`` or ``name=CHECKPOINT``.
+    ``medusa`` without a checkpoint runs untrained heads built here for the target (label
+    ``medusa*``)."""
+    name, _, checkpoint = method.partition("=")
+    config = {"method": name, "num_speculative_tokens": k}
+    if checkpoint:
+        return name, {**config, "model": checkpoint}
+    if name == "medusa":
+        from speculant.spec_registry import get_strategy
+
+        get_strategy(name)  # not installed: say so before writing the heads
+        head = untrained_medusa_head(scratch / "medusa", base.engine.hf_config.hidden_size,
+                                     base.engine.vocab_size, k)
+        return "medusa*", {**config, "model": str(head)}
+    return name, config
+
+
 def run_demo(model: str | None = None, max_tokens: int = 128, k: int = 5,
              methods: list[str] | None = None, repeats: int = 3, retime: int = 3) -> int:
     from speculant import LLM, SamplingParams
@@ -129,9 +171,15 @@ def run_demo(model: str | None = None, max_tokens: int = 128, k: int = 5,
     print(f"speculant demo: {len(prompts)} prompts, greedy, max_tokens={max_tokens}, one at a time "
           f"({where}); each prompt {repeats}x per configuration, interleaved, fastest run kept")
     configs = [base]
-    for method in methods:
-        configs.append(LLM(model=model, speculative_config={"method": method,
-                                                            "num_speculative_tokens": k}))
+    with tempfile.TemporaryDirectory(prefix="speculant-demo-") as scratch:
+        labeled = [_method_config(m, k, base, Path(scratch)) for m in methods]
+        for _, spec in labeled:
+            configs.append(LLM(model=model, speculative_config=spec))
+    methods = [label for label, _ in labeled]
+    if "medusa*" in methods:
+        print("medusa*: untrained Medusa heads, random weights built for this model (no trained "
+              "head given; --methods medusa=PATH runs one): their drafts are almost never "
+              "accepted")
     warm = SamplingParams(temperature=0.0, max_tokens=8)
     for llm in configs:
         _run(llm, prompts[0], warm)

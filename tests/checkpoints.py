@@ -345,3 +345,59 @@ def make_mlp(path: Path, emb_dim: int = H, vocab: int = BIG_V, n_predict: int = 
     cfg = mlp_config(emb_dim, vocab, n_predict, inner_dim, tie, scale_input)
     return write_mlp(path, random_mlp_tensors(emb_dim, vocab, n_predict, inner_dim, tie, seed), cfg,
                      prefix, fmt)
+
+
+# --------------------------------------------------------------------------------------------
+# Medusa-1 heads (FasterDecoding's medusa_lm_head file, or vLLM's converted layout)
+# --------------------------------------------------------------------------------------------
+
+def medusa_tensors(hidden: int, vocab: int, heads: int, layers: int, seed: int = 0,
+                   std: float = 0.05, out: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Random heads in FasterDecoding's keys (the heads' ModuleList state dict):
+    ``{i}.{j}.linear.weight`` [hidden, hidden], ``{i}.{j}.linear.bias`` [hidden] for block j <
+    layers, ``{i}.{layers}.weight`` [vocab, hidden]. ``out`` [heads, vocab, hidden]: the output
+    layers to use instead of random ones (the blocks are then zero: each head is out[i] @ h)."""
+    g = torch.Generator().manual_seed(seed)
+    t: dict[str, torch.Tensor] = {}
+    for i in range(heads):
+        for j in range(layers):
+            scale = 0.0 if out is not None else std
+            t[f"{i}.{j}.linear.weight"] = torch.randn(hidden, hidden, generator=g) * scale
+            t[f"{i}.{j}.linear.bias"] = torch.randn(hidden, generator=g) * scale
+        t[f"{i}.{layers}.weight"] = (
+            out[i].clone() if out is not None
+            else torch.randn(vocab, hidden, generator=g) / math.sqrt(hidden))
+    return t
+
+
+def make_medusa(path: Path, hidden: int = H, vocab: int = BIG_V, heads: int = 3, layers: int = 1,
+                layout: str = "faster", fmt: str = "safetensors", seed: int = 0,
+                dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> Path:
+    """A Medusa-1 head folder (``medusa_tensors``). ``layout="faster"``: FasterDecoding's
+    config.json (``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``) and
+    ``medusa_lm_head.safetensors`` (``fmt="pt"``: ``medusa_lm_head.pt``, a torch.save'd state
+    dict); ``layout="vllm"``: vLLM's converted config.json (``model_type: medusa``, ``num_heads``,
+    ``num_hidden_layers``, ``hidden_size``, ``vocab_size``, ``medusa_fc_bias``) and
+    ``model.safetensors`` (``fmt="bin"``: ``pytorch_model.bin``) with ``blocks.{i}.layers.{j}``
+    and ``lm_heads.{i}`` keys."""
+    t = {k: v.to(dtype) for k, v in medusa_tensors(hidden, vocab, heads, layers, seed, out=out).items()}
+    path.mkdir(parents=True, exist_ok=True)
+    if layout == "faster":
+        cfg = {"medusa_num_heads": heads, "medusa_num_layers": layers,
+               "base_model_name_or_path": "tiny-random-llama"}
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+        if fmt == "pt":
+            torch.save(t, path / "medusa_lm_head.pt")
+        else:
+            from safetensors.torch import save_file
+
+            save_file(t, str(path / "medusa_lm_head.safetensors"))
+        return path
+    renamed = {}
+    for k, v in t.items():
+        i, j, *rest = k.split(".")  # {i}.{j}.linear.{weight,bias} or {i}.{layers}.weight
+        renamed[f"blocks.{i}.layers.{j}.{rest[-1]}" if len(rest) == 2 else f"lm_heads.{i}.weight"] = v
+    cfg = {"architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": heads,
+           "num_hidden_layers": layers, "hidden_size": hidden, "vocab_size": vocab,
+           "medusa_fc_bias": True, "truncated_vocab_size": vocab}
+    return write_checkpoint(path, cfg, renamed, fmt)

