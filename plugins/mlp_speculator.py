@@ -62,6 +62,7 @@ from speculant.drafting import (
     StrategyError,
     ascending_ids,
     hot_argmax,
+    keep_rows,
     linear,
     load_into,
     load_token_map,
@@ -138,13 +139,10 @@ class MLPSpeculatorModel(nn.Module):
         """Keep only the rows ``ids`` [N] (a token map; sorted here if not) of every stage's
         head, as contiguous copies [N, inner] that replace the full heads (which are freed);
         ``stage_head`` then gives the N hot logits, ``greedy`` maps their argmax through the hot
-        ids and ``expand`` (``stage``) scatters them into full-vocabulary rows of -inf."""
+        ids and ``expand`` scatters them into full-vocabulary rows of -inf."""
         self.hot_ids = ascending_ids(ids, self.head[0].weight.device)  # [N]
-        with torch.no_grad():
-            for head in self.head:
-                w = head.weight.detach().index_select(0, self.hot_ids).contiguous()  # [N, inner]
-                head.weight = nn.Parameter(w, requires_grad=False)
-                head.out_features = w.shape[0]
+        for head in self.head:
+            keep_rows(head, self.hot_ids)  # [N, inner]
 
     def stage_modules(self, j: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
         """(emb, proj, ln, head) of draft position j (0-based)."""
@@ -186,14 +184,6 @@ class MLPSpeculatorModel(nn.Module):
         if self.hot_ids is None:
             return row_argmax(logits)
         return hot_argmax(logits, self.hot_ids)
-
-    def stage(
-        self, j: int, state: torch.Tensor, tokens: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """state [rows, emb_dim or inner], tokens [rows] -> (new state [rows, inner], logits
-        [rows, vocab] fp32; with a token map -inf outside the hot ids)."""
-        state, logits = self.stage_head(j, state, tokens)
-        return state, self.expand(logits)
 
 
 _KEY = re.compile(r"^(emb|proj|head|ln)\.(\d+)\.(weight|bias)$")

@@ -418,8 +418,9 @@ def test_hot_logits_equal_the_full_head_on_the_hot_ids(target, heads, hot_file, 
         toks = torch.randint(0, V, (rows,), generator=g)  # [rows]
         state, pairs = full.model.prepare_state(x), []
         for j in range(3):
-            nxt, a = full.model.stage(j, state, toks)
-            pairs.append((a, hot.model.stage(j, state, toks)[1]))
+            nxt, a = full.model.stage_head(j, state, toks)
+            b = hot.model.expand(hot.model.stage_head(j, state, toks)[1])
+            pairs.append((full.model.expand(a), b))
             state = nxt
         assert hot.model.head[0].weight.shape == (len(HOT), 32)  # the full heads are gone
     for a, b in pairs:  # [rows, V] each

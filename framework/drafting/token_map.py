@@ -432,6 +432,18 @@ def hot_argmax(
     return gather_rows(ids, row_argmax(small))
 
 
+def keep_rows(head: nn.Linear, ids: torch.Tensor) -> None:
+    """Restrict ``head`` (an LM head, weight ``[vocab, H]``, no bias) in place to the rows
+    ``ids`` ``[N]`` (ascending: ``ascending_ids``): its weight becomes a contiguous copy
+    ``[N, H]`` and the full one is freed, so ``head(x)`` gives the N hot logits ``[rows, N]``
+    (``hot_argmax`` / ``scatter_hot`` turn them into tokens / full rows). For a head a strategy
+    owns; ``HotHead`` keeps the target's shared head intact instead."""
+    with torch.no_grad():
+        w = head.weight.detach().index_select(0, ids.to(head.weight.device)).contiguous()
+    head.weight = nn.Parameter(w, requires_grad=False)
+    head.out_features = w.shape[0]
+
+
 class HotHead:
     """An LM head restricted to a token map: a contiguous copy of the hot rows ``[N, H]`` of
     ``weight`` ``[vocab, H]`` (made once, in the weight's dtype and device) and the logits
@@ -501,6 +513,7 @@ __all__ = [
     "build_token_map_from_corpus",
     "count_tokens",
     "hot_argmax",
+    "keep_rows",
     "load_token_map",
     "save_token_map",
     "scatter_hot",
