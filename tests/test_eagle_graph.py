@@ -1,4 +1,4 @@
-"""The one-graph greedy EAGLE propose (plugins/eagle_graph.py) run eagerly on the CPU: the padded
+"""The one-graph greedy EAGLE propose (speculant.drafting.head_graph) run eagerly on the CPU: the padded
 function the CUDA graph captures (catch-up padded to a query bucket, batch padded to a bucket,
 padding rows with slot -1, padded sequences with context 0 and an empty query range, the gather
 of each drafting sequence's last row, the K greedy steps) must propose exactly the drafts of the
@@ -17,7 +17,7 @@ import torch
 from checkpoints import make_eagle1, make_eagle3
 from staging_switch import use_staging
 
-import speculant.drafting.eagle_graph as eagle_graph
+import speculant.drafting.head_graph as eagle_graph
 import speculant.models.attention as attention_mod
 from speculant import LLM, SamplingParams
 from speculant.engine.staging import staging_ext
@@ -119,14 +119,13 @@ def test_query_buckets():
 def test_fused_ints_layout(monkeypatch, staging):
     """The graph's int inputs for two drafting sequences and one catching up only, padded to
     Bp=4, Q=3, K=3, written out by hand (the graph-vs-eager test above cannot see a layout error
-    in ``_chain_ints``: the eager path uses it too)."""
+    in ``chain_ints``: the eager path uses it too)."""
     from types import SimpleNamespace
 
-    from speculant.plugins.eagle import EagleStrategy, _Plan, _SeqState
+    from speculant.drafting import CatchUp as _Plan
+    from speculant.drafting import SeqCache as _SeqState
 
     bs, W, Bp, Q, K = 4, 3, 4, 3, 3
-    strat = SimpleNamespace(cache=SimpleNamespace(block_size=bs))
-    strat._chain_ints = EagleStrategy._chain_ints.__get__(strat)
     toks = [list(range(100, 110)), list(range(200, 206)), list(range(300, 305))]
     batch = SimpleNamespace(seqs=[SimpleNamespace(token_ids=t) for t in toks])
     plans = [  # (i, state(table, offset, valid), row, count, start, n, k)
@@ -138,7 +137,7 @@ def test_fused_ints_layout(monkeypatch, staging):
     M, S = Bp * Q, K - 1
     sizes = [M, M, M, Bp, Bp + 1, Bp, S * Bp, S * Bp, S * Bp, Bp + 1, Bp * W]
     out = np.full(sum(sizes), 99, np.int64)
-    eagle_graph.fused_ints(out, strat, batch, plans, 2, Bp, Q, K, W)
+    eagle_graph.fused_ints(out, batch, plans, 2, Bp, Q, K, W, bs)
     ints = out.tolist()
     parts, o = [], 0
     for n in sizes:
@@ -165,7 +164,8 @@ def test_eagle_ints_c_equals_python(monkeypatch):
     ids; and rejects bad inputs by name."""
     from types import SimpleNamespace
 
-    from speculant.plugins.eagle import _EagleBase, _Plan, _SeqState
+    from speculant.drafting import CatchUp as _Plan
+    from speculant.drafting import SeqCache as _SeqState
 
     ext, rng = staging_ext(), random.Random(1)
     for _ in range(300):
@@ -183,14 +183,12 @@ def test_eagle_ints_c_equals_python(monkeypatch):
             table = [rng.randint(0, 2**40) for _ in range(rng.randint(0, W))]
             seqs.append(SimpleNamespace(token_ids=[rng.randint(0, 2**31) for _ in range(n)]))
             order.append(_Plan(r, _SeqState(table, off, start), 0, cnt, start, n, int(r < A)))
-        strat = SimpleNamespace(cache=SimpleNamespace(block_size=bs))
-        strat._chain_ints = lambda rows, K, Bp, W, s=strat: _EagleBase._chain_ints(s, rows, K, Bp, W)
         batch = SimpleNamespace(seqs=seqs)
         size = 3 * Bp * Q + 3 * Bp + 1 + 3 * (K - 1) * Bp + Bp + 1 + Bp * W
         want, got = np.full(size, 5, np.int64), np.full(size, -5, np.int64)
         for which, out in (("python", want), ("c", got)):
             use_staging(monkeypatch, which)
-            eagle_graph.fused_ints(out, strat, batch, order, A, Bp, Q, K, W)
+            eagle_graph.fused_ints(out, batch, order, A, Bp, Q, K, W, bs)
         assert got.tolist() == want.tolist(), (Bp, Q, K, W, bs, R, A)
     rows = ([p.st.table for p in order], [p.st.offset for p in order], [p.start for p in order],
             [p.n for p in order], [s.token_ids for s in seqs])

@@ -18,7 +18,7 @@ import speculant.drafting.draft_graph as draft_graph
 import speculant.models.attention as attention_mod
 from speculant import LLM, SamplingParams, hookimpl
 from speculant.drafting import BUCKETS
-from speculant.drafting.eagle_graph import QUERY_BUCKETS
+from speculant.drafting.head_graph import QUERY_BUCKETS
 from speculant.engine.spec_decode import SpecDecoder
 
 V = 64

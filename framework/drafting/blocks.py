@@ -6,9 +6,6 @@ from __future__ import annotations
 
 from speculant.drafting.draft_graph import capture_all as capture_draft_graphs
 from speculant.drafting.draft_graph import fused_greedy as draft_fused_greedy
-from speculant.drafting.eagle_graph import _slot as cache_slot
-from speculant.drafting.eagle_graph import capture_all as capture_eagle_graphs
-from speculant.drafting.eagle_graph import fused_greedy as eagle_fused_greedy
 from speculant.engine.block_manager import BlockManager
 from speculant.engine.cuda_graph import gc_paused, max_prefill_tokens
 from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -25,30 +22,17 @@ from speculant.kernels.logprobs import row_argmax, token_logprobs
 from speculant.kernels.rejection_sampling import rejection_sample
 from speculant.kernels.stage_copy import pinned_copy
 from speculant.models import fused
-from speculant.models.attention import AttentionMetadata, ForwardContext
-from speculant.models.layers import RMSNorm, RotaryEmbedding
-from speculant.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, mlp_gemv
 from speculant.models.loader import load_config, load_model, load_tokenizer, resolve_model
 from speculant.models.weights import WeightLoader, WeightLoadError
 
 __all__ = [
-    "AttentionMetadata",
     "BlockManager",
-    "ForwardContext",
-    "LlamaAttention",
-    "LlamaDecoderLayer",
-    "LlamaMLP",
     "ModelRunner",
-    "RMSNorm",
-    "RotaryEmbedding",
     "Row",
     "WeightLoadError",
     "WeightLoader",
-    "cache_slot",
     "capture_draft_graphs",
-    "capture_eagle_graphs",
     "draft_fused_greedy",
-    "eagle_fused_greedy",
     "fused",
     "gc_paused",
     "gemv",
@@ -57,7 +41,6 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "max_prefill_tokens",
-    "mlp_gemv",
     "params_need_processing",
     "pinned_copy",
     "process_logits",
