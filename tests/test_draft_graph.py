@@ -1,4 +1,4 @@
-"""The one-graph greedy draft-model propose (plugins/draft_graph.py) run eagerly on the CPU: the
+"""The one-graph greedy draft-model propose (drafting/draft_graph.py) run eagerly on the CPU: the
 padded function the CUDA graph captures (catch-up padded to a query bucket, batch padded to a
 bucket, padding rows with slot -1, padded sequences with context 0 and an empty query range, the
 gather of each sequence's last row, K greedy steps, rows drafting fewer than K tokens writing no
@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 import torch
 from staging_switch import use_staging
-from test_eagle_graph import _kernel_attention
 
 import speculant.drafting.draft_graph as draft_graph
 import speculant.models.attention as attention_mod
 from speculant import LLM, SamplingParams
 from speculant.engine.staging import staging_ext
+from speculant.kernels.kv_cache import store_kv_ref
+from speculant.kernels.paged_attention import paged_attention_ref
 
 V = 64
 # at most 4 running: later prompts join running ones, their first catch-up (the whole prompt)
@@ -45,6 +46,17 @@ def weak_draft(tiny_factory) -> Path:
         tokenizer=False,
         num_hidden_layers=1,
         max_position_embeddings=32,
+    )
+
+
+def _kernel_attention(q, k, v, k_cache, v_cache, meta, scale):
+    """Attention through the kernels' torch references (what the Triton kernels do in a graph).
+    q: [T, nh, d], k / v: [T, nkv, d], caches [blocks, block_size, nkv, d] -> [T, nh, d]"""
+    store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)  # slot -1: skipped
+    out = torch.zeros_like(q)  # rows outside every query range stay 0 (garbage on the GPU)
+    return paged_attention_ref(
+        q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, scale,
+        out=out,
     )
 
 
@@ -100,7 +112,8 @@ def _run(target: Path, draft: Path, fused: bool, monkeypatch) -> tuple:
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
     assert (
-        not strat.states and strat.block_manager.num_free_blocks == strat.block_manager.num_blocks
+        not strat.runner.states
+        and strat.runner.block_manager.num_free_blocks == strat.runner.block_manager.num_blocks
     )
     return [list(o.outputs[0].token_ids) for o in outs], seen, (calls, short)
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from speculant import LLM, SamplingParams, hookimpl
+from speculant.drafting.runner import _common_prefix
 from speculant.kernels.sampling import sampling_probs_ref
-from speculant.plugins.draft_model import DraftModelStrategy, _common_prefix
+from speculant.plugins.draft_model import DraftModelStrategy
 from speculant.spec_registry import StrategyError
 
 PROMPT_LENS = [5, 9, 3, 14, 7, 11, 4, 20]
@@ -117,8 +118,8 @@ def test_greedy_equivalence_batch_1_and_8(target, small_draft, plain_ref, which,
         single = _ids(llm.generate([_prompts()[i]], _params()[i], use_tqdm=False))
         assert single == [plain_ref[i]]
     strat = llm.engine.spec.strategy
-    assert not strat.states, "on_requests_finished must free every draft cache"
-    assert strat.block_manager.num_free_blocks == strat.block_manager.num_blocks
+    assert not strat.runner.states, "on_requests_finished must free every draft cache"
+    assert strat.runner.block_manager.num_free_blocks == strat.runner.block_manager.num_blocks
 
 
 def test_draft_catches_up_after_preemption(target, plain_ref):
@@ -129,7 +130,7 @@ def test_draft_catches_up_after_preemption(target, plain_ref):
     assert out == plain_ref
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.get_metrics().acceptance_rate > 0.95
-    assert not llm.engine.spec.strategy.states
+    assert not llm.engine.spec.strategy.runner.states
 
 
 def test_full_draft_cache_degrades_to_fewer_drafts(target, plain_ref):
@@ -139,13 +140,13 @@ def test_full_draft_cache_degrades_to_fewer_drafts(target, plain_ref):
     llm = LLM(model=str(target), speculative_config={
         "model": str(target), "num_speculative_tokens": 3, "kv_cache_memory": 8 * block})
     strat = llm.engine.spec.strategy
-    assert strat.block_manager.num_blocks == 8
+    assert strat.runner.block_manager.num_blocks == 8
     out = _ids(llm.generate(_prompts(), _params(), use_tqdm=False))
     assert out == plain_ref
     m = llm.get_metrics()
     # some sequence-steps ran without drafts (num_drafts counts only steps that proposed)
     assert m.num_drafts < m.num_spec_steps + m.num_plain_steps and m.num_accepted_tokens > 0
-    assert strat.block_manager.num_free_blocks == 8
+    assert strat.runner.block_manager.num_free_blocks == 8
 
 
 def test_mixed_greedy_and_seeded_sampling(target, small_draft, plain_ref):

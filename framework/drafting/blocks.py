@@ -4,11 +4,10 @@ the paged-attention forward context, and the kernels' public launchers. Re-expor
 
 from __future__ import annotations
 
-from speculant.drafting.draft_graph import capture_all as capture_draft_graphs
-from speculant.drafting.draft_graph import fused_greedy as draft_fused_greedy
-from speculant.engine.block_manager import BlockManager
-from speculant.engine.cuda_graph import gc_paused, max_prefill_tokens
-from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
+from speculant.drafting.eagle_graph import _slot as cache_slot
+from speculant.drafting.eagle_graph import capture_all as capture_eagle_graphs
+from speculant.drafting.eagle_graph import fused_greedy as eagle_fused_greedy
+from speculant.engine.cuda_graph import gc_paused
 from speculant.engine.sampler import (
     Row,
     params_need_processing,
@@ -22,31 +21,36 @@ from speculant.kernels.logprobs import row_argmax, token_logprobs
 from speculant.kernels.rejection_sampling import rejection_sample
 from speculant.kernels.stage_copy import pinned_copy
 from speculant.models import fused
-from speculant.models.loader import load_config, load_model, load_tokenizer, resolve_model
+from speculant.models.attention import AttentionMetadata, ForwardContext
+from speculant.models.layers import RMSNorm, RotaryEmbedding
+from speculant.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, mlp_gemv
+from speculant.models.loader import load_config
 from speculant.models.weights import WeightLoader, WeightLoadError
 
 __all__ = [
-    "BlockManager",
-    "ModelRunner",
+    "AttentionMetadata",
+    "ForwardContext",
+    "LlamaAttention",
+    "LlamaDecoderLayer",
+    "LlamaMLP",
+    "RMSNorm",
+    "RotaryEmbedding",
     "Row",
     "WeightLoadError",
     "WeightLoader",
-    "capture_draft_graphs",
-    "draft_fused_greedy",
+    "cache_slot",
+    "capture_eagle_graphs",
+    "eagle_fused_greedy",
     "fused",
     "gc_paused",
     "gemv",
-    "kv_bytes_per_block",
     "load_config",
-    "load_model",
-    "load_tokenizer",
-    "max_prefill_tokens",
+    "mlp_gemv",
     "params_need_processing",
     "pinned_copy",
     "process_logits",
     "read_back",
     "rejection_sample",
-    "resolve_model",
     "row_argmax",
     "target_probs",
     "to_device",

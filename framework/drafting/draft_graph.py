@@ -1,10 +1,11 @@
-"""The whole greedy draft-model propose as one CUDA graph replay: the catch-up forward (the tokens
-the draft cache misses, normally the accepted drafts and the bonus token), the gather of each
-sequence's last row, then K greedy steps (LM head and argmax, and for the first K - 1 a one-token
-forward of the chosen token). The LM head and argmax are the strategy's ``draft_greedy``: with a
-token map, the argmax over its hot rows' logits only, mapped through the hot ids (no
-full-vocabulary row). One graph per (batch bucket Bp, query bucket Q, K) in the strategy's
-``GraphCache``: at start-up (``capture_all``, the ``capture_graphs`` hook) for every batch bucket
+"""The fast path of :meth:`DraftRunner.propose_greedy <speculant.drafting.runner.DraftRunner>`:
+the whole greedy propose as one CUDA graph replay: the catch-up forward (the tokens the draft
+cache misses, normally the accepted drafts and the bonus token), the gather of each sequence's
+last row, then K greedy steps (LM head and argmax, and for the first K - 1 a one-token forward of
+the chosen token). The LM head and argmax are the runner's ``greedy`` (a strategy with a token
+map passes the argmax over its hot rows' logits, mapped through the hot ids: no full-vocabulary
+row). One graph per (batch bucket Bp, query bucket Q, K) in the runner's ``GraphCache``: at
+start-up (``capture_all``, the ``capture_graphs`` hook) for every batch bucket
 up to ``max_num_seqs`` and catch-ups of up to k + 1 tokens, on padding inputs
 (``padding_ints``); other shapes (a request's first catch-up: its prompt) on first use. Calls
 that do not fit (catch-ups longer than the largest query bucket, more sequences than the largest
@@ -30,34 +31,28 @@ vector of its own (``pinned_copy``: the host only writes that vector; M = Bp * Q
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from speculant.engine.cuda_graph import BATCH_BUCKETS, QUERY_BUCKETS
 from speculant.engine.staging import staging_ext
 from speculant.kernels.logprobs import row_argmax
 from speculant.kernels.stage_copy import pinned_copy
 from speculant.models.attention import AttentionMetadata, ForwardContext
 from speculant.models.gather import gather_rows
 
-MAX_BATCH, MAX_QUERY = 128, 16  # ModelRunner's max_graph_batch / max_graph_query defaults
+if TYPE_CHECKING:
+    from speculant.drafting.runner import DraftRunner, DraftState
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-def shapes(strat) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """(batch buckets, query buckets, block-table width W): the draft runner's graphs' where it
-    has them (CUDA), else what it would use (the CPU test)."""
-    g = strat.runner.graphs
-    if g is not None:
-        return g.buckets, g.q_buckets, g.W
-    bs = strat.block_size
-    width = min(strat.block_manager.num_blocks, -(-(strat.max_len + MAX_QUERY) // bs) + 1)
-    batch = tuple(b for b in BATCH_BUCKETS if b <= MAX_BATCH)
-    return batch, tuple(q for q in QUERY_BUCKETS if q <= MAX_QUERY), width
+def shapes(runner: DraftRunner) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(batch buckets, query buckets, block-table width W): the runner's CUDA graphs' shapes."""
+    return runner.graph_shapes()
 
 
 def _sizes(Bp: int, Q: int, K: int, W: int) -> list[int]:
@@ -67,7 +62,7 @@ def _sizes(Bp: int, Q: int, K: int, W: int) -> list[int]:
 
 def fused_ints(
     out: np.ndarray,  # [sum(_sizes)] int64, written in full (layout above)
-    states: list,  # _DraftSeq of each drafting sequence (num_cached_tokens: before the catch-up)
+    states: list[DraftState],  # each drafting sequence's (num_cached_tokens: before the catch-up)
     feeds: list[list[int]],  # catch-up tokens of each
     ks: list[int],  # drafts of each (1..K)
     Bp: int,
@@ -76,8 +71,8 @@ def fused_ints(
     W: int,
     bs: int,
 ) -> None:
-    """One pass in C where the extension is built (``_staging.draft_ints``; batch 16 on the
-    development machine: 45 -> 4 us), else the Python below, which the tests compare it with
+    """One pass in C where the extension is built (``_staging.draft_ints``, ~10x faster at batch
+    16), else the Python below, which the tests compare it with
     value for value. In Python the block tables go straight into ``out`` (one numpy row write per
     sequence); the few numbers before them are built as Python lists and written with one slice
     assignment, where ~40 numpy calls cost more (the GPU waits for this host work before the
@@ -167,7 +162,7 @@ def propose_graph(
     """What the graph runs: the catch-up forward, the gather of each row's last position, LM head
     and argmax (the first draft), then the K - 1 further greedy steps (feed the last draft, LM
     head, argmax). ``greedy``: LM head and argmax, final hidden states [rows, hidden] -> tokens
-    [rows] int64 (the strategy's ``draft_greedy``, which honours a token map); default
+    [rows] int64 (the runner's ``greedy``, which honours a strategy's token map); default
     ``row_argmax(model.compute_logits(hidden))``."""
     if greedy is None:
 
@@ -192,22 +187,22 @@ def propose_graph(
 
 
 def fused_greedy(
-    strat,
-    states: list,  # _DraftSeq of each drafting sequence, synced and reserved
+    runner: DraftRunner,
+    states: list[DraftState],  # each drafting sequence's, synced and reserved
     feeds: list[list[int]],  # catch-up tokens of each
     ks: list[int],  # drafts of each, >= 1
 ) -> torch.Tensor | None:  # [len(states), max(ks)] greedy drafts; None: run the eager path
     """The greedy propose as one graph replay. On success the draft caches hold the catch-up and the
     fed-back drafts (``num_cached_tokens`` advanced; ``tokens`` is the caller's)."""
-    batch_buckets, query_buckets, W = shapes(strat)
-    A, K, bs = len(states), max(ks), strat.block_size
+    batch_buckets, query_buckets, W = shapes(runner)
+    A, K, bs = len(states), max(ks), runner.block_size
     Bp = _bucket(A, batch_buckets)
     Q = _bucket(max(len(f) for f in feeds), query_buckets)
     if Bp is None or Q is None or any(len(st.block_table) > W for st in states):
         return None
-    key, (buf, host), whole = _entry(strat, Bp, Q, K, W)
-    fused_ints(strat.graphs.writable(host), states, feeds, ks, Bp, Q, K, W, bs)  # graph copies it
-    out = strat.graphs.replay(key, whole)
+    key, (buf, host), whole = _entry(runner, Bp, Q, K, W)
+    fused_ints(runner.graphs.writable(host), states, feeds, ks, Bp, Q, K, W, bs)  # graph copies it
+    out = runner.graphs.replay(key, whole)
     if out is None:  # a capture failed: the same function, eagerly
         out = whole(buf, host)
     for st, feed, k in zip(states, feeds, ks):  # after the launch: the GPU is already drafting
@@ -215,12 +210,12 @@ def fused_greedy(
     return out[:A]
 
 
-def _entry(strat, Bp: int, Q: int, K: int, W: int):
+def _entry(runner: DraftRunner, Bp: int, Q: int, K: int, W: int):
     """(key, its static inputs ([n_ints] device, [n_ints] pinned host), the function the graph
     captures) of one (Bp, Q, K) propose graph."""
-    n_ints, dev, bs = sum(_sizes(Bp, Q, K, W)), strat.device, strat.block_size
-    graphs, model, kv = strat.graphs, strat.model, strat.runner.kv_caches
-    greedy = strat.draft_greedy  # LM head and argmax: over the hot rows only with a token map
+    n_ints, dev, bs = sum(_sizes(Bp, Q, K, W)), runner.device, runner.block_size
+    graphs, model, kv = runner.graphs, runner.model, runner.kv_caches
+    greedy = runner.greedy  # LM head and argmax: over the hot rows only with a token map
     bufs = graphs.buffers(  # [n_ints] device, [n_ints] pinned host
         (Bp, Q, K),
         lambda: (torch.zeros(n_ints, dtype=torch.long, device=dev), graphs.host_vector(n_ints)),
@@ -244,24 +239,24 @@ def padding_ints(out: np.ndarray, Bp: int, Q: int, K: int, W: int) -> None:
     out[o : o + S] = -1  # step slots
 
 
-def startup_keys(strat, max_seqs: int) -> list[tuple[int, int, int]]:
+def startup_keys(runner: DraftRunner, max_seqs: int) -> list[tuple[int, int, int]]:
     """(Bp, Q, K) of every greedy propose of up to ``max_seqs`` sequences whose catch-ups feed
     at most k + 1 tokens (the accepted drafts and the bonus token) and which draft K = k tokens
     (fewer only near the end of the context): each batch bucket x query bucket up to theirs."""
-    batch_buckets, query_buckets, _ = shapes(strat)
-    K = strat.num_speculative_tokens
+    batch_buckets, query_buckets, _ = shapes(runner)
+    K = runner.num_speculative_tokens
     top_b = _bucket(min(max_seqs, batch_buckets[-1]), batch_buckets)
     top_q = _bucket(min(K + 1, query_buckets[-1]), query_buckets)
     return [(Bp, Q, K) for Q in query_buckets if Q <= top_q for Bp in batch_buckets if Bp <= top_b]
 
 
-def capture_all(strat, max_seqs: int, progress: bool = True) -> int:
+def capture_all(runner: DraftRunner, max_seqs: int, progress: bool = True) -> int:
     """Capture now, on padding inputs (``padding_ints``: nothing written to the draft cache),
     every propose graph of ``startup_keys`` not captured yet. Returns how many were captured."""
-    W = shapes(strat)[2]
-    return strat.graphs.capture_all(
-        startup_keys(strat, max_seqs),
-        lambda key: _entry(strat, *key, W),
+    W = shapes(runner)[2]
+    return runner.graphs.capture_all(
+        startup_keys(runner, max_seqs),
+        lambda key: _entry(runner, *key, W),
         lambda host, key: padding_ints(host, *key, W),
         "Capturing draft-model propose graphs",
         progress,
