@@ -11,14 +11,27 @@ all, so ``from speculant.drafting import X`` is the one spelling plugins use.
 
 from __future__ import annotations
 
-from speculant.drafting import blocks, checkpoint, graphs, runner, sampling, token_map
+from speculant.drafting import (
+    blocks,
+    checkpoint,
+    graphs,
+    head_drafter,
+    heads,
+    kv_cache,
+    runner,
+    sampling,
+    token_map,
+)
 from speculant.drafting.blocks import *  # noqa: F403
 from speculant.drafting.checkpoint import *  # noqa: F403
 from speculant.drafting.graphs import *  # noqa: F403
+from speculant.drafting.head_drafter import *  # noqa: F403
+from speculant.drafting.heads import *  # noqa: F403
+from speculant.drafting.kv_cache import *  # noqa: F403
 from speculant.drafting.runner import *  # noqa: F403
 from speculant.drafting.sampling import *  # noqa: F403
 from speculant.drafting.token_map import *  # noqa: F403
 from speculant.spec_types import StrategyError
 
-_MODULES = (checkpoint, graphs, runner, sampling, token_map, blocks)
+_MODULES = (checkpoint, graphs, kv_cache, heads, head_drafter, runner, sampling, token_map, blocks)
 __all__ = ["StrategyError", *(name for m in _MODULES for name in m.__all__)]

@@ -4,9 +4,6 @@ the paged-attention forward context, and the kernels' public launchers. Re-expor
 
 from __future__ import annotations
 
-from speculant.drafting.eagle_graph import _slot as cache_slot
-from speculant.drafting.eagle_graph import capture_all as capture_eagle_graphs
-from speculant.drafting.eagle_graph import fused_greedy as eagle_fused_greedy
 from speculant.engine.cuda_graph import gc_paused
 from speculant.engine.sampler import (
     Row,
@@ -21,31 +18,17 @@ from speculant.kernels.logprobs import row_argmax, token_logprobs
 from speculant.kernels.rejection_sampling import rejection_sample
 from speculant.kernels.stage_copy import pinned_copy
 from speculant.models import fused
-from speculant.models.attention import AttentionMetadata, ForwardContext
-from speculant.models.layers import RMSNorm, RotaryEmbedding
-from speculant.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, mlp_gemv
 from speculant.models.loader import load_config
 from speculant.models.weights import WeightLoader, WeightLoadError
 
 __all__ = [
-    "AttentionMetadata",
-    "ForwardContext",
-    "LlamaAttention",
-    "LlamaDecoderLayer",
-    "LlamaMLP",
-    "RMSNorm",
-    "RotaryEmbedding",
     "Row",
     "WeightLoadError",
     "WeightLoader",
-    "cache_slot",
-    "capture_eagle_graphs",
-    "eagle_fused_greedy",
     "fused",
     "gc_paused",
     "gemv",
     "load_config",
-    "mlp_gemv",
     "params_need_processing",
     "pinned_copy",
     "process_logits",
