@@ -56,6 +56,16 @@ def test_greedy_matches_plain_decoding(tmp_path, llama, prompts, reference, layo
     assert llm.get_metrics().num_draft_tokens > 0
 
 
+def test_head_file_beside_the_full_model(tmp_path, llama, prompts, reference):
+    """A Medusa-2 folder holds the fine-tuned base model too: medusa_lm_head.* is what loads."""
+    from safetensors.torch import save_file
+
+    head = make_medusa(tmp_path / "m2", heads=2, seed=6)
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 4)}, str(head / "model.safetensors"))
+    llm = LLM(model=str(llama), max_num_seqs=8, speculative_config={"model": str(head)})
+    assert generate_ids(llm, prompts[:2], greedy(20)) == reference[:2]
+
+
 def test_head_i_drafts_the_token_i_plus_1_ahead(tmp_path, tiny_factory):
     """Heads built to be right at the first step: head i's output layer is the target's LM head
     with the rows of out[0] and out[i + 1] swapped (zero residual blocks), so it drafts
@@ -119,6 +129,13 @@ def test_bad_heads_are_refused(tmp_path, llama):
                        r"none, missing \['2\.1\.weight', '2\.0\.linear\.weight', "
                        r"'2\.0\.linear\.bias'\]"):
         build(ok)
+
+
+def test_not_a_medusa_folder(tmp_path, llama):
+    head = make_medusa(tmp_path / "x", heads=1)
+    (head / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(StrategyError, match=r"x/config\.json: not a Medusa head"):
+        LLM(model=str(llama), speculative_config={"method": "medusa", "model": str(head)})
 
 
 def test_registered_through_its_entry_point(tmp_path, capsys):

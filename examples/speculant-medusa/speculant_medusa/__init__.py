@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from speculant import hookimpl
 from speculant.drafting import (
+    CheckpointConfig,
     DraftSampler,
     StrategyError,
     iter_checkpoint,
@@ -51,6 +52,7 @@ from speculant.drafting import (
     target_hidden_size,
     to_device_async,
 )
+from speculant.hookspecs import Strategy
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
 
 __version__ = "0.1.0"
@@ -92,9 +94,10 @@ def _tensors(folder: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
     if f is None:
         yield from iter_checkpoint(folder)
     elif f.suffix == ".safetensors":
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        yield from ((f, k, v) for k, v in load_file(str(f)).items())
+        with safe_open(str(f), framework="pt") as sf:  # one tensor in memory at a time
+            yield from ((f, k, sf.get_tensor(k)) for k in sf.keys())
     else:
         try:
             state = torch.load(str(f), map_location="cpu", weights_only=True)
@@ -119,19 +122,18 @@ class MedusaHeads:
         return torch.bmm(x, w2t).float()  # [k, rows, vocab]
 
 
-def load_heads(folder: Path, cfg: dict[str, Any], hidden: int, vocab: int, device: torch.device,
-               dtype: torch.dtype) -> MedusaHeads:
+def load_heads(folder: Path, cfg: CheckpointConfig, hidden: int, vocab: int,
+               device: torch.device, dtype: torch.dtype) -> MedusaHeads:
     """Read every head of the checkpoint (strict: each tensor present once, of the shape the
     target implies; nothing else), as ``dtype`` on ``device``."""
-    cfg_file = folder / "config.json"
     faster = "medusa_num_heads" in cfg
-    heads = cfg.get("medusa_num_heads", cfg.get("num_heads"))
-    layers = cfg.get("medusa_num_layers", cfg.get("num_hidden_layers", 1))
-    if not isinstance(heads, int) or heads < 1 or not isinstance(layers, int) or layers < 0:
-        raise StrategyError(f"{cfg_file}: expected medusa_num_heads >= 1 and medusa_num_layers "
-                            f">= 0 (or vLLM's num_heads, num_hidden_layers), got {heads}, {layers}")
-    bias = faster or bool(cfg.get("medusa_fc_bias", False))
-    shared = not faster and bool(cfg.get("original_lm_head", False))
+    if not faster and "num_heads" not in cfg:
+        raise StrategyError(f"{cfg.file}: not a Medusa head (no medusa_num_heads, nor vLLM's "
+                            "num_heads)")
+    heads = cfg.field("medusa_num_heads" if faster else "num_heads", int, minimum=1)
+    layers = cfg.field("medusa_num_layers" if faster else "num_hidden_layers", int, 1, minimum=0)
+    bias = faster or cfg.field("medusa_fc_bias", bool, False)
+    shared = not faster and cfg.field("original_lm_head", bool, False)
     expected: dict[str, tuple[int, ...]] = {f"w2.{i}": (vocab, hidden)
                                             for i in range(1 if shared else heads)}
     for i, j in itertools.product(range(heads), range(layers)):
@@ -161,7 +163,7 @@ def load_heads(folder: Path, cfg: dict[str, Any], hidden: int, vocab: int, devic
     missing = [_key(n, layers, faster) for n in expected if n not in loaded]
     if unexpected or missing:
         raise StrategyError(
-            f"{folder}: not the Medusa checkpoint {cfg_file} describes ({heads} heads of "
+            f"{folder}: not the Medusa checkpoint {cfg.file} describes ({heads} heads of "
             f"{layers} residual blocks): unexpected tensors {unexpected[:6] or 'none'}, missing "
             f"{missing[:6] or 'none'}")
     return MedusaHeads(stacked["w1"], stacked["b1"], stacked["w2"])
@@ -177,7 +179,7 @@ class MedusaConfig(BaseModel):
         None, ge=1, le=64, description="tokens drafted per step (default: every head)")
 
 
-class MedusaStrategy:
+class MedusaStrategy(Strategy):
     """Draft a top-1 chain with Medusa heads on the target's last hidden state."""
 
     name = "medusa"
@@ -189,7 +191,7 @@ class MedusaStrategy:
         return "medusa_num_heads" in config or config.get("model_type") == "medusa"
 
     def __init__(self, config: MedusaConfig, ctx: StrategyContext) -> None:
-        self.ctx = ctx
+        super().__init__(config, ctx)
         folder = resolve_draft_folder(config.model)
         hidden = target_hidden_size(ctx)
         self.heads = load_heads(folder, read_config_json(folder), hidden, ctx.vocab_size,
