@@ -14,63 +14,54 @@ is verified on the host from that one read: the same rule, no kernel launch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from speculant import hookimpl
 from speculant.drafting import (
-    Row,
-    params_need_processing,
-    process_logits,
+    needs_processing,
     read_back,
     rejection_sample,
-    target_probs,
+    target_distribution,
     to_device,
     token_logprobs,
     uniforms,
+    verify_rows,
 )
+from speculant.hookspecs import Strategy
 from speculant.spec_types import Proposal, ScoreResult, SpecBatch, StrategyContext, VerifyResult
 
 
-class RejectionSampler:
+class RejectionSampler(Strategy):
     name = "rejection_sampler"
     kind = "verifier"
 
-    def __init__(self, config, ctx: StrategyContext) -> None:
-        self.ctx = ctx
+    def __init__(self, config: None, ctx: StrategyContext) -> None:
+        super().__init__(config, ctx)
         self.engine_gen = torch.Generator().manual_seed(ctx.seed + 7919)
 
     @hookimpl(trylast=True)
     def verify(self, batch: SpecBatch, proposal: Proposal, scores: ScoreResult) -> VerifyResult:
         seqs = batch.seqs
         if scores.greedy is not None and all(
-            s.params.is_greedy and not params_need_processing(s.params) for s in seqs
+            s.params.is_greedy and not needs_processing(s.params) for s in seqs
         ):
             return verify_greedy(proposal.token_ids, scores.greedy)
-        rows = [
-            Row(seq, drafts[:j])
-            for seq, drafts in zip(seqs, proposal.token_ids)
-            for j in range(len(drafts) + 1)
-        ]
+        rows = verify_rows(seqs, proposal.token_ids)
         if scores.logits.shape[0] != len(rows):
             raise ValueError(
                 f"ScoreResult.logits must have sum(k_i + 1) = {len(rows)} rows for proposal "
                 f"lengths {proposal.lengths}, got {scores.logits.shape[0]}"
             )
         device = scores.logits.device
-        processed = process_logits(
-            scores.logits, rows, self.ctx.eos_token_id
-        )  # [sum(k_i + 1), vocab]
+        # [sum(k_i + 1), vocab]: processed logits of greedy rows, probabilities of the others
+        target = target_distribution(scores.logits, rows, self.ctx.eos_token_id)
         greedy_seq = [s.params.is_greedy for s in seqs]
-        if all(greedy_seq):
-            target = processed
-        else:
-            probs = target_probs(processed, rows)
-            greedy_row = to_device([r.seq.params.is_greedy for r in rows], torch.bool, device)
-            target = torch.where(greedy_row[:, None], processed, probs)
         lengths = proposal.lengths
         max_k = max(lengths, default=0)
         # every host-made input goes through pinned memory: no stream synchronisation before
-        # the one read at the end (see speculant.engine.staging)
+        # the one read at the end (speculant.drafting.to_device)
         draft_ids = to_device(
             [t for d in proposal.token_ids for t in d], torch.long, device
         )  # [sum(k_i)]
@@ -150,5 +141,5 @@ def verify_greedy(
 
 
 @hookimpl
-def register_strategies(register) -> None:
+def register_strategies(register: Callable[[type], None]) -> None:
     register(RejectionSampler)

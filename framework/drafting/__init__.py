@@ -21,6 +21,7 @@ from speculant.drafting import (
     runner,
     sampling,
     token_map,
+    verification,
 )
 from speculant.drafting.blocks import *  # noqa: F403
 from speculant.drafting.checkpoint import *  # noqa: F403
@@ -31,7 +32,9 @@ from speculant.drafting.kv_cache import *  # noqa: F403
 from speculant.drafting.runner import *  # noqa: F403
 from speculant.drafting.sampling import *  # noqa: F403
 from speculant.drafting.token_map import *  # noqa: F403
+from speculant.drafting.verification import *  # noqa: F403
 from speculant.spec_types import StrategyError
 
-_MODULES = (checkpoint, graphs, kv_cache, heads, head_drafter, runner, sampling, token_map, blocks)
+_MODULES = (checkpoint, graphs, kv_cache, heads, head_drafter, runner, sampling, token_map,
+            verification, blocks)
 __all__ = ["StrategyError", *(name for m in _MODULES for name in m.__all__)]

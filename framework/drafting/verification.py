@@ -1,0 +1,109 @@
+"""Building blocks of a verifier: a strategy class with ``kind = "verifier"`` that implements the
+``verify`` hook (docs/hooks.md). The built-in lossless ``rejection_sampler`` plugin is written
+on these names alone.
+
+A verifier sees ``ScoreResult.logits`` ``[sum(k_i + 1), vocab]``: per sequence, one row per draft
+position then the bonus row (:func:`verify_rows` names them). The request's sampling parameters
+turn each row into the distribution the request samples from (:func:`target_distribution`);
+:func:`rejection_sample` (the kernel launcher of ``speculant.kernels.rejection_sampling``)
+accepts or rejects every draft on the device, from per-request random numbers
+(:func:`uniforms`); :func:`token_logprobs` (``speculant.kernels.logprobs``) gives the target
+log-probability of each emitted token; :func:`read_back` brings the result to the host in one
+read. Host-made inputs go to the device through :func:`to_device`, which does not synchronise
+the stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from speculant.engine import sampler
+from speculant.engine.staging import read_back, to_device
+from speculant.kernels.logprobs import token_logprobs
+from speculant.kernels.rejection_sampling import rejection_sample
+from speculant.sampling_params import SamplingParams
+from speculant.spec_types import SpecSequence
+
+
+@dataclass
+class Row:
+    """One row of ``ScoreResult.logits``: the sequence it belongs to, and the drafts before it in
+    the verification window (for penalties and ``min_tokens`` they count as generated tokens)."""
+
+    seq: SpecSequence
+    extra: list[int]
+
+
+def verify_rows(seqs: list[SpecSequence], drafts: list[list[int]]) -> list[Row]:
+    """The rows of a verification step in ``ScoreResult.logits`` order: for sequence ``i``,
+    ``len(drafts[i]) + 1`` rows, row ``j`` predicting the token after ``drafts[i][:j]``.
+
+    :param seqs: the batch's sequences (``SpecBatch.seqs``).
+    :param drafts: each sequence's draft tokens (``Proposal.token_ids``).
+    :return: ``sum(len(d) + 1)`` rows.
+    """
+    return [Row(seq, d[:j]) for seq, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+
+
+def needs_processing(params: SamplingParams) -> bool:
+    """Whether a request's logits processors, penalties or ``min_tokens`` may change its logits.
+    A greedy request without them takes the argmax of the raw logits (``ScoreResult.greedy``)."""
+    return sampler.params_need_processing(params)
+
+
+def target_distribution(
+    logits: torch.Tensor,  # [rows, vocab] float32: ScoreResult.logits
+    rows: list[Row],
+    eos_token_id: int | None,
+) -> torch.Tensor:  # [rows, vocab] float32
+    """What each row's request samples from, in the form :func:`rejection_sample` takes.
+
+    First the request's logits processors, repetition / presence / frequency penalties and the
+    ``min_tokens`` EOS mask (vLLM semantics; the drafts before a row count as generated). Then,
+    for a greedy request, those processed logits (their argmax is its choice); for the others,
+    the probabilities after temperature, top-k, top-p and min-p.
+
+    :param logits: the target's raw logits, one row per entry of ``rows``.
+    :param rows: :func:`verify_rows` of the batch.
+    :param eos_token_id: the target's EOS token (``StrategyContext.eos_token_id``), masked
+        while a request has fewer than ``min_tokens`` output tokens.
+    :return: a new tensor (or ``logits`` itself when no row needs processing and every request
+        is greedy).
+    """
+    processed = sampler.process_logits(logits, rows, eos_token_id)  # [rows, vocab]
+    greedy = [r.seq.params.is_greedy for r in rows]
+    if all(greedy):
+        return processed
+    probs = sampler.target_probs(processed, rows)  # [rows, vocab]
+    greedy_row = to_device(greedy, torch.bool, logits.device)  # [rows]
+    return torch.where(greedy_row[:, None], processed, probs)
+
+
+def uniforms(
+    seqs: list[SpecSequence],
+    counts: list[int],
+    generator: torch.Generator,
+    device: torch.device,
+) -> torch.Tensor:  # [sum(counts)] float32
+    """``counts[i]`` uniform numbers in [0, 1) for sequence ``i``, drawn on the host from its
+    request's seeded generator (``SpecSequence.generator``) or, without one, from
+    ``generator``, so a seeded request's output does not depend on the rest of the batch.
+
+    :return: the numbers on ``device``, sequence after sequence.
+    """
+    return sampler.uniforms(seqs, counts, generator, device)
+
+
+__all__ = [
+    "Row",
+    "needs_processing",
+    "read_back",
+    "rejection_sample",
+    "target_distribution",
+    "to_device",
+    "token_logprobs",
+    "uniforms",
+    "verify_rows",
+]
