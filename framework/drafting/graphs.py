@@ -5,7 +5,7 @@ and :func:`to_device_async` (host values to the device without a synchronisation
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,7 @@ logger = logging.getLogger("speculant")
 
 
 def to_device_async(
-    values,  # python numbers, a numpy array or a CPU tensor
+    values: Sequence[float] | np.ndarray | torch.Tensor,  # python numbers, numpy or a CPU tensor
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
@@ -69,8 +69,10 @@ class GraphCache:
         self.inflight = False  # a replay whose pinned inputs may not have been read yet
 
     def buffers(
-        self, key, make: Callable[[], tuple[torch.Tensor, ...]]
+        self, key: Hashable, make: Callable[[], tuple[torch.Tensor, ...]]
     ) -> tuple[torch.Tensor, ...]:
+        """The static inputs of ``key``, made by ``make()`` on first use (the last one, when the
+        graph stages host values itself, a ``host_vector``)."""
         if key not in self.inputs:
             self.inputs[key] = make()
         return self.inputs[key]
@@ -96,7 +98,7 @@ class GraphCache:
         has run."""
         self.inflight = False
 
-    def replay(self, key, fn: Callable[..., Any]) -> Any | None:
+    def replay(self, key: Hashable, fn: Callable[..., Any]) -> Any | None:
         """The outputs of ``fn`` on the static inputs of ``key``; None if the capture failed."""
         entry = self.graphs.get(key)
         if entry is None:

@@ -27,6 +27,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from os import PathLike
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -377,7 +378,7 @@ def count_corpus(
 
 
 def build_token_map_from_corpus(
-    tokenizer,
+    tokenizer: Any,  # a transformers tokenizer (the target's)
     files: Sequence[str | PathLike],
     size: int,
     *,
@@ -485,6 +486,7 @@ class HotHead:
         return self.linear.weight if self.linear is not None else self._weight
 
     def small(self, x: torch.Tensor) -> torch.Tensor:  # [rows, H] -> [rows, N] float32
+        """The N hot logits of each row, float32 (``ids[i]``'s logit in column i)."""
         return self._logits(x).float()
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:  # [rows, H] -> [rows, N] weight's dtype
