@@ -174,3 +174,32 @@ def test_config_fields(tmp_path):
     with pytest.raises(StrategyError, match=r"config\.json: n=3 but the target model's hidden "
                        r"size is 64; this checkpoint was trained for a different target"):
         cfg.check_target("n", 64, "hidden size")
+
+
+# --------------------------------------------------------------------------------------------
+# the chain graphs
+# --------------------------------------------------------------------------------------------
+def test_chain_graphs_stage_pad_and_slice(monkeypatch):
+    """ChainGraphs.run on the CPU with the graph replay simulated (the captured function run on
+    the static inputs): rows padded to their bucket, tokens staged through the host vector, the
+    result sliced back; off (None) when disabled or past the largest bucket."""
+    from speculant.drafting import BUCKETS, ChainGraphs
+
+    def chain(state, tokens, K):  # [Bp, 2], [Bp] -> [Bp, K]
+        return torch.stack([tokens * 10 + state[:, 0].long() + j for j in range(K)], 1)
+
+    g = ChainGraphs(torch.device("cpu"), "test", False, 2, torch.float32, chain)
+    assert not g.enabled and g.run(torch.zeros(3, 2), [1, 2, 3], 2) is None
+    g.enabled = True
+    seen = []
+
+    def replay(key, fn):
+        seen.append(key)
+        return fn(*g.inputs[key])
+
+    monkeypatch.setattr(g, "replay", replay)
+    state = torch.tensor([[1.0, 0], [2, 0], [3, 0]])
+    out = g.run(state, [4, 5, 6], 2)
+    assert out.tolist() == [[41, 42], [52, 53], [63, 64]] and seen == [(4, 2)]
+    assert g.run(torch.zeros(BUCKETS[-1] + 1, 2), [0] * (BUCKETS[-1] + 1), 2) is None
+    assert g.capture(2, 8, progress=False) == 4 and seen[1:] == [(1, 2), (2, 2), (4, 2), (8, 2)]
