@@ -19,10 +19,12 @@ engine's run metrics (``LLM.get_metrics()``) count switches in ``num_times_disab
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from speculant import hookimpl
+from speculant.hookspecs import Strategy
 from speculant.spec_types import StrategyContext
 
 logger = logging.getLogger("speculant")
@@ -34,12 +36,13 @@ class BatchSizeDisableConfig(BaseModel):
     disable_by_batch_size: int = Field(..., ge=1)
 
 
-class BatchSizeDisable:
+class BatchSizeDisable(Strategy):
     name = "batch_size_disable"
     kind = "modifier"
     Config = BatchSizeDisableConfig
 
     def __init__(self, config: BatchSizeDisableConfig, ctx: StrategyContext | None = None) -> None:
+        super().__init__(config, ctx)
         self.threshold = config.disable_by_batch_size
         self.speculating = True
         self.num_disabled = 0  # times this modifier switched speculation off
@@ -83,5 +86,5 @@ class BatchSizeDisable:
 
 
 @hookimpl
-def register_strategies(register) -> None:
+def register_strategies(register: Callable[[type], None]) -> None:
     register(BatchSizeDisable)

@@ -5,32 +5,34 @@ prompt and generated text, and propose the tokens that followed it. No model, no
 The search is an incremental hash index per sequence (:class:`NgramIndex`): every n-gram
 (n in [``prompt_lookup_min``, ``prompt_lookup_max``]) maps to the position after its most recent
 occurrence, and each step only indexes the tokens appended since the last one, so a lookup costs
-a few dictionary probes whatever the sequence length (the vectorised rescan of the whole history,
-:func:`find_draft`, is kept as the reference the index is tested against: it cost ~0.15 ms per
-sequence per step on a GPU host, 0.11 of an 8B decode step at batch 16).
+a few dictionary probes whatever the sequence length (:func:`find_draft`, the vectorised rescan
+of the whole history, is the reference the index is tested against; on a GPU host it cost a
+tenth of an 8B decode step at batch 16).
+
 With ``adaptive=True`` (default) each sequence's draft length follows its recent acceptance
 (last accepted + 1, at least ``min_draft``, capped at ``num_speculative_tokens``), and after a
-draft of which nothing was
-accepted the sequence proposes nothing for the next 1, 2, 4, ... tokens (up to ``max_backoff``,
-reset by the first accepted draft token). A verification pass over k + 1 tokens costs more than a
-plain decode step (on CPU markedly so), so lookups that keep failing must not run at all. Proposing
-fewer tokens never changes the output (verification is lossless).
+draft of which nothing was accepted the sequence proposes nothing for the next 1, 2, 4, ...
+tokens (up to ``max_backoff``, reset by the first accepted draft token). A verification pass over
+k + 1 tokens costs more than a plain decode step (on the CPU markedly so), so lookups that keep
+failing must not run at all. Proposing fewer tokens never changes the output (verification is
+lossless).
 
 ``min_draft``: when a sequence proposes at all it proposes at least this many tokens. On a GPU a
 pass over k + 1 tokens costs about what a decode step costs, so short drafts waste the pass
-(default 4 there). On the CPU each extra row costs (one core, SmolLM2-135M fp32, our C kernels:
-2 rows ~1.25x a decode step, 6 rows ~1.8x, 11 rows ~3.2x, compute bound from ~4 rows), so after a
-failure the draft restarts at 1 token and grows by one per fully accepted draft (default 1 there;
-measured on the demo prompts: min_draft 4 -> 1 moved qa 0.96 -> 0.99-1.02x, summarize
-0.98 -> 1.02-1.04x, code edit and rewrite unchanged within noise).
+(default 4 there). On the CPU each extra row costs (a pass over 6 rows costs ~1.8 decode steps
+for SmolLM2-135M on one core), so after a failure the draft restarts at 1 token and grows by one
+per fully accepted draft (default 1 there).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from speculant import hookimpl
+from speculant.hookspecs import Strategy
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
 
 
@@ -109,13 +111,13 @@ class NgramIndex:
         return []
 
 
-class NgramStrategy:
+class NgramStrategy(Strategy):
     name = "ngram"
     aliases = ("prompt_lookup", "[ngram]")
     Config = NgramConfig
 
     def __init__(self, config: NgramConfig, ctx: StrategyContext) -> None:
-        self.config = config
+        super().__init__(config, ctx)
         self.num_speculative_tokens = config.num_speculative_tokens
         self._last: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (num_tokens, draft)
         self._k: dict[int, int] = {}  # adaptive draft length per sequence
@@ -178,5 +180,5 @@ class NgramStrategy:
 
 
 @hookimpl
-def register_strategies(register) -> None:
+def register_strategies(register: Callable[[type], None]) -> None:
     register(NgramStrategy)

@@ -37,12 +37,14 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from speculant import hookimpl
+from speculant.hookspecs import Strategy
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
 
 
@@ -88,12 +90,12 @@ class OracleConfig(BaseModel):
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # 1 / golden ratio: the Weyl sequence's step
 
 
-class OracleStrategy:
+class OracleStrategy(Strategy):
     name = "oracle"
     Config = OracleConfig
 
     def __init__(self, config: OracleConfig, ctx: StrategyContext) -> None:
-        self.config = config
+        super().__init__(config, ctx)
         self.num_speculative_tokens = config.num_speculative_tokens
         self.alpha = config.alpha
         self.vocab_size = ctx.vocab_size
@@ -157,5 +159,5 @@ class OracleStrategy:
 
 
 @hookimpl
-def register_strategies(register) -> None:
+def register_strategies(register: Callable[[type], None]) -> None:
     register(OracleStrategy)

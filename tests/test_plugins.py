@@ -186,3 +186,57 @@ def test_strategy_on_batch_size_change_hook_turns_speculation_off(throwaway, tin
     assert proposed and set(proposed) == {1}
     m = llm.get_metrics()
     assert m.num_times_enabled == 1 and m.num_draft_tokens > 0
+
+
+def test_builtins_follow_the_strategy_contract():
+    """Every built-in strategy (and the example package's) subclasses hookspecs.Strategy, and the
+    registry reads each through strategy_info, plugin name included."""
+    from speculant.hookspecs import Strategy
+    from speculant.plugin_manager import collect_strategies
+    from speculant.spec_registry import lookup
+
+    infos = {i.name: i for i in collect_strategies()}
+    for name in ("ngram", "oracle", "batch_size_disable", "rejection_sampler", "bigram"):
+        assert issubclass(infos[name].cls, Strategy), name
+    assert infos["rejection_sampler"].kind == "verifier"
+    assert infos["batch_size_disable"].kind == "modifier"
+    ngram = lookup("prompt_lookup")  # an alias
+    assert ngram.name == "ngram" and ngram.plugin == "ngram" and ngram.Config is not None
+    assert (ngram.needs_hidden_states, ngram.aux_hidden_layers) == (False, ())
+    with pytest.raises(StrategyError, match="installed verifier strategies: .*rejection_sampler"):
+        lookup("ngram", "verifier")
+
+
+@pytest.mark.parametrize("attr,value", [
+    ("aliases", "one_string"), ("kind", "drafter"), ("Config", dict),
+    ("num_speculative_tokens", 0), ("needs_hidden_states", "yes"), ("aux_hidden_layers", [1, -2]),
+    ("default_for_model", 1), ("matches_model", True),
+])
+def test_a_contract_breach_names_the_plugin_and_the_attribute(throwaway, attr, value):
+    cls = _make("bad_attr", lambda self, batch: None)
+    setattr(cls, attr, value)
+    throwaway(cls)
+    with pytest.raises(StrategyError) as e:
+        available_strategies()
+    unregister("test-bad_attr")  # before the fixture's own check looks the strategies up
+    assert "plugin 'test-bad_attr'" in str(e.value) and f"`{attr}`" in str(e.value)
+
+
+def test_contract_checks_what_init_sets(throwaway, tiny_llama):
+    """needs_hidden_states / aux_hidden_layers / num_speculative_tokens may be set in __init__;
+    they are checked there too, and a plain class (no Strategy base) keeps the defaults."""
+    from speculant.hookspecs import strategy_info
+
+    def init(self, cfg, ctx):
+        self.needs_hidden_states = 1  # not a bool
+
+    cls = _make("bad_init", lambda self, batch: None)
+    cls.__init__ = init
+    throwaway(cls)
+    with pytest.raises(StrategyError, match=r"'test-bad_init'.*`needs_hidden_states` must be a bool"):
+        LLM(model=str(tiny_llama), speculative_config={"method": "bad_init"})
+    plain = _make("plain", lambda self, batch: None)
+    info = strategy_info(plain(None, None), "p")
+    assert (info.num_speculative_tokens, info.kind, info.aliases) == (None, "proposer", ())
+    assert strategy_info(plain).num_speculative_tokens == 3  # the class default
+    assert info.matches_model(None, {}) is False

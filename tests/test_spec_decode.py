@@ -192,3 +192,32 @@ def test_metrics_are_consistent(tiny_llama):
         # every decode step emitted 1 + accepted tokens
         assert m.spec.num_emitted_tokens == len(o.outputs[0].token_ids) - 1
         assert m.spec.mean_accepted_length >= 1.0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_decoder_uses_only_the_target_engine_interface(tiny_llama, overlap):
+    """SpecDecoder reads nothing of its engine beyond engine/target.py's TargetEngine: with the
+    engine hidden behind an object that has only those methods, speculative and plain steps
+    (overlapped or not) give plain decoding's tokens."""
+    from speculant.engine.target import TargetEngine
+
+    calls = [n for n in vars(TargetEngine) if not n.startswith("_")]
+    assert set(calls) == {"strategy_context", "take_back", "decode", "score", "reserve_slots",
+                          "rollback", "append_token"}
+
+    class OnlyTarget:
+        def __init__(self, engine):
+            for n in calls:
+                setattr(self, n, getattr(engine, n))
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [1, 2, 3, 1, 2, 3]]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 20)]
+    plain = LLM(model=str(tiny_llama)).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=str(tiny_llama), async_scheduling=overlap,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "disable_by_batch_size": 1})  # plain steps while 2 run
+    llm.engine.spec.engine = OnlyTarget(llm.engine)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert _ids(out) == _ids(plain)
+    m = llm.get_metrics()
+    assert m.num_plain_steps > 0 and m.num_spec_steps > 0 and m.num_draft_tokens > 0

@@ -12,6 +12,7 @@ from collections import Counter, defaultdict
 from pydantic import BaseModel, ConfigDict, Field
 
 from speculant import Proposal, SpecBatch, StrategyContext, hookimpl
+from speculant.hookspecs import Strategy
 
 __version__ = "0.1.0"
 
@@ -25,12 +26,12 @@ class BigramConfig(BaseModel):
     min_count: int = Field(1, ge=1, description="ignore successors seen fewer times than this")
 
 
-class BigramStrategy:
+class BigramStrategy(Strategy):  # the contract: speculant.hookspecs.Strategy
     name = "bigram"  # speculative_config={"method": "bigram", ...}
     Config = BigramConfig
 
     def __init__(self, config: BigramConfig, ctx: StrategyContext) -> None:
-        self.config = config
+        super().__init__(config, ctx)  # keeps self.config, self.ctx
         # k, read by the engine after __init__: no sequence gets a larger seq.max_draft
         self.num_speculative_tokens = config.num_speculative_tokens
         self.tables: dict[int, defaultdict[int, Counter]] = {}  # seq_id -> token -> successors
