@@ -74,6 +74,7 @@ from speculant.drafting import (
     target_hidden_size,
     to_device_async,
 )
+from speculant.hookspecs import Strategy
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
 
 MLP_ARCHITECTURES = ("MLPSpeculatorPreTrainedModel", "MLPSpeculator")
@@ -233,7 +234,7 @@ class MLPSpeculatorOptions(BaseModel):
     )
 
 
-class MLPSpeculatorStrategy:
+class MLPSpeculatorStrategy(Strategy):
     """Draft with an IBM MLPSpeculator conditioned on the target's last hidden state."""
 
     name = "mlp_speculator"
@@ -249,7 +250,7 @@ class MLPSpeculatorStrategy:
         )
 
     def __init__(self, config: MLPSpeculatorOptions, ctx: StrategyContext) -> None:
-        self.ctx = ctx
+        super().__init__(config, ctx)
         folder = resolve_draft_folder(config.model)
         cfg = read_config_json(folder)
         if not self.matches_model(folder, cfg):
