@@ -48,10 +48,8 @@ _MAX_BATCH, _MAX_QUERY = 128, 16  # ModelRunner's max_graph_batch / max_graph_qu
 # ----------------------------------------------------------------- loading a draft model
 def load_draft_config(folder: Path) -> Any:
     """The transformers ``PretrainedConfig`` of the draft checkpoint in ``folder`` (its
-    config.json). Raises ValueError naming the file when it cannot be read.
-
-    >>> cfg = load_draft_config(resolve_draft_folder("path/to/draft"))  # doctest: +SKIP
-    """
+    config.json), e.g. ``load_draft_config(resolve_draft_folder("org/draft"))``. Raises
+    ValueError naming the file when it cannot be read."""
     from speculant.models.loader import load_config
 
     return load_config(folder)
@@ -63,10 +61,8 @@ def load_draft_model(
     """speculant's implementation of the causal LM in ``folder`` (``config`` from
     :func:`load_draft_config`) with its weights, in ``dtype`` on ``device``, its rotary tables
     and graph block tables sized for ``max_len`` positions. The model maps token ids [T] and
-    positions [T] to final hidden states [T, hidden]; ``compute_logits`` gives [T, vocab].
-
-    >>> model = load_draft_model(folder, cfg, torch.float16, ctx.device, 4096)  # doctest: +SKIP
-    """
+    positions [T] to final hidden states [T, hidden]; ``compute_logits`` gives [T, vocab]
+    float32 (docs/drafting.md has a runnable example)."""
     from speculant.models.loader import load_model
 
     return load_model(folder, config, dtype, device, max_len)
@@ -74,11 +70,8 @@ def load_draft_model(
 
 def load_draft_tokenizer(folder: Path) -> Any | None:
     """The tokenizer saved with the draft checkpoint in ``folder`` (a transformers tokenizer),
-    or None when the folder holds none (a .gguf or weights-only folder).
-
-    >>> tok = load_draft_tokenizer(folder)  # doctest: +SKIP
-    >>> tok is None or tok.get_vocab() == ctx.tokenizer.get_vocab()  # doctest: +SKIP
-    """
+    or None when the folder holds none (a .gguf or weights-only folder). A draft model must
+    share the target's vocabulary: compare ``get_vocab()`` with ``ctx.tokenizer``'s."""
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((folder / f).exists() for f in names):
         return None
@@ -108,12 +101,8 @@ class DraftState:
 class DraftBatch:
     """The sequences of one propose call that draft, as :meth:`DraftRunner.prepare` left them:
     rolled back to what they share with their sequence, blocks reserved for the catch-up and
-    ``k - 1`` fed-back drafts.
-
-    >>> batch = runner.prepare(batch.seqs)  # doctest: +SKIP
-    >>> batch.rows, batch.ks, batch.feeds  # doctest: +SKIP
-    ([0, 2], [3, 3], [[17, 4], [9]])
-    """
+    ``k - 1`` fed-back drafts. E.g. ``rows=[0, 2], ks=[3, 3], feeds=[[17, 4], [9]]``: sequences
+    0 and 2 of the call draft 3 tokens each, sequence 0's cache misses its last two tokens."""
 
     num_seqs: int  # sequences in the call, drafting or not
     rows: list[int]  # the call's index of each drafting sequence
@@ -161,14 +150,12 @@ class DraftRunner:
     on CUDA); ``greedy``: the LM head and argmax, final hidden states [rows, hidden] -> tokens
     [rows] int64 (default ``row_argmax(model.compute_logits(h))``; a strategy with a token map
     passes its own), which the one-graph greedy propose captures. Methods that run the model
-    expect ``torch.inference_mode()`` (the hooks' own).
+    expect ``torch.inference_mode()`` (the hooks' own). A propose::
 
-    >>> runner = DraftRunner(model, ctx, dtype=ctx.dtype, max_len=4096, num_speculative_tokens=4)
-    ... # doctest: +SKIP
-    >>> batch = runner.prepare(spec_batch.seqs)  # doctest: +SKIP
-    >>> drafts = runner.propose_greedy(batch) or runner.propose(  # doctest: +SKIP
-    ...     batch, lambda hidden, rows, step: row_argmax(model.compute_logits(hidden)))
-    >>> runner.free(finished_seq_ids)  # doctest: +SKIP
+        batch = runner.prepare(spec_batch.seqs)
+        drafts = runner.propose_greedy(batch)  # one CUDA graph; None: run the eager path
+        if drafts is None:
+            drafts = runner.propose(batch, lambda hidden, rows, step: greedy(hidden))
     """
 
     def __init__(
