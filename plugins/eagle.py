@@ -72,10 +72,6 @@ EAGLE-3), ``vocab_size`` (the target's), ``num_attention_heads``, ``num_key_valu
 optionally ``eagle_config.eagle_aux_hidden_state_layer_ids``. Method inference (a ``model`` path
 without ``method``): ``fc.weight`` plus ``midlayer.*`` / ``d2t`` / an ``*Eagle3*`` architecture
 is EAGLE-3; ``fc.weight`` plus ``layers.*`` is EAGLE-1.
-
-Serving: ``speculant.drafting.HeadDrafter`` (the draft KV cache, the catch-up of verified
-positions at every propose, the k draft steps, the one-graph greedy propose on a GPU) drives
-either head through its four ``DraftHead`` methods below.
 """
 
 from __future__ import annotations
@@ -85,7 +81,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 from torch import nn
 
 from speculant import hookimpl
@@ -94,8 +90,8 @@ from speculant.drafting import (
     DraftVocab,
     ForwardContext,
     HeadDrafter,
+    HeadOptions,
     HeadStrategy,
-    HotHead,
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaMLP,
@@ -117,10 +113,9 @@ from speculant.drafting import (
     scatter_hot,
     target_hidden_size,
     target_hot_head,
+    target_num_layers,
 )
 from speculant.spec_types import SpecBatch, StrategyContext
-
-DEFAULT_K = 5
 
 
 def eagle_version(path: Path, config: dict[str, Any]) -> int | None:
@@ -131,20 +126,14 @@ def eagle_version(path: Path, config: dict[str, Any]) -> int | None:
     keys = {k.removeprefix("model.") for k in checkpoint_keys(Path(path))}
     if "fc.weight" not in keys:
         return None
-    if (
-        any(k.startswith("midlayer.") for k in keys)
-        or "d2t" in keys
-        or any("eagle3" in a for a in archs)
-    ):
+    v3 = any(k.startswith("midlayer.") for k in keys) or any("eagle3" in a for a in archs)
+    if v3 or "d2t" in keys:
         return 3
     if any(k.startswith("layers.") for k in keys):
         return 1
     return None
 
 
-# --------------------------------------------------------------------------------------------
-# the draft heads
-# --------------------------------------------------------------------------------------------
 class Eagle1Draft(nn.Module):
     """fc + Llama decoder layers (the first without input_layernorm); target embedding/head."""
 
@@ -207,23 +196,7 @@ class Eagle3Draft(nn.Module):
         return self.midlayer(positions, emb, hidden, ctx)
 
 
-# --------------------------------------------------------------------------------------------
-# the strategies
-# --------------------------------------------------------------------------------------------
-class EagleOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-    model: str = Field(..., description="folder (or hub id) of the EAGLE checkpoint")
-    num_speculative_tokens: int = Field(DEFAULT_K, ge=1, le=64)
-    token_map: str | None = Field(
-        None,
-        description="file of hot token ids (.pt, .json, .npy or .txt; speculant.drafting."
-        "load_token_map): the draft's LM head runs over those rows of the target's head only "
-        "(FR-Spec)",
-    )
-
-
-class Eagle3Options(EagleOptions):
+class Eagle3Options(HeadOptions):
     aux_hidden_layers: tuple[int, ...] | None = Field(
         None, description="target decoder layers whose INPUT hidden states feed fc (3 of them)"
     )
@@ -261,13 +234,13 @@ class _EagleBase(HeadStrategy):
         except Exception:
             return False
 
-    def __init__(self, config: EagleOptions, ctx: StrategyContext) -> None:
-        self.ctx = ctx
+    def __init__(self, config: HeadOptions, ctx: StrategyContext) -> None:
+        self.config, self.ctx = config, ctx
         k = self.num_speculative_tokens = config.num_speculative_tokens
         self.folder = folder = resolve_draft_folder(config.model)
         self.cfg_file = folder / "config.json"
         self.raw_cfg = read_config_json(folder)
-        self.keys = {k.removeprefix("model.") for k in checkpoint_keys(folder)}
+        self.keys = {n.removeprefix("model.") for n in checkpoint_keys(folder)}
         found = eagle_version(folder, self.raw_cfg)
         if found != self.version:
             what = f"an EAGLE-{found}" if found else "not an EAGLE"
@@ -285,23 +258,18 @@ class _EagleBase(HeadStrategy):
         self._load()
         self.draft.eval()
         # the hot rows of the LM head (token_map, EAGLE-1 only): made once here
-        self.hot: HotHead | None = None
-        if getattr(config, "token_map", None):
-            self.hot = target_hot_head(ctx, config.token_map)
+        self.hot = target_hot_head(ctx, config.token_map) if config.token_map else None
+        # the target's features: its final hidden state, or the aux layers' inputs concatenated
+        width = max(1, len(self.aux_hidden_layers)) * self.H_target
         self.drafter = HeadDrafter(
             self, DraftKVCache.for_head(ctx, self.draft, k + 1), ctx, num_speculative_tokens=k,
-            hidden_size=self.hf.hidden_size, feature_width=self.feature_width,
-            max_positions=max_pos, name=self.name, label=f"{self.name} {folder}",
+            hidden_size=self.hf.hidden_size, feature_width=width, max_positions=max_pos,
+            name=self.name, label=f"{self.name} {folder}",
         )
 
-    def _key_hint(self) -> str:
-        return (f" (the EAGLE-{self.version} key names are listed in the docstring of "
-                "speculant.plugins.eagle)")  # fmt: skip
-
-    @property
-    def feature_width(self) -> int:
-        """Width of the target features a catch-up row carries (``features``)."""
-        return self.H_target
+    def _load_weights(self, **kw: Any) -> dict[str, tuple[Path, torch.Tensor]]:
+        hint = f" (the EAGLE-{self.version} key names are listed in the docstring of {__name__})"
+        return load_head_weights(self.draft, self.folder, hint=hint, **kw)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.target.embed(ids)
@@ -339,7 +307,7 @@ class EagleStrategy(_EagleBase):
 
     name = "eagle"
     aliases = ("eagle1", "eagle-1")
-    Config = EagleOptions
+    Config = HeadOptions
     version = 1
 
     def _head(self) -> Callable[[], nn.Module]:
@@ -355,20 +323,8 @@ class EagleStrategy(_EagleBase):
         fc_bias = bool(self.raw_cfg.get("bias", "fc.bias" in self.keys))
         return lambda: Eagle1Draft(cfg, fc_bias, self.max_positions)
 
-    def _load(self) -> None:
-        V, H = self.ctx.vocab_size, self.H_target
-
-        def take(file: Path, key: str, tensor: torch.Tensor) -> bool:
-            if key != "embed_tokens.weight":
-                return False
-            if tuple(tensor.shape) != (V, H):  # a frozen copy of the target's, which is used
-                raise StrategyError(
-                    f"{file}: embed_tokens.weight has shape {tuple(tensor.shape)}, "
-                    f"expected the target's ({V}, {H})"
-                )
-            return True
-
-        load_head_weights(self.draft, self.folder, take=take, hint=self._key_hint())
+    def _load(self) -> None:  # embed_tokens: a frozen copy of the target's, which is used
+        self._load_weights(shapes={"embed_tokens.weight": (self.ctx.vocab_size, self.H_target)})
 
 
 class Eagle3Strategy(_EagleBase):
@@ -378,10 +334,6 @@ class Eagle3Strategy(_EagleBase):
     aliases = ("eagle-3",)
     Config = Eagle3Options
     version = 3
-
-    def __init__(self, config: Eagle3Options, ctx: StrategyContext) -> None:
-        self._want_aux = config.aux_hidden_layers
-        super().__init__(config, ctx)
 
     def _head(self) -> Callable[[], nn.Module]:
         """Checks the head's config against the target, settles the draft vocabulary and the
@@ -406,11 +358,8 @@ class Eagle3Strategy(_EagleBase):
             raise StrategyError(
                 f"{self.cfg_file}: draft_vocab_size={Vd} must be in [1, {self.ctx.vocab_size}]"
             )
-        L = int(
-            getattr(self.ctx.target_model, "num_layers", 0)
-            or self.ctx.target_config.num_hidden_layers
-        )
-        layers = self._want_aux
+        L = target_num_layers(self.ctx)
+        layers = self.config.aux_hidden_layers
         eagle_cfg = raw.get("eagle_config") or {}
         if layers is None and isinstance(eagle_cfg, dict):
             layers = eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
@@ -427,18 +376,7 @@ class Eagle3Strategy(_EagleBase):
         return lambda: Eagle3Draft(cfg, t_hidden, Vd, V, own_embed, self.max_positions)
 
     def _load(self) -> None:
-        extra: dict[str, tuple[Path, torch.Tensor]] = {}
-
-        def take(file: Path, key: str, tensor: torch.Tensor) -> bool:
-            if key in ("d2t", "t2d"):
-                extra[key] = (file, tensor)
-                return True
-            return False
-
-        def rename(key: str) -> str:
-            return "midlayer." + key.removeprefix("layers.0.") if key.startswith("layers.0.") else key
-
-        load_head_weights(self.draft, self.folder, rename=rename, take=take, hint=self._key_hint())
+        extra = self._load_weights(prefixes={"layers.0.": "midlayer."}, extra=("d2t", "t2d"))
         V = self.ctx.vocab_size
         file, d2t = extra.get("d2t", (self.folder, None))
         vocab = DraftVocab(d2t, self.draft_vocab, V, self.ctx.device, file)
@@ -446,9 +384,7 @@ class Eagle3Strategy(_EagleBase):
             file, t = extra["t2d"]
             raise StrategyError(f"{file}: t2d has shape {tuple(t.shape)}, expected ({V},)")
         self.targets, self.identity_vocab = vocab.targets, vocab.identity
-        # greedy drafts map the draft argmax through the targets (hot_argmax) when they ascend,
-        # as the EAGLE-3 scripts write d2t
-        self.ascending_targets = vocab.ascending
+        self.ascending_targets = vocab.ascending  # as the EAGLE-3 scripts write d2t: hot_argmax
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.draft.embed_tokens is not None:
@@ -457,10 +393,6 @@ class Eagle3Strategy(_EagleBase):
 
     def features(self, batch: SpecBatch) -> torch.Tensor | None:
         return batch.aux_hidden_states
-
-    @property
-    def feature_width(self) -> int:  # the residual streams of the aux layers, concatenated
-        return len(self.aux_hidden_layers) * self.H_target
 
     def _draft_logits(self, x: torch.Tensor) -> torch.Tensor:  # [rows, H] -> [rows, Vd] fp32
         return norm_logits(x, self.draft.norm, self.draft.lm_head)

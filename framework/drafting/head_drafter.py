@@ -38,12 +38,14 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from speculant import hookimpl
 from speculant.drafting import head_graph
 from speculant.drafting.graphs import GraphCache, to_device_async
 from speculant.drafting.kv_cache import DraftKVCache, SeqCache, cache_slot
 from speculant.drafting.sampling import DraftSampler, split_drafts
+from speculant.hookspecs import Strategy
 from speculant.models.attention import AttentionMetadata, ForwardContext
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
 
@@ -300,7 +302,24 @@ class HeadDrafter:
         return head_graph.capture_all(self, max_num_seqs, progress)
 
 
-class HeadStrategy:
+class HeadOptions(BaseModel):
+    """The options of a :class:`HeadStrategy` (its ``Config``; subclass it to add more):
+    ``model``, the head's checkpoint; ``num_speculative_tokens``, k; ``token_map``, a file of
+    hot token ids for heads that draft through the target's LM head (``target_hot_head``)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field(..., description="folder (or hub id) of the head's checkpoint")
+    num_speculative_tokens: int = Field(5, ge=1, le=64)
+    token_map: str | None = Field(
+        None,
+        description="file of hot token ids (.pt, .json, .npy or .txt; speculant.drafting."
+        "load_token_map): the draft's LM head runs over those rows of the target's head only "
+        "(FR-Spec)",
+    )
+
+
+class HeadStrategy(Strategy):
     """Base class of a strategy that drafts with a :class:`DraftHead`: the ``propose``,
     ``on_requests_finished`` and ``capture_graphs`` hooks, handed to ``self.drafter`` (the
     :class:`HeadDrafter` the subclass builds in ``__init__`` with itself as the head). A subclass
@@ -339,4 +358,4 @@ class HeadStrategy:
         return self.drafter.capture_graphs(max_num_seqs, progress)
 
 
-__all__ = ["CatchUp", "DraftHead", "HeadDrafter", "HeadStrategy", "stage_ints"]
+__all__ = ["CatchUp", "DraftHead", "HeadDrafter", "HeadOptions", "HeadStrategy", "stage_ints"]

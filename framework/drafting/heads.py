@@ -142,34 +142,56 @@ def load_head_weights(
     folder: Path,
     *,
     packed: dict[str, tuple[str, ...]] | None = None,
-    rename: Callable[[str], str] | None = None,
-    take: Callable[[Path, str, torch.Tensor], bool] | None = None,
+    prefixes: dict[str, str] | None = None,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    extra: tuple[str, ...] = (),
     hint: str = "",
-) -> None:
-    """Copy every tensor of the checkpoint in ``folder`` into ``module``'s parameters of the same
-    name. A ``model.`` prefix is dropped, then ``rename`` applied; ``*rotary_emb.inv_freq``
-    buffers are skipped; ``take(file, name, tensor)`` sees each tensor first and returns True for
-    those it handles itself (e.g. shape-checks and drops). ``packed`` maps a fused parameter to
-    the checkpoint's parts (default :data:`LLAMA_PACKED`). Raises StrategyError naming the file,
-    the tensor and the shape the config implies, or the missing and unexpected tensors
-    (``hint`` appended: where the expected names are listed)."""
+) -> dict[str, tuple[Path, torch.Tensor]]:
+    """Copy every tensor of the checkpoint in ``folder`` into ``module``'s parameter of the same
+    name; return the tensors named in ``extra`` as ``{name: (file, tensor)}`` instead.
+
+    A ``model.`` prefix is dropped and a name starting with a key of ``prefixes`` gets its value
+    in its place (``{"layers.0.": "midlayer."}``); ``*rotary_emb.inv_freq`` buffers are skipped;
+    the tensors named in ``shapes`` are only checked against their shape there and dropped (a
+    frozen copy of a target weight). ``packed`` maps a fused parameter to the checkpoint's parts
+    (default :data:`LLAMA_PACKED`). Raises StrategyError naming the file, the tensor and the
+    shape the config implies, or the missing and unexpected tensors (``hint`` appended: where
+    the expected names are listed). E.g. EAGLE-3's: ``load_head_weights(head, folder,
+    prefixes={"layers.0.": "midlayer."}, extra=("d2t", "t2d"))``.
+    """
     files = checkpoint_files(folder)
     source = str(files[0]) if len(files) == 1 else f"{folder} ({', '.join(f.name for f in files)})"
     loader = WeightLoader(module, source, packed=LLAMA_PACKED if packed is None else packed)
-    try:
-        for file, name, tensor in iter_checkpoint(folder):
-            key = name.removeprefix("model.")
-            if rename is not None:
-                key = rename(key)
-            if key.endswith("rotary_emb.inv_freq") or (take is not None and take(file, key, tensor)):
-                continue
-            loader.load(key, tensor)
-    except WeightLoadError as e:
-        raise StrategyError(str(e)) from None
+    shapes, kept = shapes or {}, {}
+    for file, name, tensor in iter_checkpoint(folder):
+        key = name.removeprefix("model.")
+        for old, new in (prefixes or {}).items():
+            if key.startswith(old):
+                key = new + key.removeprefix(old)
+                break
+        if key in extra:
+            kept[key] = (file, tensor)
+        elif key in shapes:
+            if tuple(tensor.shape) != tuple(shapes[key]):
+                raise StrategyError(
+                    f"{file}: {key} has shape {tuple(tensor.shape)}, expected {shapes[key]}"
+                )
+        elif not key.endswith("rotary_emb.inv_freq"):
+            try:
+                loader.load(key, tensor)
+            except WeightLoadError as e:
+                raise StrategyError(f"{e} (checkpoint tensor {name!r} of {file})") from None
     try:
         loader.finish()
     except WeightLoadError as e:
         raise StrategyError(f"{e}{hint}") from None
+    return kept
+
+
+def target_num_layers(ctx: StrategyContext) -> int:
+    """The number of decoder layers of the target model."""
+    n = getattr(ctx.target_model, "num_layers", 0) or ctx.target_config.num_hidden_layers
+    return int(n)
 
 
 class DraftVocab:
@@ -261,4 +283,5 @@ __all__ = [
     "read_head_config",
     "residual_mlp",
     "target_hot_head",
+    "target_num_layers",
 ]
