@@ -203,3 +203,23 @@ def test_chain_graphs_stage_pad_and_slice(monkeypatch):
     assert out.tolist() == [[41, 42], [52, 53], [63, 64]] and seen == [(4, 2)]
     assert g.run(torch.zeros(BUCKETS[-1] + 1, 2), [0] * (BUCKETS[-1] + 1), 2) is None
     assert g.capture(2, 8, progress=False) == 4 and seen[1:] == [(1, 2), (2, 2), (4, 2), (8, 2)]
+
+
+def test_one_weight_file_and_into(tmp_path):
+    """A head stored as one file beside other weights (Medusa's medusa_lm_head.pt) reads by its
+    path; ``into`` receives each checked tensor as read (stacking heads) and nothing is kept."""
+    t = {f"{i}.weight": torch.randn(3, 4) for i in range(2)}
+    (tmp_path / "model.safetensors").write_bytes(b"a base model the head does not use")
+    torch.save(t, str(tmp_path / "medusa_lm_head.pt"))
+    f = tmp_path / "medusa_lm_head.pt"
+    stacked = torch.zeros(2, 4, 3)
+
+    def into(name: str, tensor: torch.Tensor) -> None:
+        stacked[int(name.split(".")[0])].copy_(tensor.t())
+
+    expected = {f"{i}.weight": (3, 4) for i in range(2)}
+    assert read_tensors(f, expected, into=into) == {}
+    assert torch.equal(stacked[1], t["1.weight"].t())
+    with pytest.raises(StrategyError, match=r"medusa_lm_head\.pt: tensor '0\.weight' has shape "
+                       r"\(3, 4\), expected \(3, 5\)"):
+        read_tensors(f, {"0.weight": (3, 5)}, strict=False)

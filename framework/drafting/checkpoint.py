@@ -95,9 +95,14 @@ def read_config_json(folder: Path) -> CheckpointConfig:
 def checkpoint_files(folder: Path) -> list[Path]:
     """The weight files of a checkpoint, in the engine's order of preference:
     ``model.safetensors.index.json`` shards, ``*.safetensors``, ``pytorch_model.bin.index.json``
-    shards, ``pytorch_model*.bin``. Raises StrategyError if there are none or a shard is missing."""
+    shards, ``pytorch_model*.bin``; or ``[folder]`` when ``folder`` is itself a weight file
+    (``.safetensors``, or a ``torch.save`` state dict: ``.bin``, ``.pt``, ``.pth``; e.g. a
+    head stored beside a base model). Raises StrategyError if there are none or a shard is
+    missing."""
     from speculant.models.loader import weight_files
 
+    if folder.is_file():
+        return [folder]
     try:
         return weight_files(folder)
     except FileNotFoundError as e:
@@ -139,7 +144,7 @@ def checkpoint_index(folder: Path) -> dict[str, Path]:
     files = checkpoint_files(folder)
     sharded = "model.safetensors" if files[0].suffix == ".safetensors" else "pytorch_model.bin"
     index = folder / f"{sharded}.index.json"
-    if index.exists():
+    if folder.is_dir() and index.exists():
         try:
             return {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
@@ -181,7 +186,6 @@ def _read(
     folder: Path,
     expected: Mapping[str, Shape],
     store: Callable[[str, torch.Tensor], None],
-    current: Callable[[str], torch.Tensor],
     strip_prefixes: Sequence[str],
     rename: Callable[[str], str | None] | None,
     optional: Collection[str],
@@ -190,7 +194,7 @@ def _read(
     what: str,
 ) -> None:
     targets: dict[Path, list[tuple[str, str]]] = {}  # file -> [(checkpoint key, name)]
-    found: set[str] = set()
+    keys_of: dict[str, int] = {}  # name -> how many checkpoint keys map to it
     unexpected: list[str] = []
     for key, f in checkpoint_index(folder).items():
         name = key
@@ -204,7 +208,7 @@ def _read(
                 continue
         if name in expected:
             targets.setdefault(f, []).append((key, name))
-            found.add(name)
+            keys_of[name] = keys_of.get(name, 0) + 1
         else:
             unexpected.append(f"{key} ({f.name})")
     note = f" ({hint})" if hint else ""
@@ -213,12 +217,12 @@ def _read(
             f"{folder}: {len(unexpected)} unexpected tensor(s) in the {what}: "
             f"{_listed(unexpected, 6)}; expected {_listed(sorted(expected), 6)}{note}"
         )
-    missing = [n for n in expected if n not in found and n not in optional]
+    missing = [n for n in expected if n not in keys_of and n not in optional]
     if missing:
         raise StrategyError(
             f"{folder}: {len(missing)} tensor(s) missing from the {what}: {_listed(missing)}{note}"
         )
-    first: dict[str, tuple[str, Path]] = {}
+    first: dict[str, tuple[str, Path, torch.Tensor | None]] = {}  # tensor kept for tied names
     for f in sorted(targets):
         with _opened(f) as (_keys, shape_of, get):
             for key, name in targets[f]:
@@ -231,15 +235,14 @@ def _read(
                     )
                 tensor = get(key)
                 if name in first:  # another key loads the same name (tied weights): equal
-                    prev = current(name)
-                    if not torch.equal(prev, tensor.to(prev.dtype).to(prev.device)):
-                        k0, f0 = first[name]
+                    k0, f0, t0 = first[name]
+                    if not torch.equal(t0, tensor):
                         raise StrategyError(
                             f"{f}: tensor {key!r} differs from {k0!r} ({f0.name}), which it "
                             f"must equal: both load {name!r}{note}"
                         )
                     continue
-                first[name] = (key, f)
+                first[name] = (key, f, tensor if keys_of[name] > 1 else None)
                 store(name, tensor)
 
 
@@ -255,9 +258,11 @@ def read_tensors(
     what: str = "checkpoint",
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    into: Callable[[str, torch.Tensor], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The tensors of the checkpoint in ``folder``, by name, checked against ``expected`` (name
-    -> shape; ``None`` in a shape matches any size of that dimension).
+    """The tensors of the checkpoint in ``folder`` (a folder, or one weight file: see
+    :func:`checkpoint_files`), by name, checked against ``expected`` (name -> shape; ``None`` in
+    a shape matches any size of that dimension).
 
     Each checkpoint key is mapped to a name: the first of ``strip_prefixes`` it starts with is
     removed, then ``rename(name)`` applies (returning None skips the key silently). Keys whose
@@ -268,6 +273,10 @@ def read_tensors(
     moved to ``device`` if given. ``what`` names the checkpoint in errors (``"Medusa head"``)
     and ``hint`` is appended to them (e.g. the config values the shapes come from).
 
+    ``into``: called as ``into(name, tensor)`` (the tensor as read, before any cast) for each
+    checked tensor instead of collecting them, so only one tensor is held at a time (e.g. to
+    copy heads into one stacked tensor); the result is then an empty dict.
+
     Raises StrategyError naming the file, the key, its shape and the expected shape; or the
     folder and every missing or unexpected key (with its file)."""
     out: dict[str, torch.Tensor] = {}
@@ -276,8 +285,7 @@ def read_tensors(
         out[name] = t.to(device=device, dtype=dtype) if dtype or device else t
 
     _read(
-        folder, expected, store, out.__getitem__, strip_prefixes, rename, optional, strict, hint,
-        what,
+        folder, expected, into or store, strip_prefixes, rename, optional, strict, hint, what
     )
     return out
 
@@ -294,9 +302,9 @@ def load_into(
     what: str = "checkpoint",
 ) -> nn.Module:
     """Fill ``module``'s parameters and buffers (its ``state_dict()`` names and shapes) from the
-    checkpoint in ``folder``, with :func:`read_tensors`'s key mapping, checks and errors; each
-    tensor is copied into place (converted to the parameter's dtype and device) as it is read.
-    Returns ``module``."""
+    checkpoint in ``folder`` (a folder or one weight file), with :func:`read_tensors`'s key
+    mapping, checks and errors; each tensor is copied into place (converted to the parameter's
+    dtype and device) as it is read. Returns ``module``."""
     state = module.state_dict()  # tensors sharing the parameters' storage
     expected = {k: tuple(v.shape) for k, v in state.items()}
 
@@ -304,10 +312,7 @@ def load_into(
         with torch.no_grad():
             state[name].copy_(t)
 
-    _read(
-        folder, expected, store, state.__getitem__, strip_prefixes, rename, optional, strict,
-        hint, what,
-    )
+    _read(folder, expected, store, strip_prefixes, rename, optional, strict, hint, what)
     return module
 
 
