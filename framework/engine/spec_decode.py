@@ -76,6 +76,10 @@ def _build(info: StrategyInfo, config, ctx: StrategyContext):
 
 
 class SpecDecoder:
+    """The speculative decoder of one engine: the chosen strategy, the scorer, the verifier and
+    the modifiers in its own plugin manager, and the step that runs them. It uses the engine
+    only through :class:`~speculant.engine.target.TargetEngine`."""
+
     def __init__(self, engine: TargetEngine, speculative_config: dict) -> None:
         self.engine = engine
         self.spec_config = spec = _parse(speculative_config)
@@ -181,19 +185,12 @@ class SpecDecoder:
 
     # ----------------------------------------------------------------- the step
     def step(self, seqs: list[Sequence]) -> None:
+        """One decode step of ``seqs``: speculative, or plain while speculation is off (a
+        modifier's vote, ``auto_disable``) or nothing was proposed."""
         for s in seqs:
             self.seq_by_id[s.seq_id] = s
         if len(seqs) != self.last_batch_size:
-            votes = self.pm.hook.on_batch_size_change(old_size=self.last_batch_size, new_size=len(seqs))
-            was = self.enabled
-            self.enabled = not any(v is False for v in votes)
-            if was != self.enabled:
-                if self.enabled:
-                    self.total.num_times_enabled += 1
-                else:
-                    self.total.num_times_disabled += 1
-                logger.info("speculation %s at batch size %d", "on" if self.enabled else "off", len(seqs))
-            self.last_batch_size = len(seqs)
+            self._batch_size_changed(len(seqs))
         if self.control is None:
             self._step(seqs, self.enabled)
             return
@@ -205,6 +202,19 @@ class SpecDecoder:
             self.total.num_times_disabled += 1
         elif switched == "on":
             self.total.num_times_enabled += 1
+
+    def _batch_size_changed(self, size: int) -> None:
+        """The ``on_batch_size_change`` vote: speculation runs unless a plugin returns False."""
+        votes = self.pm.hook.on_batch_size_change(old_size=self.last_batch_size, new_size=size)
+        was = self.enabled
+        self.enabled = not any(v is False for v in votes)
+        if was != self.enabled:
+            if self.enabled:
+                self.total.num_times_enabled += 1
+            else:
+                self.total.num_times_disabled += 1
+            logger.info("speculation %s at batch size %d", "on" if self.enabled else "off", size)
+        self.last_batch_size = size
 
     def _step(self, seqs: list[Sequence], speculate: bool) -> None:
         if not speculate:
