@@ -41,6 +41,7 @@ from speculant.drafting import (
     resolve_draft_folder,
     row_argmax,
 )
+from speculant.hookspecs import Strategy
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
 
 logger = logging.getLogger("speculant")
@@ -92,15 +93,14 @@ def _source(cfg) -> str:
     return str(Path(name) / "config.json") if name else "the target model"
 
 
-class DraftModelStrategy:
+class DraftModelStrategy(Strategy):
     name = "draft_model"
     default_for_model = True  # a bare ``model`` in speculative_config means a draft model
 
     Config = DraftModelConfig
 
     def __init__(self, config: DraftModelConfig, ctx: StrategyContext) -> None:
-        self.config = config
-        self.ctx = ctx
+        super().__init__(config, ctx)
         self.num_speculative_tokens = config.num_speculative_tokens
         self.device = ctx.device
         self.dtype = ctx.dtype if config.dtype in (None, "auto") else _DTYPES[config.dtype]
