@@ -196,3 +196,22 @@ def test_eagle_ints_c_equals_python(monkeypatch):
         ext.eagle_ints(got[:-1], *rows, A, Bp, Q, K, W, bs)
     with pytest.raises(ValueError, match=rf"{R} rows \({R + 1} drafting\)"):
         ext.eagle_ints(got, *rows, R + 1, Bp, Q, K, W, bs)
+
+
+def test_one_layout_for_both_one_graph_proposes():
+    """The head's and the draft model's one-graph proposes read one int layout
+    (``drafting.propose_ints``): the same part sizes and the same all-padding call."""
+    import speculant.drafting.draft_graph as draft_graph
+    from speculant.drafting import propose_ints
+
+    for Bp, Q, K, W in [(1, 1, 1, 1), (2, 3, 4, 5), (8, 4, 3, 7), (16, 1, 6, 2)]:
+        sizes = propose_ints.sizes(Bp, Q, K, W)
+        assert sizes == draft_graph._sizes(Bp, Q, K, W)
+        assert len(sizes) == len(propose_ints.PARTS)
+        ours, theirs = np.full(sum(sizes), 7, np.int64), np.full(sum(sizes), 9, np.int64)
+        propose_ints.padding_ints(ours, Bp, Q, K, W)
+        draft_graph.padding_ints(theirs, Bp, Q, K, W)
+        assert ours.tolist() == theirs.tolist()
+        chain = np.full(sum(propose_ints.chain_sizes(Bp, K, W)), 7, np.int64)
+        propose_ints.chain_padding(chain, Bp, K)
+        assert chain.tolist() == ours[sum(sizes[:6]) :].tolist()

@@ -9,20 +9,12 @@ head's public :class:`~speculant.drafting.head_drafter.DraftHead` methods (``cat
 ``greedy``).
 
 Inputs live in two static buffers per key, filled before each replay: ``ints`` (int64, which the
-graph's first kernel copies from a pinned host vector the host writes: ``pinned_copy``) and
-``feats`` ([Bp * Q, F] target features, F = the drafter's ``feature_width``). Padding is that of
-engine/cuda_graph.py: a catch-up of T <= Bp * Q rows over n <= Bp sequences leaves rows T.. as
-padding (token 0, position 0, slot -1, which store_kv skips) and sequences n.. with context
-length 0 and an empty query range (the attention kernel skips them); the chain pads the same
-way (``chain_ints``). Sequences are ordered drafting ones first, so chain row r is catch-up
-sequence r and both read one block-table region.
-
-``ints`` layout (M = Bp * Q rows, S = K - 1)::
-
-    ids [M] | positions [M] | slots [M] | context lens [Bp] | query starts [Bp + 1] |
-    last catch-up row of each drafting sequence [Bp] (padding: 0) |
-    chain ints (``chain_ints``): positions, slots, context lens [S, Bp] each,
-        query starts [Bp + 1], block tables [Bp, W] (also the catch-up's)
+graph's first kernel copies from a pinned host vector the host writes: ``pinned_copy``; the
+layout of :mod:`~speculant.drafting.propose_ints`, which the draft model's one-graph propose
+shares) and ``feats`` ([Bp * Q, F] target features, F = the drafter's ``feature_width``). A
+catch-up of T <= Bp * Q rows over n <= Bp sequences leaves rows T.. and sequences n.. as padding;
+the chain pads the same way (``chain_ints``). Sequences are ordered drafting ones first, so chain
+row r is catch-up sequence r and both read one block-table region.
 
 Calls that do not fit (a catch-up longer than the largest query bucket, more than 256
 sequences, no drafting sequence) return None and the caller runs its eager path.
@@ -37,6 +29,7 @@ import torch
 
 from speculant.drafting.graphs import BUCKETS, bucket, to_device_async
 from speculant.drafting.kv_cache import cache_slot
+from speculant.drafting.propose_ints import chain_padding, chain_sizes, padding_ints, sizes
 from speculant.engine.staging import staging_ext
 from speculant.kernels.stage_copy import pinned_copy
 from speculant.models.attention import AttentionMetadata, ForwardContext
@@ -76,7 +69,7 @@ def chain_ints(rows: list[CatchUp], K: int, Bp: int, W: int, bs: int) -> list[in
 
 
 def fused_ints(
-    out: np.ndarray,  # [n_ints] int64, written in full (layout above)
+    out: np.ndarray,  # [n_ints] int64, written in full (propose_ints layout)
     batch: SpecBatch,
     order: list[CatchUp],  # the ``A`` drafting ones first
     A: int,
@@ -161,8 +154,8 @@ def fused_greedy(
 def _entry(drafter: HeadDrafter, Bp: int, Q: int, K: int, W: int, F: int):
     """(key, its static inputs ([n_ints] device, [Bp * Q, F] features, [n_ints] pinned host),
     the function the graph captures) of one (Bp, Q, K) propose graph."""
-    M, S, dev, graphs = Bp * Q, K - 1, drafter.ctx.device, drafter.graphs
-    n_ints = 3 * M + 3 * Bp + 1 + 3 * S * Bp + Bp + 1 + Bp * W
+    M, dev, graphs = Bp * Q, drafter.ctx.device, drafter.graphs
+    n_ints = sum(sizes(Bp, Q, K, W))
 
     def make():
         return (
@@ -185,7 +178,7 @@ def chain_entry(drafter: HeadDrafter, Bp: int, K: int, W: int):
     """(key, its static inputs ([n_ints] device, [Bp, H] draft states, [n_ints] pinned host),
     the function the graph captures) of one (Bp, K) greedy chain graph."""
     dev, graphs = drafter.ctx.device, drafter.graphs
-    n_ints = 3 * (K - 1) * Bp + Bp + 1 + Bp * W
+    n_ints = sum(chain_sizes(Bp, K, W))
 
     def make():
         return (
@@ -221,23 +214,6 @@ def chain_greedy(drafter: HeadDrafter, x: torch.Tensor, rows: list[CatchUp], K: 
     return out[:A]  # [A, K]
 
 
-def padding_ints(out: np.ndarray, Bp: int, Q: int, K: int, W: int) -> None:
-    """The ints of a call in which every row is padding (the layout above): token 0 at
-    position 0 and slot -1 in the catch-up and in every chain step (no K/V written), context
-    length 0 and empty query ranges everywhere (nothing attended), block tables 0."""
-    out[:] = 0
-    M = Bp * Q
-    out[2 * M : 3 * M] = -1  # catch-up slots
-    chain_padding(out[3 * M + 3 * Bp + 1 :], Bp, K)
-
-
-def chain_padding(out: np.ndarray, Bp: int, K: int) -> None:
-    """``chain_ints`` of no sequence: every step's slots -1, the rest 0."""
-    out[:] = 0
-    S = (K - 1) * Bp
-    out[S : 2 * S] = -1
-
-
 def capture_all(drafter: HeadDrafter, max_seqs: int, progress: bool = True) -> int:
     """Capture now, on padding inputs (nothing written to the draft cache), the greedy propose
     graphs of up to ``max_seqs`` sequences (at most 256) not captured yet: the one-graph
@@ -270,7 +246,7 @@ def capture_all(drafter: HeadDrafter, max_seqs: int, progress: bool = True) -> i
 
 def propose_graph(
     drafter: HeadDrafter,
-    ints: torch.Tensor,  # [n_ints] int64, layout above
+    ints: torch.Tensor,  # [n_ints] int64, the propose_ints layout
     feats: torch.Tensor,  # [Bp * Q, F] the target's features, catch-up rows first
     Bp: int,
     Q: int,
