@@ -165,3 +165,23 @@ def test_default_model_with_random_heads_is_lossless(smollm, tmp_path):
               speculative_config={"method": "medusa", "model": str(head)})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
     assert llm.get_metrics().num_draft_tokens > 0
+
+
+def test_demo_methods(tmp_path, llama, prompts, reference):
+    """`speculant demo --methods`: NAME=CHECKPOINT passes the checkpoint; medusa alone gets
+    untrained heads built for the target (demo.untrained_medusa_head), labelled medusa*."""
+    from types import SimpleNamespace
+
+    from speculant.demo import _method_config
+
+    assert _method_config("ngram", 4, None, tmp_path) == (
+        "ngram", {"method": "ngram", "num_speculative_tokens": 4})
+    assert _method_config("eagle=/x/head", 3, None, tmp_path) == (
+        "eagle", {"method": "eagle", "num_speculative_tokens": 3, "model": "/x/head"})
+    base = SimpleNamespace(engine=SimpleNamespace(hf_config=SimpleNamespace(hidden_size=64),
+                                                  vocab_size=BIG_V))
+    label, spec = _method_config("medusa", 2, base, tmp_path)
+    assert label == "medusa*" and spec["model"] == str(tmp_path / "medusa")
+    llm = LLM(model=str(llama), max_num_seqs=8, speculative_config=spec)
+    assert llm.engine.spec.k == 2
+    assert generate_ids(llm, prompts[:2], greedy(20)) == reference[:2]
