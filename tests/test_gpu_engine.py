@@ -288,7 +288,7 @@ def test_prefill_graphs_equal_torch_path(target, heads, torch_path_greedy, kind,
         out = _generate(llm, GREEDY)
         runners = [llm.engine.runner]
         if kind != "plain":
-            runners.append(llm.engine.spec.strategy.runner)
+            runners.append(llm.engine.spec.strategy.runner._runner)  # its forwards' runner
         for r in runners:
             g = r.graphs
             prefill = [key for key in g.graphs if key[2] > g.max_query]  # (B, M, Q, aux, head)
