@@ -149,8 +149,11 @@ class DraftRunner:
     ``max_num_seqs`` sequences of ``max_len``, capped at 1 GiB on CPU and half the free memory
     on CUDA); ``greedy``: the LM head and argmax, final hidden states [rows, hidden] -> tokens
     [rows] int64 (default ``row_argmax(model.compute_logits(h))``; a strategy with a token map
-    passes its own), which the one-graph greedy propose captures. Methods that run the model
-    expect ``torch.inference_mode()`` (the hooks' own). A propose::
+    passes its own), which the one-graph greedy propose captures; ``what``: the graphs' name in
+    log messages. Attributes: ``states`` (sequence id -> :class:`DraftState`), ``block_manager``
+    (its free blocks), ``graphs`` (the :class:`~speculant.drafting.GraphCache` of the one-graph
+    proposes). Methods that run the model expect ``torch.inference_mode()`` (the hooks' own).
+    A propose::
 
         batch = runner.prepare(spec_batch.seqs)
         drafts = runner.propose_greedy(batch)  # one CUDA graph; None: run the eager path
