@@ -56,6 +56,19 @@ def test_greedy_matches_plain_decoding(tmp_path, llama, prompts, reference, layo
     assert llm.get_metrics().num_draft_tokens > 0
 
 
+def test_greedy_rows_beside_sampled_ones(tmp_path, llama, prompts, reference):
+    """One batch of greedy and sampled requests: the greedy ones still give plain decoding's
+    output (DraftSampler: argmax and a one-hot q for them, samples for the others)."""
+    head = make_medusa(tmp_path / "mix", heads=3, seed=8)
+    llm = LLM(model=str(llama), max_num_seqs=8, seed=3, speculative_config={"model": str(head)})
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=20, ignore_eos=True)
+    params = [greedy(20) if i % 2 == 0 else sampled for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got[0::2] == reference[0::2]
+    assert all(len(g) == 20 for g in got[1::2])
+
+
 def test_head_file_beside_the_full_model(tmp_path, llama, prompts, reference):
     """A Medusa-2 folder holds the fine-tuned base model too: medusa_lm_head.* is what loads."""
     from safetensors.torch import save_file
@@ -112,7 +125,8 @@ def test_bad_heads_are_refused(tmp_path, llama):
 
     other = make_medusa(tmp_path / "h32", hidden=32)  # trained for a target of hidden size 32
     with pytest.raises(StrategyError, match=r"h32/medusa_lm_head\.safetensors: tensor "
-                       r"'0\.0\.linear\.bias' has shape \(32,\), expected \(64,\) .*hidden size 64"):
+                       r"'0\.0\.linear\.bias' has shape \(32,\), expected \(64,\) "
+                       r".*hidden size 64"):
         build(other)
     vocab = make_medusa(tmp_path / "v", vocab=1000, layout="vllm")
     with pytest.raises(StrategyError, match=r"model\.safetensors: tensor 'lm_heads\.0\.weight' "

@@ -1,6 +1,7 @@
 """Medusa-1 heads (Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple
 Decoding Heads", arXiv 2401.10774) as a third-party speculant strategy, written only against
-speculant's public API (``speculant``, ``speculant.spec_types``, ``speculant.drafting``).
+speculant's public API (``speculant``, ``speculant.hookspecs``, ``speculant.spec_types``,
+``speculant.drafting``).
 
 Head i reads the target's hidden state ``h`` of the position that produced the last token (the
 LM head's input) and predicts the token i + 1 positions after it::
@@ -59,7 +60,9 @@ __version__ = "0.1.0"
 
 HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # FasterDecoding's file names
 _FASTER = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.)?(weight|bias)$")
-_VLLM = re.compile(r"^(?:medusa_heads\.)?(?:blocks\.(\d+)\.layers\.(\d+)|lm_heads\.(\d+))\.(weight|bias)$")
+_VLLM = re.compile(
+    r"^(?:medusa_heads\.)?(?:blocks\.(\d+)\.layers\.(\d+)|lm_heads\.(\d+))\.(weight|bias)$"
+)
 
 
 def _param(key: str, layers: int) -> str | None:
@@ -140,10 +143,10 @@ def load_heads(folder: Path, cfg: CheckpointConfig, hidden: int, vocab: int,
         expected[f"w1.{i}.{j}"] = (hidden, hidden)
         if bias:
             expected[f"b1.{i}.{j}"] = (hidden,)
-    stacked = {  # filled below, key by key
-        "w1": torch.zeros(heads, layers, hidden, hidden, device=device, dtype=dtype),  # W1^T
+    stacked = {  # filled below, key by key; w1 and w2 transposed
+        "w1": torch.zeros(heads, layers, hidden, hidden, device=device, dtype=dtype),
         "b1": torch.zeros(heads, layers, hidden, device=device, dtype=dtype),
-        "w2": torch.zeros(1 if shared else heads, hidden, vocab, device=device, dtype=dtype),  # W2^T
+        "w2": torch.zeros(1 if shared else heads, hidden, vocab, device=device, dtype=dtype),
     }
     loaded: set[str] = set()
     unexpected: list[str] = []
