@@ -63,17 +63,18 @@ class DraftHead(Protocol):
         feats: torch.Tensor,  # [rows, F] the target's features at position p
         positions: torch.Tensor,  # [rows] int64: p
         fctx: ForwardContext,
-    ) -> torch.Tensor:  # [rows, H] the draft state that predicts the token at p + 2
-        """The head's forward over verified positions, with the target's features."""
+    ) -> torch.Tensor:  # [rows, H] draft states: they predict the token at p + 2
+        """The head's forward over verified positions, with the target's features. A row's
+        output stands in for the target's feature at p + 1 in the next draft step."""
         ...
 
     def step(
         self,
         tokens: torch.Tensor,  # [rows] int64: the draft just chosen, at position p + 1
-        x: torch.Tensor,  # [rows, H] the draft state that chose it (position p)
+        x: torch.Tensor,  # [rows, H] the draft state that chose it (the feature at p)
         positions: torch.Tensor,  # [rows] int64: p
         fctx: ForwardContext,
-    ) -> torch.Tensor:  # [rows, H] the next draft state
+    ) -> torch.Tensor:  # [rows, H] the next draft state (predicts the token at p + 2)
         """One autoregressive draft step, the head's own state in place of the features."""
         ...
 
@@ -124,7 +125,8 @@ class HeadDrafter:
     ``hidden_size``: the head's draft-state width H; ``feature_width``: that of the target
     features ``propose`` gets (F); ``max_positions``: the most positions a sequence reaches
     (the graphs' block-table width follows from it); ``name``: for the capture progress bar;
-    ``label``: names the head in warnings (default ``name``); ``seed_offset``: added to ``ctx.seed`` for the draft sampler's generator."""
+    ``label``: names the head in warnings (default ``name``); ``seed_offset``: added to
+    ``ctx.seed`` for the draft sampler's generator."""
 
     def __init__(
         self,
@@ -189,7 +191,8 @@ class HeadDrafter:
                     p.st.valid = p.n - 1
                 rows = [p for p in plan if p.k > 0]
                 ids = [p.i for p in rows]
-                return Proposal(token_ids=split_drafts(toks, ids, [p.k for p in rows], B, self.graphs))
+                drafts = split_drafts(toks, ids, [p.k for p in rows], B, self.graphs)
+                return Proposal(token_ids=drafts)
         W = max(len(p.st.table) for p in plan)
         x = self.catch_up(batch, feats, plan, W)  # [drafting sequences, H]
         rows = [p for p in plan if p.k > 0]

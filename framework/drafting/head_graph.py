@@ -197,7 +197,12 @@ def chain_entry(drafter: HeadDrafter, Bp: int, K: int, W: int):
     return key, bufs, fn
 
 
-def chain_greedy(drafter: HeadDrafter, x: torch.Tensor, rows: list[CatchUp], K: int) -> torch.Tensor:
+def chain_greedy(
+    drafter: HeadDrafter,
+    x: torch.Tensor,  # [len(rows), H] the draft states of the drafting sequences
+    rows: list[CatchUp],
+    K: int,
+) -> torch.Tensor:  # [len(rows), K]
     """The K greedy draft steps from the draft states ``x`` [len(rows), H] as one CUDA graph
     replay (batch padded to a bucket, block tables to the widest a sequence can have):
     [len(rows), K] drafts."""

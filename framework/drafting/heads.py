@@ -38,7 +38,10 @@ from speculant.models.weights import WeightLoader, WeightLoadError
 from speculant.spec_types import StrategyContext, StrategyError
 
 # checkpoint names -> the fused parameters of LlamaAttention and LlamaMLP
-LLAMA_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+LLAMA_PACKED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 
 def llama_head_dim(config: Any) -> int:
