@@ -340,24 +340,29 @@ class HeadStrategy(Strategy):
 
     @property
     def cache(self) -> DraftKVCache:
+        """The drafter's KV cache."""
         return self.drafter.cache
 
     @property
     def graphs(self) -> GraphCache:
+        """The drafter's CUDA graphs (``enabled`` False on the CPU or with ``enforce_eager``)."""
         return self.drafter.graphs
 
     @hookimpl
     def on_requests_finished(self, seq_ids: list[int]) -> None:
+        """Release the finished sequences' blocks of the cache."""
         self.drafter.cache.free(seq_ids)
 
     @hookimpl
     @torch.inference_mode()
     def propose(self, batch: SpecBatch) -> Proposal:
+        """The drafter's proposal from ``features(batch)``."""
         return self.drafter.propose(batch, self.features(batch))
 
     @hookimpl
     @torch.inference_mode()
     def capture_graphs(self, max_num_seqs: int, progress: bool) -> int:
+        """The drafter's one-graph proposes and chains, captured at start-up."""
         return self.drafter.capture_graphs(max_num_seqs, progress)
 
 
