@@ -129,6 +129,11 @@ def test_bad_heads_are_refused(tmp_path, llama):
                        r".*hidden size 64"):
         build(other)
     vocab = make_medusa(tmp_path / "v", vocab=1000, layout="vllm")
+    with pytest.raises(StrategyError, match=r"v/config\.json: vocab_size=1000 but the target "
+                       r"model's vocabulary size is 49152"):
+        build(vocab)
+    (vocab / "config.json").write_text('{"model_type": "medusa", "num_heads": 3, '
+                                       '"medusa_fc_bias": true}')  # no sizes: the tensors tell
     with pytest.raises(StrategyError, match=r"model\.safetensors: tensor 'lm_heads\.0\.weight' "
                        r"has shape \(1000, 64\), expected \(49152, 64\)"):
         build(vocab)

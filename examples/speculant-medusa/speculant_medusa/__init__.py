@@ -135,6 +135,10 @@ def load_heads(folder: Path, cfg: CheckpointConfig, hidden: int, vocab: int,
                             "num_heads)")
     heads = cfg.field("medusa_num_heads" if faster else "num_heads", int, minimum=1)
     layers = cfg.field("medusa_num_layers" if faster else "num_hidden_layers", int, 1, minimum=0)
+    for name, value, what in (("hidden_size", hidden, "hidden size"), ("vocab_size", vocab,
+                                                                        "vocabulary size")):
+        if name in cfg:  # vLLM's layout has them; FasterDecoding's names the base model only
+            cfg.check_target(name, value, what)
     bias = faster or cfg.field("medusa_fc_bias", bool, False)
     shared = not faster and cfg.field("original_lm_head", bool, False)
     expected: dict[str, tuple[int, ...]] = {f"w2.{i}": (vocab, hidden)
