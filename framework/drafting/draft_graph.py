@@ -20,12 +20,9 @@ catch-up of T <= Bp * Q rows over A <= Bp sequences leaves rows T.. as padding (
 A sequence that drafts fewer than K tokens runs the steps it does not use without writing K/V
 (slot -1, position 0, context: its catch-up's): its output there is dropped.
 
-All inputs are one int64 buffer per key, which the graph's first kernel copies from a pinned host
-vector of its own (``pinned_copy``: the host only writes that vector; M = Bp * Q, S = K - 1)::
-
-    ids [M] | positions [M] | slots [M] | context lens [Bp] | query starts [Bp + 1] |
-    last catch-up row of each sequence [Bp] | step positions [S, Bp] | step slots [S, Bp] |
-    step context lens [S, Bp] | step query starts [Bp + 1] | block tables [Bp, W]
+All inputs are one int64 buffer per key in the layout of :mod:`~speculant.drafting.propose_ints`
+(the head's one-graph propose reads the same), which the graph's first kernel copies from a
+pinned host vector of its own (``pinned_copy``: the host only writes that vector).
 """
 
 from __future__ import annotations
@@ -36,6 +33,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from speculant.drafting.propose_ints import padding_ints
+from speculant.drafting.propose_ints import sizes as _sizes
 from speculant.engine.staging import staging_ext
 from speculant.kernels.logprobs import row_argmax
 from speculant.kernels.stage_copy import pinned_copy
@@ -55,13 +54,8 @@ def shapes(runner: DraftRunner) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     return runner.graph_shapes()
 
 
-def _sizes(Bp: int, Q: int, K: int, W: int) -> list[int]:
-    M, S = Bp * Q, K - 1
-    return [M, M, M, Bp, Bp + 1, Bp, S * Bp, S * Bp, S * Bp, Bp + 1, Bp * W]
-
-
 def fused_ints(
-    out: np.ndarray,  # [sum(_sizes)] int64, written in full (layout above)
+    out: np.ndarray,  # [sum(_sizes)] int64, written in full (the propose_ints layout)
     states: list[DraftState],  # each drafting sequence's (num_cached_tokens: before the catch-up)
     feeds: list[list[int]],  # catch-up tokens of each
     ks: list[int],  # drafts of each (1..K)
@@ -151,7 +145,7 @@ def _fctx(
 def propose_graph(
     model,
     kv_caches: list,  # per layer (k_cache, v_cache) [num_blocks, bs, nkv, d] each
-    ints: torch.Tensor,  # [n_ints] int64, layout above
+    ints: torch.Tensor,  # [n_ints] int64, the propose_ints layout
     Bp: int,
     Q: int,
     K: int,
@@ -226,17 +220,6 @@ def _entry(runner: DraftRunner, Bp: int, Q: int, K: int, W: int):
         return propose_graph(model, kv, ints, Bp, Q, K, W, bs, greedy)
 
     return (Bp, Q, K), bufs, whole
-
-
-def padding_ints(out: np.ndarray, Bp: int, Q: int, K: int, W: int) -> None:
-    """The ints of a call in which every row is padding (the layout above): token 0 at position
-    0, slot -1 in the catch-up and in every step (no K/V written), context length 0 and empty
-    query ranges everywhere (nothing attended), block tables 0."""
-    out[:] = 0
-    M, S = Bp * Q, (K - 1) * Bp
-    out[2 * M : 3 * M] = -1  # catch-up slots
-    o = 3 * M + 3 * Bp + 1 + S  # after ids, positions, slots, lens, starts, last, step positions
-    out[o : o + S] = -1  # step slots
 
 
 def startup_keys(runner: DraftRunner, max_seqs: int) -> list[tuple[int, int, int]]:
