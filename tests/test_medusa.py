@@ -207,3 +207,14 @@ def test_demo_methods(tmp_path, llama, prompts, reference):
     llm = LLM(model=str(llama), max_num_seqs=8, speculative_config=spec)
     assert llm.engine.spec.k == 2
     assert generate_ids(llm, prompts[:2], greedy(20)) == reference[:2]
+
+
+def test_demo_does_not_retime_untrained_heads(monkeypatch, capsys):
+    """Untrained heads (medusa*) are slower by construction: the demo says why once, and neither
+    re-times their categories nor flags them as a busy machine's noise."""
+    from test_cpu_threads import _demo
+
+    rc, out, calls = _demo(monkeypatch, capsys, lambda m, c, n: 1.0 if m == "none" else 2.0,
+                           methods=["medusa*"], repeats=1, retime=3)
+    assert rc == 0 and "untrained Medusa heads" in out and "SLOWER" not in out
+    assert calls[("medusa*", "qa", 128)] == calls[("none", "qa", 128)] == 1
