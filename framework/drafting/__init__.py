@@ -12,7 +12,6 @@ all, so ``from speculant.drafting import X`` is the one spelling plugins use.
 from __future__ import annotations
 
 from speculant.drafting import (
-    blocks,
     checkpoint,
     graphs,
     head_drafter,
@@ -23,7 +22,6 @@ from speculant.drafting import (
     token_map,
     verification,
 )
-from speculant.drafting.blocks import *  # noqa: F403
 from speculant.drafting.checkpoint import *  # noqa: F403
 from speculant.drafting.graphs import *  # noqa: F403
 from speculant.drafting.head_drafter import *  # noqa: F403
@@ -36,5 +34,5 @@ from speculant.drafting.verification import *  # noqa: F403
 from speculant.spec_types import StrategyError
 
 _MODULES = (checkpoint, graphs, kv_cache, heads, head_drafter, runner, sampling, token_map,
-            verification, blocks)
+            verification)
 __all__ = ["StrategyError", *(name for m in _MODULES for name in m.__all__)]

@@ -5,17 +5,10 @@ a :class:`~speculant.drafting.head_drafter.HeadDrafter` passes in, and the chore
 the head's Llama ``config.json``, building it without a random initialisation, loading its
 checkpoint with clear errors, and the target's LM head restricted to a token map.
 
-The layers (``config`` is a ``transformers`` Llama config; ``rope`` one shared
-:class:`RotaryEmbedding`; ``fctx`` a :class:`ForwardContext`; tensors ``[tokens, hidden]``):
-
-- ``RMSNorm(hidden_size, eps)``: ``x -> [tokens, hidden]``.
-- ``RotaryEmbedding(config, head_dim, max_positions)``: applied inside the attention.
-- ``LlamaAttention(config, layer_idx, rope, qkv_bias)``: ``(positions [tokens], x, fctx) ->
-  [tokens, hidden]``; fused ``qkv_proj`` (q, k, v rows), K/V stored in cache layer
-  ``layer_idx``.
-- ``LlamaMLP(config)``: ``x -> [tokens, hidden]``; fused ``gate_up_proj``.
-- ``LlamaDecoderLayer(config, layer_idx, rope, qkv_bias)``: ``(positions, x, fctx) -> x``, the
-  residual stream in and out.
+The layers (:class:`RMSNorm`, :class:`RotaryEmbedding`, :class:`LlamaAttention`,
+:class:`LlamaMLP`, :class:`LlamaDecoderLayer`) take a ``transformers`` Llama ``config``, one
+``rope`` shared by a head's attention layers, and in their forward the ``fctx``
+(:class:`ForwardContext`) the drafter passes to the head.
 """
 
 from __future__ import annotations
@@ -31,11 +24,39 @@ from speculant.drafting.checkpoint import checkpoint_files, iter_checkpoint, tar
 from speculant.drafting.token_map import HotHead, TokenMapError, load_token_map
 from speculant.kernels.gemv import gemv
 from speculant.models import fused
+from speculant.models import layers as _layers
+from speculant.models import llama as _llama
 from speculant.models.attention import ForwardContext
-from speculant.models.layers import RMSNorm, RotaryEmbedding
-from speculant.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, mlp_gemv
+from speculant.models.layers import RotaryEmbedding
+from speculant.models.llama import mlp_gemv
 from speculant.models.weights import WeightLoader, WeightLoadError
 from speculant.spec_types import StrategyContext, StrategyError
+
+
+class RMSNorm(_layers.RMSNorm):
+    """RMS normalisation with a learned scale, ``RMSNorm(hidden_size, eps)``: ``x [tokens,
+    hidden] -> x * rsqrt(mean(x ** 2) + eps) * weight`` (a fused kernel on CUDA)."""
+
+
+class LlamaAttention(_llama.LlamaAttention):
+    """Llama self-attention over a paged KV cache, ``LlamaAttention(config, layer_idx, rope,
+    qkv_bias)``: ``(positions [tokens], x [tokens, hidden], fctx) -> [tokens, hidden]``. One fused
+    ``qkv_proj`` (q, k, v rows: ``q_size + 2 * kv_size``; replace it for a wider input, as
+    EAGLE-3 does), ``o_proj``; K/V stored in and read from cache layer ``layer_idx`` of ``fctx``'s
+    ``kv_caches``; RoPE from the shared ``rope``."""
+
+
+class LlamaMLP(_llama.LlamaMLP):
+    """The gated Llama MLP, ``LlamaMLP(config)``: ``x [tokens, hidden] -> down(act(gate(x)) *
+    up(x))``, gate and up fused in ``gate_up_proj``."""
+
+
+class LlamaDecoderLayer(_llama.LlamaDecoderLayer):
+    """One Llama decoder layer, ``LlamaDecoderLayer(config, layer_idx, rope, qkv_bias)``:
+    ``(positions [tokens], x [tokens, hidden], fctx) -> [tokens, hidden]``, the residual stream
+    in and out (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``). A
+    one-row step on CUDA runs its MLP as GEMVs with the norm fused in."""
+
 
 # checkpoint names -> the fused parameters of LlamaAttention and LlamaMLP
 LLAMA_PACKED = {
@@ -58,8 +79,8 @@ def llama_qkv_bias(config: Any) -> bool:
 
 
 def residual_mlp(
-    mlp: LlamaMLP,
-    norm: RMSNorm,
+    mlp: _llama.LlamaMLP,
+    norm: _layers.RMSNorm,
     a: torch.Tensor,  # [tokens, hidden] the attention output
     residual: torch.Tensor,  # [tokens, hidden] the residual stream before it
 ) -> torch.Tensor:  # [tokens, hidden]
@@ -74,7 +95,7 @@ def residual_mlp(
 
 def norm_logits(
     x: torch.Tensor,  # [rows, hidden]
-    norm: RMSNorm,
+    norm: _layers.RMSNorm,
     head: nn.Linear,  # weight [vocab, hidden]
 ) -> torch.Tensor:  # [rows, vocab] float32
     """``head(norm(x))`` in float32: a head's own final norm and LM head. One row on CUDA runs as
