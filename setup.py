@@ -13,9 +13,9 @@ setup(
         # uses BLAS.
         Extension("speculant._cpu_kernels", ["framework/csrc/cpu_kernels.c"],
                   extra_compile_args=["-O3"], optional=True),
-        # Host staging of CUDA-graph inputs (framework/csrc/staging.c: plugins/draft_graph.py,
-        # eagle_graph.py, engine/cuda_graph.py). Optional: without it the same inputs are
-        # built in Python.
+        # Host staging of CUDA-graph inputs (framework/csrc/staging.c: drafting/draft_graph.py,
+        # drafting/head_graph.py, engine/cuda_graph.py). Optional: without it the same inputs
+        # are built in Python.
         Extension("speculant._staging", ["framework/csrc/staging.c"],
                   extra_compile_args=["-O2"], optional=True),
     ],

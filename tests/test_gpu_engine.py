@@ -454,7 +454,7 @@ def test_random_sampling_runs_and_is_reproducible(target, heads, kind, monkeypat
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_eagle_one_graph_propose_equals_eager(tiny_factory, target, heads, kind, monkeypatch):
-    """The whole greedy propose as one CUDA graph (plugins/eagle_graph.py: catch-up, gather,
+    """The whole greedy propose as one CUDA graph (drafting/head_graph.py: catch-up, gather,
     K draft steps) proposes exactly the drafts of the eager propose, step for step."""
     monkeypatch.delenv("SPECULANT_DISABLE_TRITON", raising=False)
     tgt = target
@@ -487,7 +487,7 @@ def test_eagle_one_graph_propose_equals_eager(tiny_factory, target, heads, kind,
 
 
 def test_draft_model_one_graph_propose_equals_eager(target, draft, monkeypatch):
-    """The whole greedy draft-model propose as one CUDA graph (plugins/draft_graph.py: catch-up,
+    """The whole greedy draft-model propose as one CUDA graph (drafting/draft_graph.py: catch-up,
     gather, k draft steps) proposes exactly the drafts of the eager propose (the draft runner's
     graph per forward, LM head and argmax outside), step for step; the draft is the target too,
     so catch-ups of accepted drafts (query bucket 2) are exercised as well as bonus-only ones."""

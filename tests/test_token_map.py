@@ -1,4 +1,4 @@
-"""Token maps (frequency-ranked draft vocabulary, FR-Spec; plugins/token_map.py): the file loader
+"""Token maps (frequency-ranked draft vocabulary, FR-Spec; drafting/token_map.py): the file loader
 and its errors, the builder and the ``speculant token-map`` command, and the ``token_map`` option of
 EAGLE-1, MLPSpeculator and draft_model on tiny random checkpoints (tests/checkpoints.py): greedy
 output identical to plain decoding, every draft inside the hot set (in the eager path and in the
@@ -340,7 +340,7 @@ def test_sampled_run_with_token_map(target, heads, hot_file, method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_one_graph_greedy_propose_uses_the_token_map(target, heads, hot_file, method, monkeypatch):
-    """The greedy draft loops that run as one CUDA graph on a GPU (eagle_graph.py, draft_graph.py,
+    """The greedy draft loops that run as one CUDA graph on a GPU (head_graph.py, draft_graph.py,
     MLPSpeculatorStrategy._greedy_graph), here run eagerly on the CPU: they draft hot tokens only
     and the output stays the plain greedy output."""
     monkeypatch.setattr(attention_mod, "attention", _kernel_attention)
@@ -641,7 +641,7 @@ def _no_full_rows(*args, **kw):
 def test_greedy_drafts_equal_full_row_argmax_drafts(target, heads, hot_file, plain, method, graph,
                                                      monkeypatch):  # fmt: skip
     """Whole greedy runs on tie-laden heads, in the eager path and in the one-graph greedy
-    propose (draft_graph.py, eagle_graph.py, the MLPSpeculator's and EAGLE's greedy graphs, run
+    propose (draft_graph.py, head_graph.py, the MLPSpeculator's and EAGLE's greedy graphs, run
     eagerly on the CPU): every draft of every step equals that of a run taking the argmax of
     full-vocabulary rows, and the greedy run builds no full-vocabulary row at all."""
     if graph:

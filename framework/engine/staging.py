@@ -24,7 +24,7 @@ def staging_ext():
     """The C staging of CUDA-graph int inputs (``speculant._staging``, framework/csrc/staging.c:
     the one-graph proposes' ``draft_ints`` and ``eagle_ints``, the engine forwards'
     ``ring_ints``), or None where it was not built (it is an optional extension; read once).
-    Without it ``draft_graph`` and ``eagle_graph``'s ``fused_ints`` and
+    Without it ``drafting.draft_graph`` and ``drafting.head_graph``'s ``fused_ints`` and
     ``CudaGraphRunner._fill_small`` build the same inputs in Python, which the tests compare with
     the C value for value."""
     global _ext
