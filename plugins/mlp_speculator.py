@@ -43,7 +43,6 @@ emb_dim``; those extra stages were never trained, so expect low acceptance for t
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 from pathlib import Path
@@ -63,6 +62,7 @@ from speculant.drafting import (
     ascending_ids,
     hot_argmax,
     keep_rows,
+    last_hidden_rows,
     linear,
     load_into,
     load_token_map,
@@ -287,26 +287,13 @@ class MLPSpeculatorStrategy(Strategy):
     @torch.inference_mode()
     def propose(self, batch: SpecBatch) -> Proposal:
         B = len(batch.seqs)
-        hs = batch.hidden_states
-        if hs is None or not B:
+        rows, state = last_hidden_rows(batch)  # state: [rows, emb_dim]
+        if state is None:
             return Proposal(token_ids=[[] for _ in range(B)])
-        ends = [e - 1 for e in itertools.accumulate(batch.hidden_counts)]
-        rows = [
-            i
-            for i, (s, c) in enumerate(zip(batch.seqs, batch.hidden_counts))
-            if c > 0 and s.max_draft > 0
-        ]
-        if not rows:
-            return Proposal(token_ids=[[] for _ in range(B)])
-        dev = hs.device
+        dev = state.device
         # every row runs max(want) stages (the stages of a row depend on that row only)
         want = [min(batch.seqs[i].max_draft, self.num_speculative_tokens) for i in rows]
         K = max(want)
-        last = [ends[i] for i in rows]
-        if last == list(range(hs.shape[0])):  # one state per sequence, all drafted: no gather
-            state = hs  # [rows, emb_dim]
-        else:
-            state = hs[to_device_async(last, torch.long, dev)]  # [rows, emb_dim]
         tokens = [batch.seqs[i].token_ids[-1] for i in rows]
         sampler = DraftSampler([batch.seqs[i] for i in rows], want, self.generator, dev)
         out = self.graphs.run(state, tokens, K) if sampler.all_greedy else None  # [rows, K]

@@ -223,3 +223,27 @@ def test_one_weight_file_and_into(tmp_path):
     with pytest.raises(StrategyError, match=r"medusa_lm_head\.pt: tensor '0\.weight' has shape "
                        r"\(3, 4\), expected \(3, 5\)"):
         read_tensors(f, {"0.weight": (3, 5)}, strict=False)
+
+
+# --------------------------------------------------------------------------------------------
+# the rows a head on the target's last hidden state drafts from
+# --------------------------------------------------------------------------------------------
+def test_last_hidden_rows():
+    """The last of each drafting sequence's rows of ``hidden_states``; sequences without rows or
+    without drafts this step are left out; one state per sequence, all drafting: no gather."""
+    from speculant import SamplingParams
+    from speculant.drafting import last_hidden_rows
+    from speculant.spec_types import SpecBatch, SpecSequence
+
+    seqs = [SpecSequence(i, [1, 2], 1, 2, SamplingParams(temperature=0)) for i in range(4)]
+    seqs[2].max_draft = 0
+    hs = torch.arange(7.0)[:, None].expand(7, 3)  # [rows, hidden]: row r holds r
+    batch = SpecBatch(seqs, hidden_states=hs, hidden_counts=[3, 0, 2, 2])
+    rows, state = last_hidden_rows(batch)
+    assert rows == [0, 3] and state[:, 0].tolist() == [2.0, 6.0]
+    decode = SpecBatch(seqs[:2], hidden_states=hs[:2], hidden_counts=[1, 1])
+    rows, state = last_hidden_rows(decode)
+    assert rows == [0, 1] and state is decode.hidden_states
+    assert last_hidden_rows(SpecBatch(seqs[2:3], hidden_states=hs[:1], hidden_counts=[1])) == (
+        [], None)
+    assert last_hidden_rows(SpecBatch(seqs[:1], hidden_counts=[1])) == ([], None)

@@ -143,10 +143,15 @@ def test_bad_heads_are_refused(tmp_path, llama):
     with pytest.raises(StrategyError, match="unknown option"):
         build(ok, token_map="hot.pt")
     (tmp_path / "ok" / "config.json").write_text('{"medusa_num_heads": 3, "medusa_num_layers": 1}')
-    with pytest.raises(StrategyError, match=r"3 heads of 1 residual blocks.*unexpected tensors "
-                       r"none, missing \['2\.1\.weight', '2\.0\.linear\.weight', "
-                       r"'2\.0\.linear\.bias'\]"):
+    with pytest.raises(StrategyError, match=r"ok/medusa_lm_head\.safetensors: 3 tensor\(s\) "
+                       r"missing from the Medusa head: 2\.1\.weight, 2\.0\.linear\.weight, "
+                       r"2\.0\.linear\.bias \(.*ok/config\.json describes 3 heads of 1 residual"):
         build(ok)
+    (tmp_path / "ok" / "config.json").write_text('{"medusa_num_heads": 1, "medusa_num_layers": 1}')
+    with pytest.raises(StrategyError, match=r"ok/medusa_lm_head\.safetensors: 3 unexpected "
+                       r"tensor\(s\) in the Medusa head: 1\.0\.linear\.bias "
+                       r"\(medusa_lm_head\.safetensors\), 1\.0\.linear\.weight"):
+        build(ok)  # head 1's tensors, beyond the one head config.json describes
 
 
 def test_not_a_medusa_folder(tmp_path, llama):

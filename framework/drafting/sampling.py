@@ -1,10 +1,14 @@
-"""Draft sampling that keeps the draft distribution ``q`` the lossless verifier needs
-(:class:`DraftSampler`), reading a call's drafts back to the host (:func:`split_drafts`), and
+"""The rows a head conditioned on the target's last hidden state drafts from
+(:func:`last_hidden_rows`), draft sampling that keeps the draft distribution ``q`` the lossless
+verifier needs (:class:`DraftSampler`), reading a call's drafts back to the host
+(:func:`split_drafts`), and
 the two public kernel launchers a draft head's step runs: :func:`linear` (the head product, the
 one-row GEMV kernel on CUDA) and :func:`row_argmax` (the greedy token of each row). Both are
 capturable in a CUDA graph and fall back to torch on the CPU."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +17,35 @@ from speculant.drafting.graphs import GraphCache, to_device_async
 from speculant.engine.staging import read_back
 from speculant.kernels.logprobs import row_argmax
 from speculant.models.fused import linear
-from speculant.spec_types import SpecSequence
+from speculant.spec_types import SpecBatch, SpecSequence
+
+
+def last_hidden_rows(batch: SpecBatch) -> tuple[list[int], torch.Tensor | None]:
+    """The sequences to draft for and the target state each drafts from, for a strategy with
+    ``needs_hidden_states = True`` that conditions on one state per sequence (MLPSpeculator,
+    Medusa): the hidden state of the position that produced the sequence's last token, the last
+    of its ``batch.hidden_counts`` rows of ``batch.hidden_states``.
+
+    Returns ``(rows, state)``: ``rows``, the batch indices of the sequences that may draft
+    (``max_draft > 0``) and have hidden states this step, ascending; ``state`` [len(rows),
+    hidden], row r the state of sequence ``rows[r]``; ``([], None)`` when no sequence drafts or
+    the batch has no hidden states. ``rows`` is what :class:`DraftSampler` and
+    :func:`split_drafts` take. Reads nothing from the device: one gather with an index copied
+    asynchronously (:func:`~speculant.drafting.to_device_async`), or ``batch.hidden_states``
+    itself when it already holds exactly one state per sequence, all drafting."""
+    hs = batch.hidden_states  # [num_rows, hidden]
+    rows = [
+        i
+        for i, (s, c) in enumerate(zip(batch.seqs, batch.hidden_counts))
+        if c > 0 and s.max_draft > 0
+    ]
+    if hs is None or not rows:
+        return [], None
+    ends = list(itertools.accumulate(batch.hidden_counts))  # sequence i's rows end at ends[i]
+    last = [ends[i] - 1 for i in rows]
+    if last == list(range(hs.shape[0])):  # one state per sequence, all drafted: no gather
+        return rows, hs
+    return rows, hs[to_device_async(last, torch.long, hs.device)]  # [len(rows), hidden]
 
 
 class DraftSampler:
@@ -111,6 +143,7 @@ def split_drafts(
 
 __all__ = [
     "DraftSampler",
+    "last_hidden_rows",
     "linear",
     "row_argmax",
     "split_drafts",

@@ -32,8 +32,6 @@ vLLM's converted layout loads too: ``config.json`` with ``num_heads``, ``num_hid
 from __future__ import annotations
 
 import itertools
-import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +44,12 @@ from speculant.drafting import (
     CheckpointConfig,
     DraftSampler,
     StrategyError,
-    iter_checkpoint,
+    last_hidden_rows,
     read_config_json,
+    read_tensors,
     resolve_draft_folder,
     split_drafts,
     target_hidden_size,
-    to_device_async,
 )
 from speculant.hookspecs import Strategy
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
@@ -59,54 +57,6 @@ from speculant.spec_types import Proposal, SpecBatch, StrategyContext
 __version__ = "0.1.0"
 
 HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # FasterDecoding's file names
-_FASTER = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.)?(weight|bias)$")
-_VLLM = re.compile(
-    r"^(?:medusa_heads\.)?(?:blocks\.(\d+)\.layers\.(\d+)|lm_heads\.(\d+))\.(weight|bias)$"
-)
-
-
-def _param(key: str, layers: int) -> str | None:
-    """A checkpoint key -> "w1.i.j" / "b1.i.j" (block j of head i) or "w2.i" (head i's output
-    layer); None for a key of neither layout."""
-    if m := _FASTER.match(key):
-        i, j, linear, kind = m.groups()
-        if linear:
-            return f"{'w1' if kind == 'weight' else 'b1'}.{i}.{j}"
-        return f"w2.{i}" if int(j) == layers and kind == "weight" else None
-    if m := _VLLM.match(key):
-        i, j, out, kind = m.groups()
-        if out is not None:
-            return f"w2.{out}" if kind == "weight" else None
-        return f"{'w1' if kind == 'weight' else 'b1'}.{i}.{j}"
-    return None
-
-
-def _key(name: str, layers: int, faster: bool) -> str:
-    """The inverse of ``_param``, in FasterDecoding's layout (``faster``) or vLLM's."""
-    kind, i, *j = name.split(".")
-    end = "weight" if kind == "w1" else "bias"
-    if faster:
-        return f"{i}.{j[0]}.linear.{end}" if j else f"{i}.{layers}.weight"
-    return f"blocks.{i}.layers.{j[0]}.{end}" if j else f"lm_heads.{i}.weight"
-
-
-def _tensors(folder: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
-    """(file, key, tensor) of FasterDecoding's head file when the folder has one (a Medusa-2
-    folder also holds the fine-tuned base model), else of the folder's checkpoint."""
-    f = next((folder / n for n in HEAD_FILES if (folder / n).exists()), None)
-    if f is None:
-        yield from iter_checkpoint(folder)
-    elif f.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(f), framework="pt") as sf:  # one tensor in memory at a time
-            yield from ((f, k, sf.get_tensor(k)) for k in sf.keys())
-    else:
-        try:
-            state = torch.load(str(f), map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise StrategyError(f"{f}: cannot be read as a PyTorch state dict ({e})") from None
-        yield from ((f, k, v) for k, v in state.items())
 
 
 class MedusaHeads:
@@ -141,38 +91,31 @@ def load_heads(folder: Path, cfg: CheckpointConfig, hidden: int, vocab: int,
             cfg.check_target(name, value, what)
     bias = faster or cfg.field("medusa_fc_bias", bool, False)
     shared = not faster and cfg.field("original_lm_head", bool, False)
-    expected: dict[str, tuple[int, ...]] = {f"w2.{i}": (vocab, hidden)
-                                            for i in range(1 if shared else heads)}
-    for i, j in itertools.product(range(heads), range(layers)):
-        expected[f"w1.{i}.{j}"] = (hidden, hidden)
+    slots: dict[str, tuple[str, tuple[int, ...]]] = {}  # checkpoint key -> (tensor, index)
+    for i in range(1 if shared else heads):  # head i's output layer
+        slots[f"{i}.{layers}.weight" if faster else f"lm_heads.{i}.weight"] = ("w2", (i,))
+    for i, j in itertools.product(range(heads), range(layers)):  # residual block j of head i
+        block = f"{i}.{j}.linear." if faster else f"blocks.{i}.layers.{j}."
+        slots[block + "weight"] = ("w1", (i, j))
         if bias:
-            expected[f"b1.{i}.{j}"] = (hidden,)
-    stacked = {  # filled below, key by key; w1 and w2 transposed
+            slots[block + "bias"] = ("b1", (i, j))
+    shape = {"w1": (hidden, hidden), "b1": (hidden,), "w2": (vocab, hidden)}
+    stacked = {  # filled tensor by tensor as read; w1 and w2 transposed
         "w1": torch.zeros(heads, layers, hidden, hidden, device=device, dtype=dtype),
         "b1": torch.zeros(heads, layers, hidden, device=device, dtype=dtype),
         "w2": torch.zeros(1 if shared else heads, hidden, vocab, device=device, dtype=dtype),
     }
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    for file, key, t in _tensors(folder):
-        name = _param(key, layers)
-        if name not in expected:
-            unexpected.append(f"{key} ({file.name})")
-            continue
-        if tuple(t.shape) != expected[name]:
-            raise StrategyError(
-                f"{file}: tensor {key!r} has shape {tuple(t.shape)}, expected {expected[name]} "
-                f"from the target model (hidden size {hidden}, vocabulary {vocab}); this Medusa "
-                "head was trained for a different target")
-        kind, *idx = name.split(".")
-        stacked[kind][tuple(int(x) for x in idx)].copy_(t if kind == "b1" else t.t())
-        loaded.add(name)
-    missing = [_key(n, layers, faster) for n in expected if n not in loaded]
-    if unexpected or missing:
-        raise StrategyError(
-            f"{folder}: not the Medusa checkpoint {cfg.file} describes ({heads} heads of "
-            f"{layers} residual blocks): unexpected tensors {unexpected[:6] or 'none'}, missing "
-            f"{missing[:6] or 'none'}")
+
+    def into(key: str, t: torch.Tensor) -> None:
+        kind, idx = slots[key]
+        stacked[kind][idx].copy_(t if kind == "b1" else t.t())
+
+    # a Medusa-2 folder also holds the fine-tuned base model: the head file is what loads
+    head = next((folder / n for n in HEAD_FILES if (folder / n).exists()), folder)
+    read_tensors(head, {key: shape[kind] for key, (kind, _) in slots.items()}, into=into,
+                 strip_prefixes=("medusa_head.", "medusa_heads."), what="Medusa head",
+                 hint=f"{cfg.file} describes {heads} heads of {layers} residual blocks; shapes "
+                 f"from the target model: hidden size {hidden}, vocabulary {vocab}")
     return MedusaHeads(stacked["w1"], stacked["b1"], stacked["w2"])
 
 
@@ -215,16 +158,13 @@ class MedusaStrategy(Strategy):
     @hookimpl
     @torch.inference_mode()
     def propose(self, batch: SpecBatch) -> Proposal:
-        B, hs = len(batch.seqs), batch.hidden_states
-        rows = [i for i, (s, c) in enumerate(zip(batch.seqs, batch.hidden_counts))
-                if c > 0 and s.max_draft > 0]
-        if hs is None or not rows:
+        B = len(batch.seqs)
+        rows, state = last_hidden_rows(batch)  # state: [rows, hidden]
+        if state is None:
             return Proposal(token_ids=[[] for _ in range(B)])
-        ends = list(itertools.accumulate(batch.hidden_counts))  # a sequence's last row: end - 1
         want = [min(batch.seqs[i].max_draft, self.num_speculative_tokens) for i in rows]
-        state = hs[to_device_async([ends[i] - 1 for i in rows], torch.long, hs.device)]
         logits = self.heads.logits(state, max(want))  # [k, rows, vocab]
-        sampler = DraftSampler([batch.seqs[i] for i in rows], want, self.generator, hs.device)
+        sampler = DraftSampler([batch.seqs[i] for i in rows], want, self.generator, state.device)
         tokens = torch.stack([sampler(j, logits[j]) for j in range(len(logits))], dim=1)
         return Proposal(token_ids=split_drafts(tokens, rows, want, B),  # tokens: [rows, k]
                         probs=sampler.probs(rows, B, self.ctx.vocab_size))
