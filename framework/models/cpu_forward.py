@@ -55,7 +55,8 @@ class CpuPlan:
         ]
         lins = [lin for t in self.layers for lin in t[2:4] + t[6:8]]
         self.numpy = any(lin.np_wt is not None for lin in lins)  # numpy's BLAS in use
-        self.np_layers = None  # numpy views / products of every layer, for _forward_seq
+        self.np_layers = None  # numpy views / products of every layer, for _forward_flat
+        self._rope_np = None  # numpy views of the RoPE cos / signed sin tables
         mvs = [lin.np_matvec() for lin in lins]
         # our C kernels for attention and RMSNorm too when the products run on them
         self.kernels = cpu_kernels if all(lin.wb is not None for lin in lins) else None
@@ -80,13 +81,16 @@ class CpuPlan:
             self.np_scale = None if exact else f32(self.scale)
             self._q_scale = f32(self.scale if exact else 1.0)
 
-    def np_rope(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos and signed sin of ``pos`` tiled over the q and k heads [qk_size] each, the q part
-        times the attention scale when that is exact."""
+    def np_rope_rows(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos and signed sin of each position in ``pos`` [T] tiled over the q and k heads
+        [T, qk_size] each, the q part times the attention scale when that is exact: each row the
+        same values whatever the other positions."""
+        rope = self.rope
+        if self._rope_np is None or self._rope_np[0] is not rope.cos_cache:  # (re)set tables
+            self._rope_np = (rope.cos_cache, rope.cos_cache.numpy(), rope.cpu_sin_signed().numpy())
         nqk, q_size = self.nh + self.nkv, self.nh * self.d
-        cs = np.tile(np.stack((self.rope.cos_cache[pos].numpy(),
-                               self.rope.cpu_sin_signed()[pos].numpy())), nqk)  # [2, qk_size]
-        cs[:, :q_size] *= self._q_scale
+        cs = np.tile(np.stack((self._rope_np[1][pos], self._rope_np[2][pos])), (1, 1, nqk))
+        cs[:, :, :q_size] *= self._q_scale  # [2, T, qk_size]
         return cs[0], cs[1]
 
 
@@ -120,17 +124,19 @@ def forward(
 ) -> torch.Tensor:  # [num_tokens, hidden]: final-norm output
     T = x.shape[0]
     meta = ctx.meta
+    starts = meta.seq_starts
     if (
-        T <= CPU_FEW_ROWS
-        and len(meta.query_lens) == 1
-        and plan.np_layers is not None
+        plan.np_layers is not None
         and ctx.kv_cache is not None
-        and not ctx.aux_layers
-        and meta.seq_starts is not None
-        and meta.seq_starts[0] >= 0
+        and starts is not None
+        and (
+            plan.kernels is not None  # any batch: every row's arithmetic is the same (batch-invariant)
+            or (T <= CPU_FEW_ROWS and len(meta.query_lens) == 1 and starts[0] >= 0)
+        )
     ):
-        numpy_blas().sync_threads()
-        return _forward_seq(plan, x, ctx.kv_cache, meta.seq_starts[0], meta.context_lens_list[0])
+        if plan.numpy:
+            numpy_blas().sync_threads()
+        return _forward_flat(plan, x, positions, ctx)
     nh, nkv, d, scale = plan.nh, plan.nkv, plan.d, plan.scale
     nqk, qk_size, q_size = nh + nkv, (nh + nkv) * d, nh * d
     cos, sin = plan.rope.cpu_tables(positions)  # [T, 1, d] each
@@ -156,61 +162,95 @@ def forward(
     return rms_norm_cpu(x, *plan.norm)
 
 
-def _forward_seq(
+def _forward_flat(
     plan: CpuPlan,
-    x: torch.Tensor,  # [T, hidden]: the embeddings of one sequence's T new tokens (T <= 16)
-    kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, nkv, d]
-    start: int,  # the sequence's first cache slot (its blocks are consecutive)
-    ctx_len: int,  # cached tokens after this step (new tokens at positions ctx_len - T ...)
+    x: torch.Tensor,  # [T, hidden]: the embeddings of every sequence's new tokens, in order
+    positions: torch.Tensor,  # [T]
+    ctx: ForwardContext,
 ) -> torch.Tensor:  # [T, hidden]: final-norm output
-    """A decode step (T = 1) or a k+1 verification pass (or a short prefill) of one sequence in
-    numpy. Every per-layer view is made before the loop: after each product has streamed
+    """A forward of any flat batch in numpy on views of the weights and cache: decode steps,
+    verification passes and prefills of one or many sequences (with the C kernels; without them,
+    only up to ``CPU_FEW_ROWS`` new tokens of one sequence). Every per-layer view of a sequence
+    whose blocks are consecutive is made before the loop: after each product has streamed
     megabytes through the caches, an op costs ~10 us, so the loop keeps ~40 of them per layer.
 
-    Row j computes exactly what a one-token step at its position computes: the products are
-    batch-invariant (``cpu_kernels``), RMSNorm, RoPE, SiLU and the residual adds are per-element
-    or per-row, and each row attends over its own causal prefix of the cache with the same numpy
-    calls on the same shapes. So on this path a verification pass gives bit for bit the logits
-    the plain decode steps would give (tested), and greedy speculation cannot flip a near tie."""
+    Batch invariance: row j computes exactly what a one-token step of its sequence at its position
+    computes alone. The products are one FMA chain per output whatever the rows of the call
+    (``cpu_kernels``); RMSNorm is per row (the C kernel); RoPE, SiLU and the residual adds are per
+    element (numpy ufuncs: the same instruction for every lane, tails included); each row attends
+    over its own causal prefix of its own sequence's cache (``cpu_kernels.attend``, one call per
+    sequence; a sequence whose blocks are not consecutive attends over an exact copy of its
+    context). So the logits of a sequence's rows are bit for bit the same alone or within any
+    batch, and for a query of 1 row or k+1 (tests/test_batch_invariance.py): greedy output does
+    not depend on what else is batched, and greedy speculation cannot flip a near tie."""
+    meta = ctx.meta
+    kv_cache = ctx.kv_cache
     nh, nkv, d = plan.nh, plan.nkv, plan.d
     q_size, qk_size, g = nh * d, (nh + nkv) * d, nh // nkv
     T = x.shape[0]
-    pos0 = ctx_len - T
-    if T == 1:
-        cos, sin = plan.np_rope(pos0)  # [qk_size] each, the q part pre-scaled if exact
-    else:
-        cos, sin = (np.stack(t) for t in zip(*(plan.np_rope(pos0 + j) for j in range(T))))
+    cos, sin = plan.np_rope_rows(positions.numpy())  # [T, qk_size] each, q part pre-scaled if exact
     L, _, nb, bs = kv_cache.shape[:4]
     flat = kv_cache.numpy().reshape(L, 2, nb * bs, nkv * d)  # a view
-    k_new = list(flat[:, 0, start + pos0 : start + ctx_len])  # L x [T, nkv d]: this step's K/V
-    v_new = list(flat[:, 1, start + pos0 : start + ctx_len])
     perm, scale = plan.np_perm, plan.np_scale  # scale None: folded into the q part of cos/sin
-    ck = plan.kernels  # our C kernels, or None: numpy
+    ck = plan.kernels  # our C kernels, or None: numpy (one sequence, consecutive blocks)
+    # per sequence: (first row, end row, cache rows written, cache rows attended over (a slice,
+    # or the slots of a sequence whose blocks are not consecutive))
+    seqs = []
+    q0 = 0
+    for i, (ql, cl, st) in enumerate(zip(meta.query_lens, meta.context_lens_list, meta.seq_starts)):
+        if st >= 0:
+            seqs.append((q0, q0 + ql, slice(st + cl - ql, st + cl), slice(st, st + cl)))
+        else:
+            p = np.arange(cl)
+            slots = meta.block_tables[i].numpy().astype(np.int64)[p // bs] * bs + p % bs
+            seqs.append((q0, q0 + ql, slots[cl - ql :], slots))
+        q0 += ql
     if ck is not None:
-        k_ctx = list(flat[:, 0, start : start + ctx_len])  # L x [ctx_len, nkv d]
-        v_ctx = list(flat[:, 1, start : start + ctx_len])
         rms, c_scale = ck.rms_norm, 1.0 if scale is None else float(scale)
+        if len(seqs) == 1 and isinstance(seqs[0][3], slice):  # views made once, before the loop
+            _, _, dst, src = seqs[0]
+            per_layer = [((0, T, kl[dst], vl[dst], kl[src], vl[src]),) for kl, vl in flat]
+        else:
+            per_layer = [None] * L
     else:
-        k_ctx = list(flat[:, 0, start : start + ctx_len].reshape(L, ctx_len, nkv, d).transpose(0, 2, 3, 1))
-        v_ctx = list(flat[:, 1, start : start + ctx_len].reshape(L, ctx_len, nkv, d).transpose(0, 2, 1, 3))
+        ctx_len = meta.context_lens_list[0]
+        st = meta.seq_starts[0]
+        k_new = flat[:, 0, st + ctx_len - T : st + ctx_len]  # [L, T, nkv d]: this step's K/V
+        v_new = flat[:, 1, st + ctx_len - T : st + ctx_len]
+        k_ctx = flat[:, 0, st : st + ctx_len].reshape(L, ctx_len, nkv, d).transpose(0, 2, 3, 1)
+        v_ctx = flat[:, 1, st : st + ctx_len].reshape(L, ctx_len, nkv, d).transpose(0, 2, 1, 3)
+        per_layer = [((0, T, kn, vn, kc, vc),) for kn, vn, kc, vc in zip(k_new, v_new, k_ctx, v_ctx)]
         rms = _rms
-    rows = [(j, pos0 + j + 1) for j in range(T)]  # (row, its context length)
+        rows = [(j, ctx_len - T + j + 1) for j in range(T)]  # (row, its context length)
+    aux = ctx.aux_layers
+    xt = x
     x = x.numpy()  # [T, hidden]
     o = np.empty((T, q_size), np.float32)  # attention output rows
-    for (w1, e1, qkv_mm, o_mm, w2, e2, gu_mm, down_mm, inter), kn, vn, kc, vc in zip(
-        plan.np_layers, k_new, v_new, k_ctx, v_ctx
+    for i, ((w1, e1, qkv_mm, o_mm, w2, e2, gu_mm, down_mm, inter), views) in enumerate(
+        zip(plan.np_layers, per_layer)
     ):
+        if aux and i in aux:  # input of layer i == output of layer i-1
+            ctx.aux_hidden.append(xt if i == 0 else torch.from_numpy(x))
         qkv = qkv_mm(rms(x, w1, e1))  # [T, (nh + 2 nkv) d]
         rot = qkv.take(perm, axis=1)  # [T, qk_size]: each q/k head with its halves swapped
         rot *= sin
         rot += qkv[:, :qk_size] * cos  # RoPE: x * cos + rotate_half(x) * sin
-        kn[:] = rot[:, q_size:]
-        vn[:] = qkv[:, qk_size:]
-        if ck is not None:
-            ck.attend(rot[:, :q_size], kc, vc, nh, nkv, c_scale, o)
-        else:
+        if views is None:  # several sequences or a gathered context: this layer's views
+            kl, vl = flat[i]
+            views = []
+            for a, b, dst, src in seqs:
+                kl[dst] = rot[a:b, q_size:]
+                vl[dst] = qkv[a:b, qk_size:]
+                views.append((a, b, None, None, kl[src], vl[src]))
+        for a, b, kn, vn, kc, vc in views:
+            if kn is not None:
+                kn[:] = rot[a:b, q_size:]
+                vn[:] = qkv[a:b, qk_size:]
+            if ck is not None:
+                ck.attend(rot[a:b, :q_size], kc, vc, nh, nkv, c_scale, o[a:b])
+                continue
             for j, cl in rows:  # kc [nkv, d, ctx_len], vc [nkv, ctx_len, d]
-                kj, vj = (kc, vc) if cl == ctx_len else (kc[:, :, :cl], vc[:, :cl])
+                kj, vj = (kc, vc) if cl == kc.shape[-1] else (kc[:, :, :cl], vc[:, :cl])
                 s = np.matmul(rot[j, :q_size].reshape(nkv, g, d), kj)  # [nkv, g, cl]
                 if scale is not None:
                     s *= scale
