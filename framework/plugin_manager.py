@@ -97,6 +97,13 @@ def unregister(name: str) -> None:
     _infos.pop(name, None)
 
 
+def plugin_info(name: str) -> PluginInfo | None:
+    """What is known of the loaded plugin ``name``: its distribution and version (None for one
+    registered directly, or an unknown name)."""
+    get_plugin_manager()
+    return _infos.get(name)
+
+
 def collect_strategies() -> list[StrategyInfo]:
     """Every strategy class the loaded plugins register (their ``register_strategies`` hooks run
     now), each checked against the :class:`~speculant.hookspecs.Strategy` contract, in
