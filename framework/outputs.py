@@ -84,6 +84,9 @@ class SpecMetrics:
     # auto_disable controller switched speculation off / back on
     num_times_disabled: int = 0
     num_times_enabled: int = 0
+    # faults of a plugin (a bad proposal, a hook that raised; docs/hooks.md "Faults"): contained,
+    # each cost its sequences their drafts (per request: this request's; per run: all of them)
+    num_faults: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -152,6 +155,7 @@ class SpecMetrics:
         self.num_speculative_tokens = max(self.num_speculative_tokens, other.num_speculative_tokens)
         self.num_times_disabled += other.num_times_disabled
         self.num_times_enabled += other.num_times_enabled
+        self.num_faults += other.num_faults
         for name in ("accepted_per_position", "proposed_per_position"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if len(theirs) > len(mine):
@@ -208,6 +212,7 @@ class SpecMetrics:
             "num_emitted_tokens": self.num_emitted_tokens,
             "num_times_disabled": self.num_times_disabled,
             "num_times_enabled": self.num_times_enabled,
+            "num_faults": self.num_faults,
         }
 
 

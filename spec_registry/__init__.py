@@ -79,6 +79,9 @@ class SpeculativeConfig(BaseModel):
     auto_disable: bool = False
     auto_disable_tolerance: float = Field(0.05, ge=0.0, lt=1.0)  # off below (1 - this) x plain
     auto_disable_interval: int = Field(64, ge=2, le=65536)  # most steps between two measurements
+    # engine-level: plugin faults (bad proposals, hooks that raise; docs/hooks.md "Faults") after
+    # which the engine stops speculating (plain decoding from then on)
+    max_plugin_faults: int = Field(3, ge=1, le=1_000_000)
 
     @field_validator("draft_tensor_parallel_size")
     @classmethod
