@@ -174,7 +174,8 @@ def pop_legacy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any] | None:
 
 # SpeculativeConfig fields the engine consumes itself (never passed to a strategy's Config)
 ENGINE_OPTIONS = ("method", "acceptance_method", "disable_by_batch_size", "draft_tensor_parallel_size",
-                  "auto_disable", "auto_disable_tolerance", "auto_disable_interval")
+                  "auto_disable", "auto_disable_tolerance", "auto_disable_interval",
+                  "max_plugin_faults")
 
 
 def build_strategy_config(strategy: type | StrategyInfo, spec: SpeculativeConfig) -> BaseModel | None:
