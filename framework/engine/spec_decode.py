@@ -5,7 +5,10 @@ uses its engine through :class:`~speculant.engine.target.TargetEngine` only."""
 from __future__ import annotations
 
 import logging
+import operator
+import types
 
+import numpy as np
 import pluggy
 import torch
 from pydantic import ValidationError
@@ -20,6 +23,7 @@ from speculant.engine.target import TargetEngine
 from speculant.hookspecs import StrategyInfo, hookimpl, strategy_info
 from speculant.kernels.logprobs import token_logprobs
 from speculant.outputs import SpecMetrics
+from speculant.plugin_manager import plugin_info
 from speculant.spec_registry import SpeculativeConfig, StrategyError, build_strategy_config, lookup
 from speculant.spec_types import (
     Proposal,
@@ -34,7 +38,94 @@ logger = logging.getLogger("speculant")
 
 
 class ProposalError(RuntimeError):
-    pass
+    """What was wrong with a proposal (the fault's text in the log: it names the plugin)."""
+
+
+class StrategyFault(RuntimeError):
+    """A plugin hook raised where the step cannot go on without it (``verify``): the requests
+    of that step (``request_ids``) are aborted, the others run on. ``str()`` has the plugin's
+    own exception text (it may quote any sequence of the step); ``public_message`` leaves it out
+    and is what each aborted request's client is shown."""
+
+    def __init__(self, message: str, public_message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.public_message = public_message
+        self.request_ids = request_ids
+
+
+# q rows may sum to 1 within this (float32 sums over a large vocabulary)
+PROB_SUM_TOLERANCE = 1e-3
+
+
+def _draft_ids(toks, vocab_size: int) -> tuple[list[int], str | None]:
+    """One sequence's draft ids as Python ints, and what is wrong with them (None: nothing).
+    Integers of any kind count (int, numpy integers, integer 0-d tensors; a row may be a 1-d
+    tensor or array); anything else, bools included, and ids outside [0, vocab) do not."""
+    if isinstance(toks, (torch.Tensor, np.ndarray)):
+        toks = toks.tolist()
+    try:
+        toks = list(toks)
+    except TypeError:
+        return [], f"drafts must be a list of token ids, got {type(toks).__name__}"
+    out = []
+    for t in toks:
+        if type(t) is not int:
+            if isinstance(t, (bool, np.bool_)) or (isinstance(t, torch.Tensor) and (
+                    t.dtype == torch.bool or t.is_floating_point() or t.is_complex())):
+                return [], f"draft token {t!r} is not an integer"
+            try:
+                t = operator.index(t)
+            except TypeError:
+                return [], f"draft token {t!r} is not an integer"
+        if not 0 <= t < vocab_size:
+            return [], f"token id {t} is outside the vocabulary [0, {vocab_size})"
+        out.append(t)
+    return out, None
+
+
+def _check_probs(probs: torch.Tensor, token_ids: list[list[int]], max_len: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check draft distributions on their device, with no host synchronisation: (q, bad).
+    ``bad`` [batch] bool: the sequences whose used rows (j < len(token_ids[i])) are not a
+    distribution (a non-finite or negative entry, a sum off 1 by more than
+    PROB_SUM_TOLERANCE, or q = 0 at the drafted token itself); ``q``: ``probs[:, :max_len]``
+    with all rows of those sequences replaced by point masses at their drafted tokens. Rejection
+    sampling with a point mass at any draft is exact (accept x with probability p(x), else
+    sample from p without x), so the step stays lossless whatever the read of ``bad`` says."""
+    dev, B = probs.device, probs.shape[0]
+    p = probs[:, :max_len]
+    lengths = [len(t) for t in token_ids]
+    ids = to_device([t for toks in token_ids for t in [*toks, *[0] * (max_len - len(toks))]],
+                    torch.long, dev).view(B, max_len, 1)
+    used = torch.arange(max_len, device=dev)[None, :] < to_device(lengths, torch.long, dev)[:, None]
+    at = p.gather(2, ids)  # [B, L, 1]: q of the drafted token
+    ok = (((p.sum(-1, dtype=torch.float32) - 1).abs() <= PROB_SUM_TOLERANCE)  # NaN: not ok
+          & (p.amin(-1) >= 0) & (at.squeeze(2) > 0))
+    bad = (used & ~ok).any(-1)  # [B]
+    mask = bad[:, None, None]
+    q = p.masked_fill(mask, 0.0).scatter_(2, ids, torch.where(mask, torch.ones_like(at), at))
+    return q, bad
+
+
+def _start_read(t: torch.Tensor):
+    """Start copying a small device tensor to the host; ``_finish_read`` gives its list. On CUDA
+    the copy is queued (pinned memory, an event), so it costs no wait when it is read after the
+    step's own read-back."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def _finish_read(pending) -> list:
+    if isinstance(pending, torch.Tensor):
+        return pending.tolist()
+    host, done = pending
+    done.synchronize()
+    return host.tolist()
 
 
 class TargetScorer:
@@ -103,14 +194,19 @@ class SpecDecoder:
 
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
+        # the entry-point plugin behind each name registered here (error messages name it)
+        self.owners: dict[str, str] = {}
         self.pm.register(self.strategy, name=f"strategy:{info.name}")
+        self.owners[f"strategy:{info.name}"] = info.plugin
         self.pm.register(TargetScorer(self), name="scorer:target")
         verifier = lookup(spec.acceptance_method, "verifier")
         self.pm.register(verifier.cls(None, ctx), name=f"verifier:{verifier.name}")
+        self.owners[f"verifier:{verifier.name}"] = verifier.plugin
         if spec.disable_by_batch_size is not None:
             modifier = lookup("batch_size_disable", "modifier")
             mod_cfg = modifier.Config(disable_by_batch_size=spec.disable_by_batch_size)
             self.pm.register(modifier.cls(mod_cfg, ctx), name="modifier:batch_size_disable")
+            self.owners["modifier:batch_size_disable"] = modifier.plugin
         try:
             self.pm.check_pending()
         except pluggy.PluginValidationError as e:
@@ -118,7 +214,7 @@ class SpecDecoder:
         self.seq_by_id: dict[int, Sequence] = {}
         # hidden states not yet handed to the proposer, per seq id: (start_pos, [tensors], [aux])
         self.pending: dict[int, tuple[int, list[torch.Tensor], list[torch.Tensor]]] = {}
-        self._new_run_state()  # enabled, control, last_batch_size, total
+        self._new_run_state()  # enabled, control, last_batch_size, total, faults
 
     def reset(self) -> None:
         """Forget what earlier runs taught this decoder, as if it had just been built over the
@@ -137,9 +233,16 @@ class SpecDecoder:
                         if spec.auto_disable else None)
         self.last_batch_size = 0
         self.total = SpecMetrics()
+        # faults (engine/spec_decode.py "Faults", docs/hooks.md): sequences the strategy no
+        # longer drafts for, and whether it faulted max_plugin_faults times (then: plain only)
+        self.disabled: set[int] = set()
+        self.num_faults = 0
+        self.broken = False
 
     # ----------------------------------------------------------------- engine callbacks
     def max_lookahead(self) -> int:
+        if self.broken:
+            return 0
         if self.control is not None and not self.control.would_speculate(self.last_batch_size):
             return 0
         return self.k if self.enabled else 0
@@ -147,14 +250,79 @@ class SpecDecoder:
     def capture_graphs(self, progress: bool = True) -> int:
         """The plugins' ``capture_graphs`` hook (their own CUDA graphs, at start-up): how many
         they captured."""
-        done = self.pm.hook.capture_graphs(max_num_seqs=self.ctx.max_num_seqs, progress=progress)
+        try:
+            done = self.pm.hook.capture_graphs(max_num_seqs=self.ctx.max_num_seqs,
+                                               progress=progress)
+        except Exception as e:
+            raise RuntimeError(f"{self._culprit(e, 'capture_graphs')} raised in capture_graphs(): "
+                               f"{type(e).__name__}: {e}") from e
         return sum(int(n or 0) for n in done)
 
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
             self.pending.pop(i, None)
-            self.seq_by_id.pop(i, None)
-        self.pm.hook.on_requests_finished(seq_ids=list(seq_ids))
+            s = self.seq_by_id.pop(i, None)
+            if s is None or s.is_finished:  # a preempted sequence stays disabled
+                self.disabled.discard(i)
+        try:
+            self.pm.hook.on_requests_finished(seq_ids=list(seq_ids))
+        except Exception as e:
+            self._fault(f"{self._culprit(e, 'on_requests_finished')} raised in "
+                        f"on_requests_finished(): {type(e).__name__}: {e}", [])
+
+    # ----------------------------------------------------------------- faults
+    def _describe(self, name: str) -> str:
+        """A plugin registered here as ``name`` ("strategy:ngram"), for messages: its kind, its
+        name, the entry-point plugin and distribution it came from."""
+        kind, _, what = name.partition(":")
+        if name == "scorer:target":
+            return "the engine's target scorer"
+        plugin = self.owners.get(name)
+        if plugin is None:
+            return f"{kind} {what!r}"
+        meta = plugin_info(plugin)
+        dist = (f"distribution {meta.distribution} {meta.version or ''}".rstrip()
+                if meta is not None and meta.distribution else "not from an installed distribution")
+        return f"{kind} {what!r} (plugin {plugin!r}, {dist})"
+
+    def _culprit(self, e: BaseException, hook: str) -> str:
+        """The plugin whose ``hook`` implementation raised ``e`` (the outermost frame of the
+        traceback that is one of the hook's implementations), described for a message."""
+        codes = {}
+        for impl in getattr(self.pm.hook, hook).get_hookimpls():
+            fn = getattr(impl.function, "__func__", impl.function)
+            if isinstance(fn, types.FunctionType):
+                codes[fn.__code__] = impl.plugin_name
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code in codes:
+                return self._describe(codes[tb.tb_frame.f_code])
+            tb = tb.tb_next
+        return f"a plugin's {hook}()"
+
+    def _fault(self, message: str, seqs: list[Sequence]) -> None:
+        """Count and log one fault; the strategy drafts no more for ``seqs`` (the faulty
+        sequences, or every sequence of the step when the fault cannot be pinned on one) and
+        their requests' other sequences; after ``max_plugin_faults`` faults, for no sequence."""
+        self.num_faults += 1
+        self.total.num_faults += 1
+        ids = {s.seq_id for s in seqs}
+        rids = {s.request_id for s in seqs}
+        ids |= {i for i, s in self.seq_by_id.items() if s.request_id in rids}
+        for s in seqs:
+            s.metrics.spec.num_faults += 1
+        self.disabled |= ids
+        limit = self.spec_config.max_plugin_faults
+        logger.warning("speculative decoding fault %d of at most %d: %s; %s", self.num_faults,
+                       limit, message,
+                       f"no more drafts for request(s) {', '.join(sorted(rids))}" if rids
+                       else "nothing dropped")
+        if self.num_faults >= limit and not self.broken:
+            self.broken = True
+            self.total.num_times_disabled += 1
+            logger.warning("speculative decoding off for the rest of this engine's life: %d "
+                           "faults (max_plugin_faults=%d); plain decoding from now on",
+                           self.num_faults, limit)
 
     def record_prefill(self, seqs: list[Sequence], counts: list[int], hidden: torch.Tensor,
                        aux: torch.Tensor | None) -> None:
@@ -175,6 +343,9 @@ class SpecDecoder:
             return
         row = 0
         for s, c, kp, p0 in zip(seqs, counts, keep, starts):
+            if s.seq_id in self.disabled:  # the strategy no longer drafts for it
+                row += c
+                continue
             if reset or s.seq_id not in self.pending:
                 self.pending[s.seq_id] = (p0, [], [])
             entry = self.pending[s.seq_id]
@@ -191,11 +362,12 @@ class SpecDecoder:
             self.seq_by_id[s.seq_id] = s
         if len(seqs) != self.last_batch_size:
             self._batch_size_changed(len(seqs))
+        allowed = self.enabled and not self.broken
         if self.control is None:
-            self._step(seqs, self.enabled)
+            self._step(seqs, allowed)
             return
         emitted = self.total.num_emitted_tokens
-        speculate = self.control.begin(len(seqs), allowed=self.enabled)
+        speculate = self.control.begin(len(seqs), allowed=allowed)
         self._step(seqs, speculate)
         switched = self.control.end(self.total.num_emitted_tokens - emitted)
         if switched == "off":
@@ -205,7 +377,12 @@ class SpecDecoder:
 
     def _batch_size_changed(self, size: int) -> None:
         """The ``on_batch_size_change`` vote: speculation runs unless a plugin returns False."""
-        votes = self.pm.hook.on_batch_size_change(old_size=self.last_batch_size, new_size=size)
+        try:
+            votes = self.pm.hook.on_batch_size_change(old_size=self.last_batch_size, new_size=size)
+        except Exception as e:  # no vote: speculation stays as it is
+            self._fault(f"{self._culprit(e, 'on_batch_size_change')} raised in "
+                        f"on_batch_size_change(): {type(e).__name__}: {e}", [])
+            votes = [] if self.enabled else [False]
         was = self.enabled
         self.enabled = not any(v is False for v in votes)
         if was != self.enabled:
@@ -225,14 +402,42 @@ class SpecDecoder:
         seqs = self.engine.take_back(seqs)  # the proposer needs every token on the host
         if not seqs:
             return
-        batch = self._batch(seqs)
-        proposal = self._propose(batch)
-        if proposal is None or not any(proposal.token_ids):
+        batch, drafting = self._batch(seqs)
+        checked = self._propose(batch, drafting) if drafting else None
+        if checked is None or not any(checked[0].token_ids):
             self._plain_step(seqs, overlap=False)
             return
-        scores = self.pm.hook.score(batch=batch, proposal=proposal)
-        result = self.pm.hook.verify(batch=batch, proposal=proposal, scores=scores)
+        proposal, bad_q = checked
+        try:
+            scores = self.pm.hook.score(batch=batch, proposal=proposal)
+        except Exception as e:  # nothing appended yet: the step runs plain instead
+            self._fault(f"{self._culprit(e, 'score')} raised in score(): "
+                        f"{type(e).__name__}: {e}", [])
+            self._plain_step(seqs, overlap=False)
+            return
+        try:
+            result = self.pm.hook.verify(batch=batch, proposal=proposal, scores=scores)
+        except Exception as e:
+            # it may have drawn from the sequences' random streams: no plain redo; the step's
+            # requests are aborted (by whoever runs the engine), the others go on
+            who = self._culprit(e, "verify")
+            self._fault(f"{who} raised in verify(): {type(e).__name__}: {e}", [])
+            for s in seqs:
+                self.engine.rollback(s, s.num_cached_tokens)
+            rids = list(dict.fromkeys(s.request_id for s in seqs))
+            raise StrategyFault(
+                f"speculative decoding failed: {who} raised in verify(): {type(e).__name__}: {e}",
+                f"speculative decoding failed: {who} raised {type(e).__name__} in verify(); the "
+                "request was aborted (details in the server log)", rids) from e
         self._apply(seqs, proposal, scores, result)
+        if bad_q is not None:  # read after the step's own read-back: no wait
+            bad = [seqs[i] for i, b in zip(drafting, _finish_read(bad_q)) if b]
+            if bad:
+                self._fault(f"{self._describe(self._strategy_key)}: draft probabilities (Proposal"
+                            f".probs) that are not a distribution (a non-finite or negative "
+                            f"entry, a row sum off 1 by more than {PROB_SUM_TOLERANCE}, or q = 0 "
+                            "at the drafted token); verified as point masses at the drafts "
+                            "instead", bad)
 
     def _room(self, s: Sequence) -> int:
         """Draft tokens ``s`` may get this step. Scoring writes K/V at positions len(s) - 1 ..
@@ -244,14 +449,20 @@ class SpecDecoder:
             return 0
         return max(0, min(want, self.engine.reserve_slots(s, len(s) + want) - len(s)))
 
-    def _batch(self, seqs: list[Sequence]) -> SpecBatch:
-        room = [self._room(s) for s in seqs]
-        sp = [SpecSequence(s.seq_id, s.token_ids, s.num_prompt_tokens, max(0, r), s.params, s.generator)
+    def _batch(self, seqs: list[Sequence]) -> tuple[SpecBatch, list[int]]:
+        """The step's batch and the indices of its sequences the strategy drafts for (all but
+        those a fault disabled)."""
+        drafting = [i for i, s in enumerate(seqs) if s.seq_id not in self.disabled]
+        room = [0] * len(seqs)
+        for i in drafting:
+            room[i] = self._room(seqs[i])
+        sp = [SpecSequence(s.seq_id, s.token_ids, s.num_prompt_tokens, r, s.params, s.generator)
               for s, r in zip(seqs, room)]
         batch = SpecBatch(seqs=sp)
         if self.needs_hidden:
             hs, aux, counts, starts = [], [], [], []
-            for s in seqs:
+            for i in drafting:
+                s = seqs[i]
                 pos0, h, a = self.pending.pop(s.seq_id, (len(s) - 1, [], []))
                 t = torch.cat(h) if h else torch.empty(0, self.ctx.target_model.hidden_size,
                                                        device=self.ctx.device, dtype=self.ctx.dtype)
@@ -260,37 +471,99 @@ class SpecDecoder:
                     aux.append(torch.cat(a))
                 counts.append(t.shape[0])
                 starts.append(pos0)
-            batch.hidden_states = torch.cat(hs)
+            batch.hidden_states = torch.cat(hs) if hs else None
             batch.aux_hidden_states = torch.cat(aux) if aux else None
             batch.hidden_counts, batch.hidden_start = counts, starts
-        return batch
+        return batch, drafting
 
-    def _propose(self, batch: SpecBatch) -> Proposal | None:
-        proposal = self.pm.hook.propose(batch=batch)
+    @property
+    def _strategy_key(self) -> str:
+        return f"strategy:{self.name}"
+
+    def _propose(self, batch: SpecBatch, drafting: list[int]
+                 ) -> tuple[Proposal, object | None] | None:
+        """The strategy's proposal for the sequences ``drafting`` of ``batch``, checked, laid
+        out over the whole batch (no drafts for the others), with the pending read of which
+        sequences' q was not a distribution (None without q). None: no proposal this step (the
+        strategy proposed nothing, or a fault that no one sequence caused)."""
+        sub = batch if len(drafting) == len(batch.seqs) else SpecBatch(
+            seqs=[batch.seqs[i] for i in drafting], hidden_states=batch.hidden_states,
+            aux_hidden_states=batch.aux_hidden_states, hidden_counts=batch.hidden_counts,
+            hidden_start=batch.hidden_start)
+        who = self._describe(self._strategy_key)
+        seqs = [self.seq_by_id[batch.seqs[i].seq_id] for i in drafting]
+        try:
+            proposal = self.pm.hook.propose(batch=sub)
+        except Exception as e:
+            self._fault(f"{self._culprit(e, 'propose')} raised in propose(): "
+                        f"{type(e).__name__}: {e}", seqs)
+            return None
         if proposal is None:
             return None
+        try:
+            proposal, bad = self._check(sub, proposal, seqs, who)
+        except ProposalError as e:  # no one sequence to blame: drop the step's proposal
+            self._fault(str(e), seqs)
+            return None
+        if sub is not batch:  # lay it out over the whole batch
+            ids: list[list[int]] = [[] for _ in batch.seqs]
+            for i, toks in zip(drafting, proposal.token_ids):
+                ids[i] = toks
+            probs = proposal.probs
+            if probs is not None:
+                full = probs.new_zeros(len(batch.seqs), *probs.shape[1:])
+                full[to_device(drafting, torch.long, probs.device)] = probs
+                probs = full
+            proposal = Proposal(token_ids=ids, probs=probs, proposer=self.name)
+        return proposal, bad
+
+    def _check(self, batch: SpecBatch, proposal, seqs: list[Sequence], who: str
+               ) -> tuple[Proposal, object | None]:
+        """Check a proposal: raises ProposalError for what no one sequence caused (not a
+        Proposal, wrong row count, q of the wrong shape or type); drops the drafts of a sequence
+        whose own are wrong (ids that are not integers of the vocabulary, more than its
+        ``max_draft``), a fault of that sequence; replaces a sequence's q that is not a
+        distribution with point masses at its drafts on the device (``_check_probs``). Returns
+        the proposal with plain int ids and the pending read of those sequences (or None)."""
         if not isinstance(proposal, Proposal):
-            raise ProposalError(f"strategy {self.name!r}: propose() returned {type(proposal).__name__}, "
-                                "expected speculant.spec_types.Proposal")
+            raise ProposalError(f"{who}: propose() returned {type(proposal).__name__}, expected "
+                                "speculant.spec_types.Proposal")
         proposal.proposer = self.name
-        if len(proposal.token_ids) != len(batch.seqs):
-            raise ProposalError(f"strategy {self.name!r} proposed for {len(proposal.token_ids)} "
-                                f"sequences but the batch has {len(batch.seqs)}")
+        rows = proposal.token_ids
+        if not isinstance(rows, (list, tuple)) or len(rows) != len(batch.seqs):
+            n = len(rows) if hasattr(rows, "__len__") else type(rows).__name__
+            raise ProposalError(f"{who} proposed for {n} sequences but the batch has "
+                                f"{len(batch.seqs)}")
         V = self.ctx.vocab_size
-        for s, toks in zip(batch.seqs, proposal.token_ids):
-            if len(toks) > s.max_draft:
-                raise ProposalError(f"strategy {self.name!r} proposed {len(toks)} tokens for sequence "
-                                    f"{s.seq_id}, more than its limit k={s.max_draft}")
-            if any((not isinstance(t, int)) or t < 0 or t >= V for t in toks):
-                raise ProposalError(f"strategy {self.name!r} proposed token ids outside the "
-                                    f"vocabulary [0, {V}): {toks}")
+        ids, faulty, problems = [], [], []
+        for s, seq, toks in zip(batch.seqs, seqs, rows):
+            got, problem = _draft_ids(toks, V)
+            if problem is None and len(got) > s.max_draft:
+                problem = f"{len(got)} tokens, more than its limit k={s.max_draft}"
+            if problem is not None:
+                faulty.append(seq)
+                problems.append(f"request {seq.request_id}: {problem}")
+                got = []
+            ids.append(got)
+        proposal.token_ids = ids
+        bad = None
         if proposal.probs is not None:
             p = proposal.probs
-            need = (len(batch.seqs), max(proposal.lengths), V)
+            L = max(proposal.lengths)
+            if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+                raise ProposalError(f"{who}: draft probs (Proposal.probs) must be a float32 "
+                                    f"tensor, got {getattr(p, 'dtype', type(p).__name__)}")
+            need = (len(batch.seqs), L, V)
             if p.dim() != 3 or p.shape[0] != need[0] or p.shape[1] < need[1] or p.shape[2] != V:
-                raise ProposalError(f"strategy {self.name!r}: draft probs have shape {tuple(p.shape)}, "
-                                    f"expected [batch, >= max_len, vocab] = {need}")
-        return proposal
+                raise ProposalError(f"{who}: draft probs have shape {tuple(p.shape)}, expected "
+                                    f"[batch, >= max_len, vocab] = {need}")
+            if L > 0:
+                q, flags = _check_probs(p, ids, L)
+                proposal.probs = q
+                bad = _start_read(flags)
+        if faulty:
+            self._fault(f"{who} proposed drafts out of bounds: {'; '.join(problems)}", faulty)
+        return proposal, bad
 
     def _plain_step(self, seqs: list[Sequence], overlap: bool) -> None:
         """A plain decode step; with ``overlap`` it may run overlapped with the host work of the
