@@ -7,11 +7,15 @@ with no module calls, plain references to every layer's tensors, one gather of t
 one set of KV-cache views per forward (``attention.cpu_kv_views``), CPU-specific fused steps
 (``rms_norm_cpu``, ``rope_cpu``) and products straight into our C kernel or numpy's BLAS
 (``CpuLinear.rows``).
-A few new tokens of one sequence (a plain decode step, a verification pass) go further:
-``_forward_seq`` runs the whole stack in numpy on views of the same weights and cache, because on a [1, hidden] row a numpy
-ufunc dispatches in ~1.5 us where a torch op takes ~3 us (products: ``CpuLinear.np_matvec``). Same
-arithmetic, in float32; sums and exp may round differently in the last bit (as between BLAS
-libraries), which the HF greedy-equality tests cover.
+With the C kernels built (the default), every forward with a KV cache goes further:
+``_forward_flat`` runs the whole stack in numpy on views of the same weights and cache, because on
+a [1, hidden] row a numpy ufunc dispatches in ~1.5 us where a torch op takes ~3 us (products:
+``CpuLinear.np_matvec``), and every step in it is batch-invariant: a sequence's rows get bit for
+bit the same logits alone or within any batch, for a decode step, a k+1 verification pass or a
+prefill (tests/test_batch_invariance.py). Without the C kernels it runs one sequence's forwards of
+up to ``CPU_FEW_ROWS`` new tokens (numpy's BLAS); other forwards run the flat torch loop
+(``forward``), the same arithmetic up to summation order (as between BLAS libraries), which the
+HF greedy-equality tests cover.
 
 Models it does not cover (nn.Linear not prepared for the CPU, partial rotary, other activations,
 replaced submodules) return None from ``cpu_plan`` and keep the module path.

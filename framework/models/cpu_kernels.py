@@ -9,8 +9,9 @@ row). Single-threaded (docs/perf.md, "CPU").
 
 All three are batch-invariant: a row's result is the same arithmetic whatever the other rows of
 the call (each GEMM output is one FMA chain over ``in``; each attention row runs over its own
-causal prefix), which lets a verification pass reproduce the plain decode steps bit for bit
-(``cpu_forward._forward_seq``; tested).
+causal prefix), which makes the CPU forward batch-invariant (``cpu_forward._forward_flat``):
+a verification pass reproduces the plain decode steps bit for bit, and a sequence's logits do not
+depend on the other sequences of the batch (tests/test_batch_invariance.py).
 
 ``available()`` is False without the built extension or on a CPU without AVX2/FMA; callers then
 keep BLAS / torch.

@@ -152,7 +152,7 @@ class CpuLinear(nn.Linear):
 
     def np_matvec(self):
         """A function of numpy rows [T, in] -> [T, out] (bias included), for the numpy loop of
-        one sequence (cpu_forward._forward_seq); None unless the C kernel or numpy's GEMV is on."""
+        the CPU forward (cpu_forward._forward_flat); None unless the C kernel or numpy's GEMV is on."""
         if self.wb is not None:
             wb, n, b = self.wb, self.out_features, self.np_b
             gemm = cpu_kernels.gemm
