@@ -23,6 +23,7 @@ from speculant.drafting import (
     needs_processing,
     read_back,
     rejection_sample,
+    sample_from_probs,
     target_distribution,
     to_device,
     token_logprobs,
@@ -73,14 +74,40 @@ class RejectionSampler(Strategy):
                 < num_draft.to(proposal.probs.device)[:, None]
             )
             draft_probs = proposal.probs[mask].float().to(device)  # [total_draft, vocab]
-        u_acc = uniforms(seqs, lengths, self.engine_gen, device)  # [sum(k_i)]
-        u_smp = uniforms(seqs, [1] * len(seqs), self.engine_gen, device)  # [batch]
+        is_greedy = to_device(greedy_seq, torch.bool, device)  # [batch]
+        if draft_probs is None and not all(greedy_seq):
+            # point-mass drafts: every row's token is sampled from the target with the number
+            # of its position (the one a plain step there would use), and drafts are accepted
+            # while they equal it: P(accept x) = p(x) as in the rejection rule, and the output is
+            # the plain sample, whatever was drafted (sampled rows are then verified as greedy)
+            u_row = uniforms(seqs, [n + 1 for n in lengths], self.engine_gen, device,
+                             purpose="sample")  # [sum(k_i + 1)]
+            target = target.float().contiguous()
+            sampled = sample_from_probs(target, u_row)[:, None]  # [rows, 1]
+            rand_row = to_device([not r.seq.params.is_greedy for r in rows], torch.bool, device)
+            mark = torch.where(rand_row[:, None], 2.0, target.gather(1, sampled))  # 2 > any p
+            target.scatter_(1, sampled, mark)  # a sampled row's argmax is its sample
+            is_greedy = torch.ones_like(is_greedy)
+            u_acc = torch.zeros(len(draft_ids), device=device)  # not read for greedy rows
+            u_smp = torch.zeros(len(seqs), device=device)
+        else:
+            # sampled drafts (Leviathan et al.): the accept test of the draft at position p uses
+            # the number (seed, p, "accept"); the recovery or bonus token of the step starting
+            # at L uses (seed, L, "residual"), or (seed, L, "sample") when the sequence has no
+            # drafts (its token is then the plain sample)
+            u_acc = uniforms(seqs, lengths, self.engine_gen, device, purpose="accept")  # [sum(k_i)]
+            ones = [1] * len(seqs)
+            u_smp = torch.where(
+                num_draft > 0,
+                uniforms(seqs, ones, self.engine_gen, device, purpose="residual"),
+                uniforms(seqs, ones, self.engine_gen, device, purpose="sample"),
+            )  # [batch]
         out, n_out = rejection_sample(
             draft_ids,
             num_draft,
             draft_probs,
             target.float(),
-            to_device(greedy_seq, torch.bool, device),
+            is_greedy,
             u_acc,
             u_smp,
             max_num_draft_tokens=max_k,

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from speculant.drafting.graphs import GraphCache, to_device_async
+from speculant.engine.sampler import PURPOSES, counter_uniforms, stream_seed
 from speculant.engine.staging import read_back
 from speculant.kernels.logprobs import row_argmax
 from speculant.models.fused import linear
@@ -55,8 +57,10 @@ class DraftSampler:
     (a one-hot row for greedy rows). Nothing here reads the device.
 
     ``seqs``: the sequence of each row; ``steps[r]``: how many draft steps row r really uses
-    (rows may run more steps than they use; those draw no random number, so a seeded request's
-    generator advances exactly once per draft it gets)."""
+    (rows may run more steps than they use; those draw no random number). A seeded request's
+    draft at position p is drawn with the counter-based number (seed, p, "draft")
+    (``speculant.engine.sampler.uniforms``): the same draft whatever the batch, the step or a
+    preemption; unseeded requests draw from ``generator``."""
 
     def __init__(
         self,
@@ -94,14 +98,21 @@ class DraftSampler:
             idx = to_device_async(rows, torch.long, self.device)
             params, g = tuple(t[idx] for t in params), g[idx]
         probs = sampling_probs(logits.float(), *params).contiguous()  # [n, vocab]
-        u = []
-        for r in sub:
+        u = torch.full((len(sub),), 0.5)  # rows that draw nothing keep 0.5 (not used)
+        keyed: list[tuple[int, int, int]] = []  # (index in sub, seed, position of the draft)
+        for i, r in enumerate(sub):
             if self.greedy[r] or j >= self.steps[r]:
-                u.append(torch.full((1,), 0.5))  # not used: draws nothing
+                continue
+            seed = stream_seed(self.seqs[r])
+            if seed is None:  # unseeded (or a plain torch.Generator): a stateful draw
+                u[i] = torch.rand(1, generator=self.seqs[r].generator or self.generator)[0]
             else:
-                gen = self.seqs[r].generator or self.generator
-                u.append(torch.rand(1, generator=gen, dtype=torch.float32))
-        u_dev = to_device_async(torch.cat(u), torch.float32, self.device)  # [n]
+                keyed.append((i, seed, len(self.seqs[r].token_ids) + j))
+        if keyed:  # the draft at position p: the same number in any batch, step or preemption
+            at, seeds, pos = zip(*keyed)
+            u[list(at)] = counter_uniforms(np.array(seeds, dtype=np.uint64),
+                                            np.array(pos, dtype=np.uint64), PURPOSES["draft"])
+        u_dev = to_device_async(u, torch.float32, self.device)  # [n]
         tokens = torch.where(g, argmax, sample_from_probs(probs, u_dev))
         if any(self.greedy[r] for r in sub):
             onehot = F.one_hot(argmax, probs.shape[1]).to(probs.dtype)

@@ -7,7 +7,8 @@ position then the bonus row (:func:`verify_rows` names them). The request's samp
 turn each row into the distribution the request samples from (:func:`target_distribution`);
 :func:`rejection_sample` (the kernel launcher of ``speculant.kernels.rejection_sampling``)
 accepts or rejects every draft on the device, from per-request random numbers
-(:func:`uniforms`); :func:`token_logprobs` (``speculant.kernels.logprobs``) gives the target
+(:func:`uniforms`); :func:`sample_from_probs` draws one token per row by inverse CDF;
+:func:`token_logprobs` (``speculant.kernels.logprobs``) gives the target
 log-probability of each emitted token; :func:`read_back` brings the result to the host in one
 read. Host-made inputs go to the device through :func:`to_device`, which does not synchronise
 the stream.
@@ -22,7 +23,7 @@ import torch
 from speculant.engine import sampler
 from speculant.engine.staging import read_back, to_device
 from speculant.kernels.logprobs import token_logprobs
-from speculant.kernels.rejection_sampling import rejection_sample
+from speculant.kernels.rejection_sampling import rejection_sample, sample_from_probs
 from speculant.sampling_params import SamplingParams
 from speculant.spec_types import SpecSequence
 
@@ -86,14 +87,26 @@ def uniforms(
     counts: list[int],
     generator: torch.Generator,
     device: torch.device,
+    *,
+    purpose: str | None = None,
+    starts: list[int] | None = None,
 ) -> torch.Tensor:  # [sum(counts)] float32
-    """``counts[i]`` uniform numbers in [0, 1) for sequence ``i``, drawn on the host from its
-    request's seeded generator (``SpecSequence.generator``) or, without one, from
-    ``generator``, so a seeded request's output does not depend on the rest of the batch.
+    """``counts[i]`` uniform numbers in [0, 1) for sequence ``i``, made on the host.
+
+    With ``purpose`` (``"sample"``: the token at a position drawn from the target; ``"accept"``:
+    the accept test of a draft; ``"draft"``: a sampled draft; ``"residual"``: the recovery /
+    bonus token of a step), a seeded request's j-th number is a counter-based function of
+    (its seed, position ``starts[i] + j``, purpose); ``starts[i]`` defaults to the sequence's
+    length (the position of its next token). It depends on nothing else: not on preemption, the
+    batch, or how many drafts fit, so a seeded request's output is reproducible. Draw each
+    (position, purpose) at most once per verification: a number reused for two decisions makes
+    them dependent. Without ``purpose``: the next numbers of the request's seeded generator
+    (``SpecSequence.generator``), reproducible only while the draws per step are. Unseeded
+    requests draw from ``generator`` either way.
 
     :return: the numbers on ``device``, sequence after sequence.
     """
-    return sampler.uniforms(seqs, counts, generator, device)
+    return sampler.uniforms(seqs, counts, generator, device, purpose=purpose, starts=starts)
 
 
 __all__ = [
@@ -101,6 +114,7 @@ __all__ = [
     "needs_processing",
     "read_back",
     "rejection_sample",
+    "sample_from_probs",
     "target_distribution",
     "to_device",
     "token_logprobs",

@@ -77,7 +77,9 @@ class AsyncDecoder:
         else:
             hidden, aux = eng.runner.forward(seqs, [[s.last_token] for s in seqs], aux_layers)
         logits = eng.runner.logits(hidden)  # [n, vocab] float32
-        tokens, lps = sample_tokens_and_logprobs(logits, [Row(s, []) for s in seqs], eng.generator,
+        # chained: the step in flight decided position len(s), this one decides the next
+        rows = [Row(s, [], ahead=int(chained)) for s in seqs]
+        tokens, lps = sample_tokens_and_logprobs(logits, rows, eng.generator,
                                                  eng.eos_token_id)  # [n] int64, [n] float32
         both = torch.stack([tokens.double(), lps.double()])  # [2, n]
         done = None

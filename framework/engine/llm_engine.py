@@ -16,7 +16,7 @@ from speculant.engine.cpu_threads import apply_cpu_threads
 from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
 from speculant.engine.sampler import Row, sample_with_logprobs, topn_dict
 from speculant.engine.scheduler import Scheduler
-from speculant.engine.sequence import Sequence
+from speculant.engine.sequence import SeedStream, Sequence
 from speculant.engine.spec_decode import SpecDecoder
 from speculant.engine.target import DecodeStep
 from speculant.models.loader import load_config, load_model, load_tokenizer, resolve_model
@@ -196,7 +196,7 @@ class LLMEngine:
         for i in range(params.num_samples):
             gen = None
             if params.seed is not None:
-                gen = torch.Generator().manual_seed(params.seed * 1000003 + i)
+                gen = SeedStream(params.seed * 1000003 + i)
             seqs.append(Sequence(request_id, i, prompt_token_ids, params, metrics, gen))
         req = Request(request_id, prompt, list(prompt_token_ids), params, seqs, metrics)
         self.requests[request_id] = req

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from speculant.engine.sequence import Sequence
@@ -23,14 +24,59 @@ class Row:
 
     seq: Sequence
     extra: list[int]
+    ahead: int = 0  # tokens decided for the sequence but not appended yet (an overlapped step's)
+
+    @property
+    def position(self) -> int:
+        """The index of the token this row decides (keys a seeded request's random numbers)."""
+        return len(self.seq.token_ids) + len(self.extra) + self.ahead
 
 
-def _call_processor(fn, prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor):
+class LogitsProcessorError(ValueError):
+    """A request's logits processor returned something that cannot be sampled from: a wrong
+    shape, or a row with no finite value (all -inf, or NaN). ``request_id`` names the request."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+def _processor_name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def _call_processor(fn, prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor,
+                    request_id: str | None = None):
     try:
         n = len(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         n = 2
-    return fn(prompt_ids, output_ids, logits) if n >= 3 else fn(output_ids, logits)
+    res = fn(prompt_ids, output_ids, logits) if n >= 3 else fn(output_ids, logits)
+    if res is not None and (not isinstance(res, torch.Tensor) or res.shape != logits.shape):
+        got = tuple(res.shape) if isinstance(res, torch.Tensor) else type(res).__name__
+        raise LogitsProcessorError(
+            f"request {request_id}: logits processor {_processor_name(fn)} returned {got}, "
+            f"expected a tensor of shape {tuple(logits.shape)} (the row's logits, one per "
+            "vocabulary entry) or None", request_id)
+    return res
+
+
+def _check_processed(logits: torch.Tensor, rows: list, idx: list[int]) -> None:
+    """Rows ``idx`` (those with logits processors) must keep a finite value and no NaN, or
+    nothing could be sampled there. One device read, on this already host-bound path only."""
+    sub = logits[idx]  # [len(idx), vocab]
+    bad = ((~torch.isfinite(sub)).all(dim=1) | torch.isnan(sub).any(dim=1)).tolist()
+    for i, b in zip(idx, bad):
+        if b:
+            seq = rows[i].seq
+            names = ", ".join(_processor_name(fn) for fn in seq.params.logits_processors)
+            rid = getattr(seq, "request_id", None)
+            who = f"request {rid}" if rid is not None else f"sequence {seq.seq_id}"
+            raise LogitsProcessorError(
+                f"{who}: after its logits processors "
+                f"({names}) the logits row has NaN or no finite value (all -inf), so no token "
+                "can be sampled; a processor must leave at least one token allowed and return "
+                "no NaN", rid)
 
 
 def params_need_processing(p) -> bool:
@@ -64,15 +110,18 @@ def process_logits(
         return logits
     logits = logits.clone()
     V = logits.shape[1]
+    processed = []  # rows whose logits processors ran
     for i, r in enumerate(rows):
         p = r.seq.params
         out_ids = r.seq.output_token_ids + r.extra
         if p.logits_processors:
             prompt_ids = r.seq.token_ids[: r.seq.num_prompt_tokens]
             for fn in p.logits_processors:
-                res = _call_processor(fn, prompt_ids, list(out_ids), logits[i])
+                res = _call_processor(fn, prompt_ids, list(out_ids), logits[i],
+                                      getattr(r.seq, "request_id", None))
                 if res is not None:
                     logits[i] = res
+            processed.append(i)
         if p.has_penalties:
             dev = logits.device
             out_t = to_device(out_ids, torch.long, dev)
@@ -95,6 +144,8 @@ def process_logits(
             for t in banned:
                 if 0 <= t < V:
                     logits[i, t] = float("-inf")
+    if processed:
+        _check_processed(logits, rows, processed)
     return logits
 
 
@@ -112,13 +163,85 @@ def target_probs(processed: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     return sampling_probs(processed, *sampling_tensors(rows, processed.device))
 
 
-def uniforms(seqs: list[Sequence], counts: list[int], engine_gen: torch.Generator, device) -> torch.Tensor:
-    """Uniform [0, 1) numbers, ``counts[i]`` for sequence i, from its own seeded generator when it
-    has one (so seeded requests are reproducible whatever else is in the batch)."""
+# What a seeded request's random number decides: the third part of its counter-based key
+# (request seed, position, purpose); see :func:`uniforms`.
+PURPOSES = {
+    "sample": 0,  # the token at a position, drawn from the target (plain, bonus, point-mass drafts)
+    "accept": 1,  # the accept test of the sampled draft at a position
+    "draft": 2,  # the draft token sampled at a position (DraftSampler)
+    "residual": 3,  # the recovery / bonus token of a sampled-draft step starting at a position
+}
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:  # uint64 array -> uint64 array (wraps modulo 2**64)
+    """SplitMix64's finaliser (a bijection of 64-bit integers that passes BigCrush)."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def counter_uniforms(
+    seeds: np.ndarray,  # [n] uint64: each draw's stream seed
+    positions: np.ndarray,  # [n] uint64: the index of the token each draw decides
+    purpose: int,  # a value of PURPOSES
+) -> torch.Tensor:  # [n] float32 in [0, 1), on the CPU
+    """Counter-based uniform numbers: ``u = f(seed, position, purpose)``, the SplitMix64 stream
+    of the (hashed) seed read at counter ``4 * position + purpose``. No state: the same key gives
+    the same number whenever and in whatever batch it is drawn; distinct keys are independent."""
+    ctr = positions * np.uint64(4) + np.uint64(purpose) + np.uint64(1)
+    z = _mix64(_mix64(seeds) + ctr * _GOLDEN)
+    return torch.from_numpy((z >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24))
+
+
+def stream_seed(seq) -> int | None:
+    """The key of a sequence's counter-based numbers (its :class:`SeedStream`'s seed: one per
+    output of a seeded request), or None (an unseeded request, or a plain ``torch.Generator``
+    handed in by other code, which is then drawn from as a stateful generator)."""
+    return getattr(seq.generator, "stream_seed", None)
+
+
+def uniforms(seqs: list[Sequence], counts: list[int], engine_gen: torch.Generator, device, *,
+             purpose: str | None = None, starts: list[int] | None = None) -> torch.Tensor:
+    """Uniform [0, 1) numbers, ``counts[i]`` for sequence i, on ``device`` (through pinned
+    memory: no synchronisation), sequence after sequence.
+
+    With ``purpose`` (a key of :data:`PURPOSES`), a seeded sequence's j-th number is
+    ``counter_uniforms(seed, starts[i] + j, purpose)``: it depends only on the request's seed,
+    the position of the token it decides (``starts[i]`` defaults to the sequence's length, the
+    position of its next token) and what it decides, never on preemption, the batch or how many
+    numbers were drawn before. Without ``purpose`` (the earlier interface), or for a sequence
+    whose generator is a plain ``torch.Generator`` rather than a :class:`SeedStream`, they are
+    the next ``counts[i]`` numbers of its generator. Unseeded sequences draw from ``engine_gen``
+    either way."""
+    if purpose is None:
+        parts = [torch.rand(n, generator=s.generator or engine_gen, dtype=torch.float32)
+                 for s, n in zip(seqs, counts)]
+        return to_device(torch.cat(parts), torch.float32, device) if parts else torch.empty(0, device=device)
+    code = PURPOSES[purpose]
+    keys = [stream_seed(s) for s in seqs]
+    if starts is None:
+        starts = [len(s.token_ids) for s in seqs]
+    if all(k is not None for k in keys):  # every sequence seeded: one vectorised hash
+        cnt = np.asarray(counts, dtype=np.int64)
+        total = int(cnt.sum())
+        if total == 0:
+            return torch.empty(0, device=device)
+        first = np.repeat(np.cumsum(cnt) - cnt, cnt)  # [total] index of each draw's first draw
+        pos = np.repeat(np.asarray(starts, dtype=np.int64), cnt) + np.arange(total) - first
+        u = counter_uniforms(np.repeat(np.asarray(keys, dtype=np.uint64), cnt),
+                             pos.astype(np.uint64), code)
+        return to_device(u, torch.float32, device)
     parts = []
-    for s, n in zip(seqs, counts):
-        gen = s.generator or engine_gen
-        parts.append(torch.rand(n, generator=gen, dtype=torch.float32))
+    for s, k, p0, n in zip(seqs, keys, starts, counts):
+        if k is None:
+            parts.append(torch.rand(n, generator=s.generator or engine_gen, dtype=torch.float32))
+        else:
+            parts.append(counter_uniforms(np.full(n, k, dtype=np.uint64),
+                                          np.arange(p0, p0 + n, dtype=np.uint64), code))
     return to_device(torch.cat(parts), torch.float32, device) if parts else torch.empty(0, device=device)
 
 
@@ -130,7 +253,8 @@ def sample_tokens(logits: torch.Tensor, rows: list[Row], engine_gen: torch.Gener
     if all(greedy):
         return logprob_kernels.row_argmax(processed)
     probs = target_probs(processed, rows)
-    u = uniforms([r.seq for r in rows], [1] * len(rows), engine_gen, logits.device)
+    u = uniforms([r.seq for r in rows], [1] * len(rows), engine_gen, logits.device,
+                 purpose="sample", starts=[r.position for r in rows])
     sampled = sample_from_probs(probs, u)
     argmax = logprob_kernels.row_argmax(processed)
     g = to_device(greedy, torch.bool, logits.device)

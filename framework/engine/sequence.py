@@ -13,6 +13,22 @@ from speculant.sampling_params import SamplingParams
 _ids = itertools.count()
 
 
+class SeedStream(torch.Generator):
+    """The random source of one output of a seeded request: a CPU ``torch.Generator`` seeded
+    with ``seed`` (for code that draws from it) that carries ``seed``, the key of the request's
+    counter-based numbers (``speculant.engine.sampler.uniforms``), which make its output
+    independent of preemption, the batch and how many drafts fit."""
+
+    def __new__(cls, seed: int) -> SeedStream:
+        gen = super().__new__(cls)
+        gen.stream_seed = int(seed) % 2**64
+        gen.manual_seed(gen.stream_seed)
+        return gen
+
+    def __init__(self, seed: int) -> None:
+        pass
+
+
 class Status(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -36,7 +52,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.metrics = metrics
-        self.generator = generator  # per-request seeded RNG, or None for the engine's
+        self.generator = generator  # a seeded request's SeedStream, or None (the engine's)
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # tokens whose K/V are in the cache
