@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from speculant.config import EngineConfig, explain
 from speculant.engine.llm_engine import LLMEngine
+from speculant.engine.spec_decode import StrategyFault
 from speculant.outputs import RequestOutput, SpecMetrics
 from speculant.sampling_params import SamplingParams
 from speculant.spec_registry import pop_legacy_kwargs
@@ -170,17 +171,31 @@ class LLM:
         return out
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request of ``ids`` is done. A plugin fault the engine could not
+        contain (StrategyFault) aborts only the requests of its step; the others run to the
+        end, then the first such fault is raised with ``outputs``: every request's output in
+        order (the aborted ones as far as they got, finish_reason "abort")."""
         done: dict[str, RequestOutput] = {}
         wanted = set(ids)  # outputs of other requests (e.g. added via engine) are not ours
+        fault: StrategyFault | None = None
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while len(done) < len(ids):
-                for out in self.engine.step():
+                try:
+                    finished = self.engine.step()
+                except StrategyFault as e:
+                    fault = fault or e
+                    finished = []
+                    for rid in e.request_ids:
+                        self.engine.abort_request(rid)
+                        out = self.engine.snapshot(rid)
+                        self.engine.requests.pop(rid, None)
+                        if out is not None:
+                            finished.append(out)
+                for out in finished:
                     if out.request_id in wanted:
                         done[out.request_id] = out
                         bar.update(1)
-                    if out.metrics is not None and out.metrics.finished_time is not None:
-                        pass
                 if not self.engine.has_unfinished_requests() and len(done) < len(ids):
                     missing = [i for i in ids if i not in done]
                     raise RuntimeError(f"engine stopped with unfinished requests {missing}")
@@ -192,6 +207,9 @@ class LLM:
             raise
         finally:
             bar.close()
+        if fault is not None:
+            fault.outputs = [done[i] for i in ids]
+            raise fault
         return [done[i] for i in ids]
 
     def generate_stream(

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from speculant.engine.spec_decode import StrategyFault
 from speculant.outputs import CompletionOutput, Logprob, RequestOutput, SpecMetrics
 from speculant.sampling_params import SamplingParams
 
@@ -225,9 +226,16 @@ class AsyncEngine:
                 finished = self.engine.step()
                 self.num_steps += 1
                 self._publish(finished)
+            except StrategyFault as e:  # a plugin failed the requests of one step: only those
+                logger.exception("speculative decoding failed for %d request(s)",
+                                 len(e.request_ids))
+                self._fail_some(e.request_ids, e.public_message)
             except Exception as e:  # keep serving: fail what was in flight, free its blocks
                 logger.exception("engine step failed")
-                self._fail_all(f"engine error: {type(e).__name__}: {e}")
+                # the error's text may be about any request in flight: it goes to a client
+                # only when that client's request is the only one
+                detail = f": {e}" if len(self._tracks) <= 1 else " (details in the server log)"
+                self._fail_all(f"engine error: {type(e).__name__}{detail}")
         self._fail_all("the server is shutting down")
 
     def _drain(self) -> None:
@@ -301,6 +309,19 @@ class AsyncEngine:
                 self.engine.abort_request(rid)
                 if self.metrics is not None:
                     self.metrics.request_aborted()
+
+    def _fail_some(self, rids: list[str], message: str) -> None:
+        """Abort the engine requests ``rids`` and fail their server requests (all of each one's
+        prompts) with ``message``; the others run on."""
+        handles = {id(tr.handle): tr.handle for r in rids if (tr := self._tracks.get(r))}
+        for rid in rids:
+            if rid not in self._tracks:
+                self.engine.abort_request(rid)  # not a server request: still stop it
+        for handle in handles.values():
+            for rid in handle.rids:
+                if self._tracks.pop(rid, None) is not None:
+                    self.engine.abort_request(rid)
+            self._emit(handle, Failed(500, message))
 
     def _fail_all(self, message: str) -> None:
         status = 503 if self._stop.is_set() else 500

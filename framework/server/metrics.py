@@ -106,6 +106,9 @@ class _EngineCollector:
              "Sequence decode steps in a verification batch", s.num_spec_steps),
             ("speculant_spec_decode_num_plain_steps", "Sequence decode steps without verification",
              s.num_plain_steps),
+            ("speculant_spec_decode_num_faults",
+             "Plugin faults contained (bad proposals, hooks that raised; docs/hooks.md Faults)",
+             s.num_faults),
         ):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(m, value)
