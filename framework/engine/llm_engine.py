@@ -255,14 +255,22 @@ class LLMEngine:
         now = time.perf_counter()
         for s in seqs:
             s.metrics.first_scheduled_time = s.metrics.first_scheduled_time or now
-        new_tokens = [s.token_ids[s.num_cached_tokens :] for s in seqs]
+        # with a strategy, a preempted sequence resumes where it stopped: the cache is rebuilt
+        # up to its last token, which its next decode step feeds, so its speculative steps (and
+        # the positions that key a seeded request's random numbers) are those of a run that was
+        # never preempted (engine/sampler.py uniforms)
+        resume = [self.spec is not None and s.num_output_tokens > 0 for s in seqs]
+        new_tokens = [s.token_ids[s.num_cached_tokens : len(s) - r] for s, r in zip(seqs, resume)]
         aux = self.spec.aux_layers if self.spec else ()
         hidden, aux_hidden = self.runner.forward(seqs, new_tokens, aux)
         ends = torch.tensor([len(t) for t in new_tokens]).cumsum(0) - 1
-        last = hidden[ends.to(hidden.device)]
-        logits = self.runner.logits(last)
+        fresh = [i for i, r in enumerate(resume) if not r]
+        if len(fresh) < len(seqs):
+            ends = ends[fresh]
         self._maybe_prompt_logprobs(seqs, new_tokens, hidden)
-        self._sample_and_append(seqs, logits)
+        if fresh:
+            logits = self.runner.logits(hidden[ends.to(hidden.device)])
+            self._sample_and_append([seqs[i] for i in fresh], logits)
         if self.spec is not None:
             self.spec.record_prefill(seqs, [len(t) for t in new_tokens], hidden, aux_hidden)
 
