@@ -412,7 +412,7 @@ class SpecDecoder:
             scores = self.pm.hook.score(batch=batch, proposal=proposal)
         except Exception as e:  # nothing appended yet: the step runs plain instead
             self._fault(f"{self._culprit(e, 'score')} raised in score(): "
-                        f"{type(e).__name__}: {e}", [])
+                        f"{type(e).__name__}: {e}", seqs)
             self._plain_step(seqs, overlap=False)
             return
         try:
@@ -421,7 +421,7 @@ class SpecDecoder:
             # it may have drawn from the sequences' random streams: no plain redo; the step's
             # requests are aborted (by whoever runs the engine), the others go on
             who = self._culprit(e, "verify")
-            self._fault(f"{who} raised in verify(): {type(e).__name__}: {e}", [])
+            self._fault(f"{who} raised in verify(): {type(e).__name__}: {e}", seqs)
             for s in seqs:
                 self.engine.rollback(s, s.num_cached_tokens)
             rids = list(dict.fromkeys(s.request_id for s in seqs))
