@@ -24,12 +24,23 @@ pytestmark = pytest.mark.skipif(
 BLOCKS = 6  # cache blocks per sequence in the logits test (block size 16: up to 96 tokens)
 
 
+def _engine(path):
+    llm = LLM(model=str(path), max_num_seqs=16)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    return llm
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    llm = LLM(model=str(tiny_llama), max_num_seqs=16)
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm = _engine(tiny_llama)
     assert llm.engine.model._cpu_plan.kernels is not None  # the C kernels are in use
     return llm
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "opt"])
+def arch_llm(request, tiny_factory):
+    """The Llama family's flat CPU loop (Qwen2: with q/k/v biases) and a module path (OPT)."""
+    return _engine(tiny_factory(request.param))
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -60,8 +71,9 @@ def _rows(llm, n: int, qlen: int, scattered: bool = False) -> torch.Tensor:
     return runner.logits(h)[:qlen]
 
 
-def test_logits_rows_do_not_depend_on_the_batch_or_query_length(llm):
+def test_logits_rows_do_not_depend_on_the_batch_or_query_length(arch_llm):
     """Reference: sequence 0 alone, prefilled then fed one token per step."""
+    llm = arch_llm
     runner = llm.engine.runner
     s = _seq(0, list(range(BLOCKS)))
     runner.forward([s], _prompts(1))
@@ -73,9 +85,10 @@ def test_logits_rows_do_not_depend_on_the_batch_or_query_length(llm):
     assert torch.equal(_rows(llm, 4, 5, scattered=True), ref)  # blocks not consecutive
 
 
-def test_prefill_equals_token_by_token(llm):
+def test_prefill_equals_token_by_token(arch_llm):
     """A prompt prefilled in one pass (any length) leaves the same cache and last-row logits as
     fed token by token."""
+    llm = arch_llm
     runner = llm.engine.runner
     prompt = _prompts(1, seed=3)[0]
     a, b = _seq(0, list(range(BLOCKS))), _seq(1, list(range(BLOCKS, 2 * BLOCKS)))

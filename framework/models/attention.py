@@ -167,7 +167,10 @@ def paged_attention_torch(
     """Causal attention of each sequence's new queries over its cached context. Sequences whose
     blocks are consecutive (the block manager places them so) attend over a slice of the cache,
     one SDPA per sequence without copies or padding; otherwise every sequence's context is
-    gathered into a padded batch with a mask."""
+    gathered into a padded batch with a mask. On the CPU in fp32 with our C kernels, each
+    sequence's rows go through ``cpu_kernels.attend`` instead (``_attention_c``): batch-invariant."""
+    if _c_attention_ok(q, k_cache):
+        return _attention_c(q, k_cache, v_cache, meta, scale)
     starts = meta.seq_starts
     if starts is not None and min(starts, default=-1) >= 0:
         return _attention_slices(q, k_cache, v_cache, meta, scale)
@@ -241,6 +244,53 @@ def attention(
     if k is not None:
         _store_torch(k, v, k_cache, v_cache, meta)
     return paged_attention_torch(q, k_cache, v_cache, meta, scale)
+
+
+def _c_attention_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        return False
+    nh, d, nkv = q.shape[1], q.shape[2], k_cache.shape[2]
+    if d % 8 or d > 512 or nh % nkv or q.requires_grad or not k_cache.is_contiguous():
+        return False
+    from speculant.models import cpu_kernels
+
+    return cpu_kernels.available()
+
+
+def _attention_c(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim] float32, CPU
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Each sequence's query rows over its own context (a slice of the cache where its blocks are
+    consecutive, else an exact copy gathered through its block table) by our C kernel: a row's
+    output depends only on its q row and its causal prefix, never on the other rows or sequences
+    of the batch (the module paths' attention on the CPU, e.g. OPT)."""
+    import numpy as np
+
+    from speculant.models import cpu_kernels
+
+    T, nh, d = q.shape
+    bs, nkv = k_cache.shape[1], k_cache.shape[2]
+    kf = k_cache.view(-1, nkv * d).numpy()  # [num_slots, nkv d]
+    vf = v_cache.view(-1, nkv * d).numpy()
+    qn = q.reshape(T, nh * d).numpy()
+    o = np.empty((T, nh * d), np.float32)
+    starts = meta.seq_starts
+    q0 = 0
+    for i, (ql, cl) in enumerate(zip(meta.query_lens, meta.context_lens_list)):
+        st = starts[i] if starts is not None else -1
+        if st >= 0:
+            kc, vc = kf[st : st + cl], vf[st : st + cl]
+        else:
+            p = np.arange(cl)
+            slots = meta.block_tables[i].numpy().astype(np.int64)[p // bs] * bs + p % bs
+            kc, vc = kf[slots], vf[slots]
+        cpu_kernels.attend(qn[q0 : q0 + ql], kc, vc, nh, nkv, scale, o[q0 : q0 + ql])
+        q0 += ql
+    return torch.from_numpy(o).view(T, nh, d)
 
 
 def _store_torch(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
