@@ -221,3 +221,47 @@ def test_the_decoder_uses_only_the_target_engine_interface(tiny_llama, overlap):
     assert _ids(out) == _ids(plain)
     m = llm.get_metrics()
     assert m.num_plain_steps > 0 and m.num_spec_steps > 0 and m.num_draft_tokens > 0
+
+
+# ----------------------------------------------------------------- proposal checks (issue 34)
+def test_draft_ids_accept_every_integer_type_and_nothing_else():
+    import numpy as np
+
+    from speculant.engine.spec_decode import _draft_ids
+
+    got, problem = _draft_ids([np.int64(3), torch.tensor(4), 5, np.int32(6)], 10)
+    assert (got, problem) == ([3, 4, 5, 6], None) and all(type(t) is int for t in got)
+    assert _draft_ids(torch.tensor([1, 2]), 10) == ([1, 2], None)  # a row as a tensor
+    assert _draft_ids(np.array([7]), 10) == ([7], None)
+    for bad, what in [([1.0], "not an integer"), ([True], "not an integer"),
+                      ([torch.tensor(1.5)], "not an integer"), (["3"], "not an integer"),
+                      ([10], "outside the vocabulary [0, 10)"), ([-1], "outside"),
+                      (5, "must be a list")]:
+        got, problem = _draft_ids(bad, 10)
+        assert got == [] and what in problem, (bad, problem)
+
+
+def test_check_probs_flags_bad_rows_and_verifies_them_as_point_masses():
+    from speculant.engine.spec_decode import _check_probs
+
+    V = 6
+    ids = [[1, 2], [3], [4, 5], [0, 1], []]
+    q = torch.full((5, 3, V), 1.0 / V)
+    q[1, 1:] = float("nan")  # past its one draft: not used, not checked
+    q[2, 1, 0] = -0.1  # negative entry at a used row
+    q[2, 1, 1] += 0.1
+    q[3, 0] = 0.0
+    q[3, 0, 2] = 1.0  # a distribution, but q = 0 at its own draft (0)
+    q[4] = float("nan")  # no drafts: nothing used
+    out, bad = _check_probs(q, ids, 2)
+    assert bad.tolist() == [False, False, True, True, False]
+    assert out.shape == (5, 2, V)
+    torch.testing.assert_close(out[:2], q[:2, :2], rtol=0, atol=0, equal_nan=True)  # untouched
+    for i in (2, 3):  # point masses at the drafts
+        for j, t in enumerate(ids[i]):
+            assert out[i, j].tolist() == [1.0 if v == t else 0.0 for v in range(V)]
+    q2 = torch.full((1, 1, V), 0.2)  # sums to 1.2
+    assert _check_probs(q2, [[0]], 1)[1].tolist() == [True]
+    q3 = torch.full((1, 1, V), 1.0 / V)
+    q3[0, 0, 0] = float("inf")
+    assert _check_probs(q3, [[0]], 1)[1].tolist() == [True]
