@@ -149,12 +149,50 @@ static inline TARGET float hsum256(__m256 v) { /* fixed order: (0+4, 1+5, ...) p
     return _mm_cvtss_f32(s);
 }
 
+/* hsum256 of each of a[0 .. 7] as lane r of the result, with the same additions in the same
+ * order (so the same bits): lo + hi halves, then lanes (0 + 2) and (1 + 3), then those two. */
+static inline TARGET __m256 hsum256x8(const __m256 *a) {
+    __m256 t[4];
+    for (int i = 0; i < 4; i++) /* [a lo + a hi | b lo + b hi] for (a, b) = (a[2i], a[2i + 1]) */
+        t[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    const __m256 x0 = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x44),  /* (s0 + s2, s1 + s3) */
+                                    _mm256_shuffle_ps(t[0], t[1], 0xEE)); /* of a0 a2 | a1 a3 */
+    const __m256 x1 = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], 0x44),
+                                    _mm256_shuffle_ps(t[2], t[3], 0xEE)); /* a4 a6 | a5 a7 */
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(x0, x1, 0x88),  /* a0 a2 a4 a6 | a1 a3 a5 a7 */
+                                   _mm256_shuffle_ps(x0, x1, 0xDD));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 static inline TARGET float hmax256(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
 }
+
+/* out[0 .. 8W) = inv * sum over c < cl of p[c] * v[c * ldkv + 0 .. 8W): one FMA chain per output
+ * column over c in order (W vectors of accumulators in registers), whatever W covers it. */
+#define DEFINE_PV(W)                                                                              \
+    static inline TARGET void pv_##W(const float *p, const float *v, long ldkv, long cl,         \
+                                     __m256 iv, float *out) {                                     \
+        __m256 acc[W];                                                                            \
+        _Pragma("GCC unroll 8") for (int e = 0; e < W; e++) acc[e] = _mm256_setzero_ps();        \
+        for (long c = 0; c < cl; c++) {                                                           \
+            const __m256 pc = _mm256_broadcast_ss(p + c);                                         \
+            const float *vc = v + c * ldkv;                                                       \
+            _Pragma("GCC unroll 8") for (int e = 0; e < W; e++)                                  \
+                acc[e] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vc + 8 * e), acc[e]);               \
+        }                                                                                         \
+        _Pragma("GCC unroll 8") for (int e = 0; e < W; e++)                                      \
+            _mm256_storeu_ps(out + 8 * e, _mm256_mul_ps(acc[e], iv));                             \
+    }
+
+DEFINE_PV(8)
+DEFINE_PV(4)
+DEFINE_PV(2)
+DEFINE_PV(1)
 
 /* d % 8 == 0, d <= 512; work: [ctx_len + 8] floats */
 static TARGET void attend(const float *q, long T, long ldq, const float *k, const float *v,
@@ -169,6 +207,17 @@ static TARGET void attend(const float *q, long T, long ldq, const float *k, cons
             /* scores */
             __m256 mx = _mm256_set1_ps(-INFINITY);
             long c = 0;
+            for (; c + 8 <= cl; c += 8) { /* 8 keys at once, their 8 sums as hsum256's in one go */
+                const float *k0 = k + c * ldkv + off;
+                __m256 a[8];
+                _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+                for (long e = 0; e < d; e += 8) {
+                    const __m256 qe = _mm256_loadu_ps(qh + e);
+                    _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++)
+                        a[r] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(k0 + r * ldkv + e), a[r]);
+                }
+                _mm256_storeu_ps(work + c, _mm256_mul_ps(hsum256x8(a), _mm256_set1_ps(scale)));
+            }
             for (; c + 4 <= cl; c += 4) { /* 4 keys at once: independent chains, same order */
                 const float *k0 = k + c * ldkv + off;
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -201,19 +250,15 @@ static TARGET void attend(const float *q, long T, long ldq, const float *k, cons
                 sum = _mm256_add_ps(sum, p);
             }
             const float inv = 1.0f / hsum256(sum);
-            /* weighted sum of V */
-            __m256 acc[64];
-            const long nv = d / 8;
-            for (long e = 0; e < nv; e++) acc[e] = _mm256_setzero_ps();
-            for (long c = 0; c < cl; c++) {
-                const __m256 p = _mm256_broadcast_ss(work + c);
-                const float *vc = v + c * ldkv + off;
-                for (long e = 0; e < nv; e++)
-                    acc[e] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vc + 8 * e), acc[e]);
-            }
-            float *oh = o + j * ldo + h * d;
+            /* weighted sum of V, 64 / 32 / 16 / 8 output columns at a time in registers */
             const __m256 iv = _mm256_set1_ps(inv);
-            for (long e = 0; e < nv; e++) _mm256_storeu_ps(oh + 8 * e, _mm256_mul_ps(acc[e], iv));
+            const float *vh = v + off;
+            float *oh = o + j * ldo + h * d;
+            long e = 0;
+            for (; e + 64 <= d; e += 64) pv_8(work, vh + e, ldkv, cl, iv, oh + e);
+            if (e + 32 <= d) pv_4(work, vh + e, ldkv, cl, iv, oh + e), e += 32;
+            if (e + 16 <= d) pv_2(work, vh + e, ldkv, cl, iv, oh + e), e += 16;
+            if (e + 8 <= d) pv_1(work, vh + e, ldkv, cl, iv, oh + e);
         }
     }
 }
