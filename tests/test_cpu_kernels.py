@@ -97,7 +97,9 @@ def _attention_ref(q, k, v, nh, nkv, scale):  # float64, causal over the last T 
     return (torch.softmax(s, -1) @ vh).transpose(0, 1).reshape(T, nh * d).numpy()
 
 
-@pytest.mark.parametrize("nh,nkv,d", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (32, 8, 128), (6, 2, 24), (2, 1, 200)])
+@pytest.mark.parametrize(
+    "nh,nkv,d", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (32, 8, 128), (6, 2, 24), (2, 1, 200)]
+)
 @pytest.mark.parametrize("ctx", [1, 7, 300])
 def test_attend_matches_reference_and_is_row_invariant(nh, nkv, d, ctx):
     rng = np.random.default_rng(nh * 100 + ctx)
