@@ -355,3 +355,52 @@ def test_server_verify_raising_fails_only_its_step_and_leaks_no_text(tiny_llama,
         assert [_server_text(a) for a in again] == _texts(llm, ref[False])
     finally:
         stop()
+
+
+def test_a_fault_names_the_distribution_of_an_installed_plugin(tiny_llama):
+    llm = LLM(model=str(tiny_llama), speculative_config={"method": "bigram",
+                                                          "num_speculative_tokens": 2})
+    said = llm.engine.spec._describe("strategy:bigram")
+    assert said.startswith("strategy 'bigram' (plugin 'bigram', distribution speculant-bigram")
+
+
+def test_server_step_error_text_reaches_a_client_only_when_it_was_alone(tiny_llama):
+    """A step that raises fails every request in flight; its text (it may quote any of them)
+    goes to a client only when that client's request was the only one."""
+    import asyncio
+
+    from speculant.server.async_engine import Accepted, AsyncEngine, Failed, PromptInput
+
+    llm = LLM(model=str(tiny_llama), max_num_seqs=4)
+    eng = llm.engine
+    real_step = eng.step
+
+    def flaky_step():
+        if len(eng.scheduler.running) == 2:
+            raise RuntimeError("boom: secret of request A")
+        return real_step()
+
+    eng.step = flaky_step
+    loop_engine = AsyncEngine(eng, max_waiting_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+
+    async def run():
+        hs = [loop_engine.submit([PromptInput(token_ids=p)], params, stream=True)
+              for p in HEALTHY[:2]]
+        loop_engine.start()
+        msgs = []
+        for h in hs:
+            assert isinstance(await asyncio.wait_for(h.queue.get(), 60), Accepted)
+            ev = await asyncio.wait_for(h.queue.get(), 60)
+            while not isinstance(ev, Failed):
+                ev = await asyncio.wait_for(h.queue.get(), 60)
+            msgs.append(ev.message)
+            loop_engine.close(h)
+        return msgs
+
+    try:
+        msgs = asyncio.run(run())
+    finally:
+        loop_engine.shutdown()
+    assert all("RuntimeError" in m and "secret" not in m for m in msgs), msgs
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
