@@ -404,3 +404,14 @@ def test_server_step_error_text_reaches_a_client_only_when_it_was_alone(tiny_lla
         loop_engine.shutdown()
     assert all("RuntimeError" in m and "secret" not in m for m in msgs), msgs
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_a_real_draft_distribution_is_no_fault(tiny_llama):
+    """The q of a draft model sampling with temperature, top-p and top-k passes the check."""
+    llm = LLM(model=str(tiny_llama), speculative_config={
+        "method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3, max_tokens=16,
+                            ignore_eos=True)
+    llm.generate(HEALTHY, params, use_tqdm=False)
+    m = llm.get_metrics()
+    assert m.num_draft_tokens > 0 and m.num_accepted_tokens > 0 and m.num_faults == 0
