@@ -315,3 +315,51 @@ def test_penalties_change_output_deterministically(llm):
     assert freq != base
     # penalised runs repeat tokens less than the plain greedy run
     assert len(freq) - len(set(freq)) <= len(base) - len(set(base))
+
+
+# ---------------------------------------------------------------------------- bad processors
+def wrong_shape(output_ids, logits):
+    return logits[:-1]
+
+
+def all_banned(output_ids, logits):
+    return torch.full_like(logits, -math.inf)
+
+
+def nan_row(output_ids, logits):
+    logits[3] = math.nan
+    return logits
+
+
+def test_logits_processor_wrong_shape_names_processor_and_shape():
+    from speculant.engine.sampler import LogitsProcessorError
+
+    p = SamplingParams(temperature=0.0, logits_processors=[wrong_shape])
+    with pytest.raises(LogitsProcessorError, match=r"wrong_shape returned \(7,\), expected a "
+                       r"tensor of shape \(8,\)") as e:
+        process_logits(torch.tensor([X]), [Row(seq(p), [])], None)
+    assert isinstance(e.value, ValueError) and e.value.request_id == "r"
+    p = SamplingParams(temperature=0.0, logits_processors=[lambda o, lg: lg.tolist()])
+    with pytest.raises(ValueError, match="returned list, expected a tensor of shape"):
+        process_logits(torch.tensor([X]), [Row(seq(p), [])], None)
+
+
+@pytest.mark.parametrize("fn", [all_banned, nan_row])
+def test_logits_processor_leaving_nothing_to_sample_is_an_error(fn):
+    ok = SamplingParams(temperature=0.8, logits_processors=[lambda o, lg: lg])
+    bad = SamplingParams(temperature=0.8, logits_processors=[fn])
+    rows = [Row(seq(ok), []), Row(Sequence("bad-req", 0, [1], bad, RequestMetrics(0.0), None), [])]
+    with pytest.raises(ValueError, match=rf"request bad-req: after its logits processors "
+                       rf"\(.*{fn.__name__}\) the logits row has NaN or no finite value"):
+        process_logits(torch.tensor([X, X]), rows, None)
+
+
+def test_bad_logits_processor_through_the_engine(llm):
+    for fn, what in ((wrong_shape, "expected a tensor of shape"), (all_banned, "no finite value")):
+        p = SamplingParams(temperature=0.8, max_tokens=4, logits_processors=[fn])
+        with pytest.raises(ValueError, match=what):
+            llm.generate({"prompt_token_ids": PROMPTS[0]}, p, use_tqdm=False)
+    # the engine still serves afterwards
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0.0,
+                       max_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 3
