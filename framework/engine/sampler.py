@@ -217,32 +217,36 @@ def uniforms(seqs: list[Sequence], counts: list[int], engine_gen: torch.Generato
     whose generator is a plain ``torch.Generator`` rather than a :class:`SeedStream`, they are
     the next ``counts[i]`` numbers of its generator. Unseeded sequences draw from ``engine_gen``
     either way."""
-    if purpose is None:
+    keys = [stream_seed(s) for s in seqs] if purpose is not None else [None] * len(seqs)
+    if all(s.generator is None for s in seqs):  # all unseeded: one draw
+        return to_device(torch.rand(sum(counts), generator=engine_gen), torch.float32, device)
+    if all(k is None for k in keys):  # stateful generators only
         parts = [torch.rand(n, generator=s.generator or engine_gen, dtype=torch.float32)
                  for s, n in zip(seqs, counts)]
         return to_device(torch.cat(parts), torch.float32, device) if parts else torch.empty(0, device=device)
     code = PURPOSES[purpose]
-    keys = [stream_seed(s) for s in seqs]
     if starts is None:
         starts = [len(s.token_ids) for s in seqs]
-    if all(k is not None for k in keys):  # every sequence seeded: one vectorised hash
-        cnt = np.asarray(counts, dtype=np.int64)
-        total = int(cnt.sum())
-        if total == 0:
-            return torch.empty(0, device=device)
-        first = np.repeat(np.cumsum(cnt) - cnt, cnt)  # [total] index of each draw's first draw
-        pos = np.repeat(np.asarray(starts, dtype=np.int64), cnt) + np.arange(total) - first
-        u = counter_uniforms(np.repeat(np.asarray(keys, dtype=np.uint64), cnt),
-                             pos.astype(np.uint64), code)
-        return to_device(u, torch.float32, device)
-    parts = []
-    for s, k, p0, n in zip(seqs, keys, starts, counts):
-        if k is None:
-            parts.append(torch.rand(n, generator=s.generator or engine_gen, dtype=torch.float32))
+    cnt = np.asarray(counts, dtype=np.int64)
+    total = int(cnt.sum())
+    if total == 0:
+        return torch.empty(0, device=device)
+    # one vectorised hash for every draw (unseeded sequences' draws are replaced below)
+    first = np.repeat(np.cumsum(cnt) - cnt, cnt)  # [total] index of each draw's first draw
+    pos = np.repeat(np.asarray(starts, dtype=np.int64), cnt) + np.arange(total) - first
+    seeds = np.asarray([0 if k is None else k for k in keys], dtype=np.uint64)
+    u = counter_uniforms(np.repeat(seeds, cnt), pos.astype(np.uint64), code)
+    if any(k is None for k in keys):  # stateful draws, in sequence order
+        if all(k is not None or s.generator is None for s, k in zip(seqs, keys)):
+            unseeded = np.repeat(np.asarray([k is None for k in keys]), cnt)  # [total]
+            u[torch.from_numpy(unseeded)] = torch.rand(int(unseeded.sum()), generator=engine_gen)
         else:
-            parts.append(counter_uniforms(np.full(n, k, dtype=np.uint64),
-                                          np.arange(p0, p0 + n, dtype=np.uint64), code))
-    return to_device(torch.cat(parts), torch.float32, device) if parts else torch.empty(0, device=device)
+            off = 0
+            for s, k, n in zip(seqs, keys, counts):
+                if k is None and n:
+                    u[off : off + n] = torch.rand(n, generator=s.generator or engine_gen)
+                off += n
+    return to_device(u, torch.float32, device)
 
 
 def sample_tokens(logits: torch.Tensor, rows: list[Row], engine_gen: torch.Generator,
