@@ -149,3 +149,32 @@ def test_plain_sample_is_the_same_in_any_batch():
     # one token further on
     ahead = sample_tokens(logits[:1], [Row(a, [], ahead=1)], gen, None).tolist()
     assert ahead == sample_tokens(logits[:1], [Row(a, [0])], gen, None).tolist()
+
+
+def test_preemptions_on_metrics(target):
+    """/metrics' speculant_num_preemptions_total is the scheduler's counter."""
+    pytest.importorskip("prometheus_client")
+    from speculant.server.metrics import _EngineCollector
+
+    llm = _llm(target)
+    llm.generate(_prompts()[:8], _params()[:8], use_tqdm=False)
+
+    class Server:  # the AsyncEngine calls the collector makes
+        engine, inflight_seqs, num_steps = llm.engine, 0, 0
+
+        def kv_blocks(self):
+            return 0, llm.engine.block_manager.num_blocks
+
+        def num_running(self):
+            return 0
+
+        def num_waiting(self):
+            return 0
+
+        def spec_metrics(self):
+            return llm.get_metrics()
+
+    fams = {f.name: f for f in _EngineCollector(Server(), "m").collect()}
+    sample = fams["speculant_num_preemptions"].samples[0]
+    assert sample.name == "speculant_num_preemptions_total"
+    assert sample.value == llm.engine.scheduler.num_preemptions > 0

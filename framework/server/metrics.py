@@ -93,6 +93,10 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric(m, value)
             yield g
+        c = CounterMetricFamily("speculant_num_preemptions", "Sequences preempted (KV cache "
+                                "full; recomputed later), vLLM: num_preemptions", labels=["model_name"])
+        c.add_metric(m, self.a.engine.scheduler.num_preemptions)
+        yield c
         s = self.a.spec_metrics()
         for name, doc, value in (
             ("speculant_spec_decode_num_drafts",
