@@ -8,6 +8,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _GREEDY_EPS = 1e-5
+# The sampler computes in float32 and keeps top_k in an int32 tensor; a seed keys a 64-bit stream.
+FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**63)  # [min, max): a 64-bit signed integer, as vLLM's server takes
 
 
 class SamplingParams(BaseModel):
@@ -17,19 +21,27 @@ class SamplingParams(BaseModel):
     log-probability, as vLLM did. Beam search (``use_beam_search``, and its ``length_penalty`` /
     ``early_stopping`` at other than their neutral values) is refused with a clear message rather
     than ignored.
+
+    Every field is checked here (a ``ValidationError``, a ``ValueError``, naming the field and its
+    range; floats must be finite). What needs the model is checked when a request is added
+    (:meth:`check_vocab`): ``logprobs`` / ``prompt_logprobs`` at most the vocabulary size (the
+    server allows at most 20) and ``stop_token_ids`` inside the vocabulary.
     """
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, validate_assignment=True,
+                              allow_inf_nan=False)
 
     n: int = Field(1, ge=1, description="Number of output sequences per prompt.")
-    temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
+    temperature: float = Field(1.0, ge=0.0, le=FLOAT32_MAX, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1 disables top-k.")
+    top_k: int = Field(0, ge=-1, le=INT32_MAX,
+                       description="0 or -1 disables top-k; a k of at least the vocabulary keeps all")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    seed: int | None = None
+    repetition_penalty: float = Field(1.0, gt=0.0, le=FLOAT32_MAX)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1],
+                             description="a 64-bit signed integer: [-2**63, 2**63)")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -62,6 +74,13 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError(f"token ids must be >= 0, got {[t for t in v if t < 0][:5]}")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
         beam = [f for f, neutral in (("use_beam_search", False), ("length_penalty", 1.0),
@@ -80,6 +99,27 @@ class SamplingParams(BaseModel):
         if self.is_greedy and self.n > 1 and self.seed is None:
             pass  # n identical greedy samples, as vLLM does
         return self
+
+    def vocab_errors(self, vocab_size: int) -> list[tuple[str, str]]:
+        """(field, message) for each value that does not fit a model of ``vocab_size`` tokens."""
+        errors = []
+        for f in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, f)
+            if v is not None and v > vocab_size:
+                errors.append((f, f"{f} must be in [0, {vocab_size}] (the vocabulary size), "
+                                  f"got {v}"))
+        bad = [t for t in self.stop_token_ids or () if t >= vocab_size]
+        if bad:
+            errors.append(("stop_token_ids", f"stop_token_ids {bad[:5]} are outside the "
+                                             f"vocabulary [0, {vocab_size})"))
+        return errors
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError naming the first field that does not fit a model of ``vocab_size``
+        tokens (called when a request is added)."""
+        errors = self.vocab_errors(vocab_size)
+        if errors:
+            raise ValueError(errors[0][1])
 
     @property
     def is_greedy(self) -> bool:

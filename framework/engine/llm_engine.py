@@ -191,6 +191,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"request {request_id}: prompt token ids {bad[:5]} are outside the "
                              f"vocabulary [0, {self.vocab_size})")
+        params.check_vocab(self.vocab_size)  # logprobs, stop_token_ids: a ValueError naming them
         metrics = RequestMetrics(arrival_time=time.perf_counter())
         seqs = []
         for i in range(params.num_samples):
