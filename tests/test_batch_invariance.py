@@ -144,3 +144,26 @@ def test_greedy_outputs_do_not_depend_on_the_batch(llm, ngram, penalty):
         spec = _greedy(ngram, prompts, batch, **kw)
         assert [t for t, _ in spec] == [t for t, _ in plain], batch
     assert ngram.engine.spec_metrics().num_draft_tokens > before  # speculation did draft
+
+
+@pytest.mark.slow
+def test_default_model_greedy_with_penalty_does_not_depend_on_the_batch(default_model_path, smollm):
+    """The issue's case on the embedded default model (fp32, the CPU default): with
+    frequency_penalty=1.0, plain greedy decoding at batch 1, 4 and 16 and n-gram speculation give
+    the same tokens (and plain decoding the same log-probabilities)."""
+    from speculant.demo import DEMO_PROMPTS
+
+    tok = smollm.get_tokenizer()
+    texts = [p for _, p in DEMO_PROMPTS] + [
+        "The history of the printing press begins", "List the planets of the solar system:",
+        "def fibonacci(n):", "Write a haiku about the sea.",
+    ]
+    prompts = [tok.encode(t) for t in (texts * 4)[:16]]
+    kw = {"frequency_penalty": 1.0}
+    plain = _greedy(smollm, prompts, 1, **kw)
+    assert _greedy(smollm, prompts, 4, **kw) == plain
+    assert _greedy(smollm, prompts, 16, **kw) == plain
+    spec = LLM(model=str(default_model_path), max_num_seqs=16, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3})
+    for batch in (1, 16):
+        assert [t for t, _ in _greedy(spec, prompts, batch, **kw)] == [t for t, _ in plain], batch
