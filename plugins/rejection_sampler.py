@@ -7,6 +7,12 @@ normalize(max(p - q, 0)), so the output follows the target distribution exactly.
 target distribution after the request's logits processors, penalties, temperature, top-k, top-p
 and min-p; penalties at draft position j count the drafts before j as generated tokens.
 
+Random rows with point-mass drafts (no ``Proposal.probs``: n-gram) sample every position from
+``p`` with the number a plain step there would use and accept drafts while they equal it: the
+same acceptance probability p(x), and a seeded request's output is its plain output. A seeded
+request's numbers are keyed by (seed, position, purpose) (``uniforms``), so its output does not
+depend on the batch, preemption or how many drafts fit (docs/architecture.md, Seeded requests).
+
 A batch of greedy requests without logits processing, scored with ``ScoreResult.greedy`` (each
 row's argmax and its log-probability; the built-in scorer computes it inside its CUDA graph),
 is verified on the host from that one read: the same rule, no kernel launch.

@@ -28,6 +28,18 @@ class SeedStream(torch.Generator):
     def __init__(self, seed: int) -> None:
         pass
 
+    def __reduce__(self):  # copies and pickles stay SeedStreams (seed and generator state)
+        return _seed_stream, (self.stream_seed, self.get_state())
+
+    def __deepcopy__(self, memo) -> SeedStream:
+        return _seed_stream(self.stream_seed, self.get_state())
+
+
+def _seed_stream(seed: int, state: torch.Tensor) -> SeedStream:
+    gen = SeedStream(seed)
+    gen.set_state(state)
+    return gen
+
 
 class Status(Enum):
     WAITING = auto()
