@@ -403,11 +403,18 @@ class SpecDecoder:
         if not seqs:
             return
         batch, drafting = self._batch(seqs)
-        checked = self._propose(batch, drafting) if drafting else None
-        if checked is None or not any(checked[0].token_ids):
+        sub = batch if len(drafting) == len(seqs) else SpecBatch(  # the sequences it drafts for
+            seqs=[batch.seqs[i] for i in drafting], hidden_states=batch.hidden_states,
+            aux_hidden_states=batch.aux_hidden_states, hidden_counts=batch.hidden_counts,
+            hidden_start=batch.hidden_start)
+        self._bad_q = None
+        proposal = self._propose(sub) if drafting else None
+        bad_q, self._bad_q = self._bad_q, None
+        if proposal is None or not any(proposal.token_ids):
             self._plain_step(seqs, overlap=False)
             return
-        proposal, bad_q = checked
+        if sub is not batch:
+            proposal = self._lay_out(proposal, len(seqs), drafting)
         try:
             scores = self.pm.hook.score(batch=batch, proposal=proposal)
         except Exception as e:  # nothing appended yet: the step runs plain instead
@@ -480,20 +487,14 @@ class SpecDecoder:
     def _strategy_key(self) -> str:
         return f"strategy:{self.name}"
 
-    def _propose(self, batch: SpecBatch, drafting: list[int]
-                 ) -> tuple[Proposal, object | None] | None:
-        """The strategy's proposal for the sequences ``drafting`` of ``batch``, checked, laid
-        out over the whole batch (no drafts for the others), with the pending read of which
-        sequences' q was not a distribution (None without q). None: no proposal this step (the
-        strategy proposed nothing, or a fault that no one sequence caused)."""
-        sub = batch if len(drafting) == len(batch.seqs) else SpecBatch(
-            seqs=[batch.seqs[i] for i in drafting], hidden_states=batch.hidden_states,
-            aux_hidden_states=batch.aux_hidden_states, hidden_counts=batch.hidden_counts,
-            hidden_start=batch.hidden_start)
+    def _propose(self, batch: SpecBatch) -> Proposal | None:
+        """The strategy's proposal for ``batch``, checked (``_check``; the pending read of
+        which sequences' q was not a distribution goes to ``self._bad_q``). None: no proposal
+        this step (the strategy proposed nothing, or a fault that no one sequence caused)."""
         who = self._describe(self._strategy_key)
-        seqs = [self.seq_by_id[batch.seqs[i].seq_id] for i in drafting]
+        seqs = [self.seq_by_id[s.seq_id] for s in batch.seqs]
         try:
-            proposal = self.pm.hook.propose(batch=sub)
+            proposal = self.pm.hook.propose(batch=batch)
         except Exception as e:
             self._fault(f"{self._culprit(e, 'propose')} raised in propose(): "
                         f"{type(e).__name__}: {e}", seqs)
@@ -501,21 +502,24 @@ class SpecDecoder:
         if proposal is None:
             return None
         try:
-            proposal, bad = self._check(sub, proposal, seqs, who)
+            proposal, self._bad_q = self._check(batch, proposal, seqs, who)
         except ProposalError as e:  # no one sequence to blame: drop the step's proposal
             self._fault(str(e), seqs)
             return None
-        if sub is not batch:  # lay it out over the whole batch
-            ids: list[list[int]] = [[] for _ in batch.seqs]
-            for i, toks in zip(drafting, proposal.token_ids):
-                ids[i] = toks
-            probs = proposal.probs
-            if probs is not None:
-                full = probs.new_zeros(len(batch.seqs), *probs.shape[1:])
-                full[to_device(drafting, torch.long, probs.device)] = probs
-                probs = full
-            proposal = Proposal(token_ids=ids, probs=probs, proposer=self.name)
-        return proposal, bad
+        return proposal
+
+    def _lay_out(self, proposal: Proposal, size: int, drafting: list[int]) -> Proposal:
+        """A proposal for the sequences ``drafting`` of a batch of ``size``, over all of it (no
+        drafts for the others)."""
+        ids: list[list[int]] = [[] for _ in range(size)]
+        for i, toks in zip(drafting, proposal.token_ids):
+            ids[i] = toks
+        probs = proposal.probs
+        if probs is not None:
+            full = probs.new_zeros(size, *probs.shape[1:])
+            full[to_device(drafting, torch.long, probs.device)] = probs
+            probs = full
+        return Proposal(token_ids=ids, probs=probs, proposer=self.name)
 
     def _check(self, batch: SpecBatch, proposal, seqs: list[Sequence], who: str
                ) -> tuple[Proposal, object | None]:
