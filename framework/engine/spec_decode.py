@@ -402,11 +402,7 @@ class SpecDecoder:
         seqs = self.engine.take_back(seqs)  # the proposer needs every token on the host
         if not seqs:
             return
-        batch, drafting = self._batch(seqs)
-        sub = batch if len(drafting) == len(seqs) else SpecBatch(  # the sequences it drafts for
-            seqs=[batch.seqs[i] for i in drafting], hidden_states=batch.hidden_states,
-            aux_hidden_states=batch.aux_hidden_states, hidden_counts=batch.hidden_counts,
-            hidden_start=batch.hidden_start)
+        batch, sub, drafting = self._batch(seqs)
         self._bad_q = None
         proposal = self._propose(sub) if drafting else None
         bad_q, self._bad_q = self._bad_q, None
@@ -425,17 +421,7 @@ class SpecDecoder:
         try:
             result = self.pm.hook.verify(batch=batch, proposal=proposal, scores=scores)
         except Exception as e:
-            # it may have drawn from the sequences' random streams: no plain redo; the step's
-            # requests are aborted (by whoever runs the engine), the others go on
-            who = self._culprit(e, "verify")
-            self._fault(f"{who} raised in verify(): {type(e).__name__}: {e}", seqs)
-            for s in seqs:
-                self.engine.rollback(s, s.num_cached_tokens)
-            rids = list(dict.fromkeys(s.request_id for s in seqs))
-            raise StrategyFault(
-                f"speculative decoding failed: {who} raised in verify(): {type(e).__name__}: {e}",
-                f"speculative decoding failed: {who} raised {type(e).__name__} in verify(); the "
-                "request was aborted (details in the server log)", rids) from e
+            raise self._verify_failed(seqs, e) from e
         self._apply(seqs, proposal, scores, result)
         if bad_q is not None:  # read after the step's own read-back: no wait
             bad = [seqs[i] for i, b in zip(drafting, _finish_read(bad_q)) if b]
@@ -445,6 +431,20 @@ class SpecDecoder:
                             f"entry, a row sum off 1 by more than {PROB_SUM_TOLERANCE}, or q = 0 "
                             "at the drafted token); verified as point masses at the drafts "
                             "instead", bad)
+
+    def _verify_failed(self, seqs: list[Sequence], e: Exception) -> StrategyFault:
+        """``verify`` raised ``e``. It may have drawn from the sequences' random streams, so the
+        step is not redone plain: its requests are to be aborted (by whoever runs the engine:
+        LLM, the server), the others go on."""
+        who = self._culprit(e, "verify")
+        self._fault(f"{who} raised in verify(): {type(e).__name__}: {e}", seqs)
+        for s in seqs:
+            self.engine.rollback(s, s.num_cached_tokens)
+        return StrategyFault(
+            f"speculative decoding failed: {who} raised in verify(): {type(e).__name__}: {e}",
+            f"speculative decoding failed: {who} raised {type(e).__name__} in verify(); the "
+            "request was aborted (details in the server log)",
+            list(dict.fromkeys(s.request_id for s in seqs)))
 
     def _room(self, s: Sequence) -> int:
         """Draft tokens ``s`` may get this step. Scoring writes K/V at positions len(s) - 1 ..
@@ -456,9 +456,9 @@ class SpecDecoder:
             return 0
         return max(0, min(want, self.engine.reserve_slots(s, len(s) + want) - len(s)))
 
-    def _batch(self, seqs: list[Sequence]) -> tuple[SpecBatch, list[int]]:
-        """The step's batch and the indices of its sequences the strategy drafts for (all but
-        those a fault disabled)."""
+    def _batch(self, seqs: list[Sequence]) -> tuple[SpecBatch, SpecBatch, list[int]]:
+        """The step's batch, the part of it the strategy drafts for (all but the sequences a
+        fault disabled; the hidden states are theirs) and those sequences' indices."""
         drafting = [i for i, s in enumerate(seqs) if s.seq_id not in self.disabled]
         room = [0] * len(seqs)
         for i in drafting:
@@ -481,7 +481,12 @@ class SpecDecoder:
             batch.hidden_states = torch.cat(hs) if hs else None
             batch.aux_hidden_states = torch.cat(aux) if aux else None
             batch.hidden_counts, batch.hidden_start = counts, starts
-        return batch, drafting
+        if len(drafting) == len(seqs):
+            return batch, batch, drafting
+        sub = SpecBatch(seqs=[sp[i] for i in drafting], hidden_states=batch.hidden_states,
+                        aux_hidden_states=batch.aux_hidden_states,
+                        hidden_counts=batch.hidden_counts, hidden_start=batch.hidden_start)
+        return batch, sub, drafting
 
     @property
     def _strategy_key(self) -> str:
