@@ -415,3 +415,37 @@ def test_a_real_draft_distribution_is_no_fault(tiny_llama):
     llm.generate(HEALTHY, params, use_tqdm=False)
     m = llm.get_metrics()
     assert m.num_draft_tokens > 0 and m.num_accepted_tokens > 0 and m.num_faults == 0
+
+
+@pytest.mark.parametrize("method", ["eagle", pytest.param("draft_model", marks=pytest.mark.slow)])
+def test_a_request_disabled_mid_run_decodes_plain_beside_drafting_ones(tiny_factory,
+                                                                       tmp_path_factory, method):
+    """A fault pinned on one request mid-run: the strategy (one reading the target's hidden
+    states, or a draft model) drafts on for the others; every output stays the plain one."""
+    from test_eagle import SMALL_V, TARGET_LAYERS, make_eagle1
+
+    target = tiny_factory("llama", vocab_size=SMALL_V, tokenizer=False,
+                          num_hidden_layers=TARGET_LAYERS)
+    model = (str(make_eagle1(tmp_path_factory.mktemp("e1"), target, SMALL_V, copy=True, seed=2))
+             if method == "eagle" else str(target))
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10], [3, 4, 3, 4, 3, 4]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(model=str(target), skip_tokenizer_init=True).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm = LLM(model=str(target), skip_tokenizer_init=True,
+              speculative_config={"method": method, "model": model, "num_speculative_tokens": 3})
+    eng, done = llm.engine, {}
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), None, p, params)
+    steps = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            done[out.request_id] = out
+        steps += 1
+        if steps == 3:  # the prefill and two decode steps in
+            seq = eng.requests["1"].seqs[0]
+            eng.spec._fault("injected", [seq])
+    assert [done[str(i)].outputs[0].token_ids for i in range(3)] == _tokens(plain)
+    assert done["1"].metrics.num_faults == 1 and done["0"].metrics.num_draft_tokens > 0
+    assert not eng.spec.disabled and not eng.spec.pending  # forgotten once finished
+    _no_leak(llm)
