@@ -145,3 +145,30 @@ class SamplingParams(BaseModel):
 
     def clone(self, **update: Any) -> SamplingParams:
         return self.model_copy(update=update)
+
+
+def _num(x: float) -> str:
+    if isinstance(x, int) and abs(x) >= 2**20 and (abs(x) & (abs(x) - 1) == 0
+                                                  or abs(x + 1) & abs(x) == 0):
+        p = abs(x).bit_length() - 1
+        return f"-2**{p}" if x < 0 else (f"2**{p}" if x == 2**p else f"2**{p + 1}-1")
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def field_range(name: str) -> str | None:
+    """The valid range of a numeric SamplingParams field, e.g. ``"(0, 1]"``; None without bounds."""
+    f = SamplingParams.model_fields.get(name)
+    if f is None:
+        return None
+    lo = hi = None
+    for m in f.metadata:
+        for attr, side in (("ge", "["), ("gt", "("), ("le", "]"), ("lt", ")")):
+            v = getattr(m, attr, None)
+            if v is not None:
+                if side in "[(":
+                    lo = side + _num(v)
+                else:
+                    hi = _num(v) + side
+    if lo is None and hi is None:
+        return None
+    return f"{lo or '(-inf'}, {hi or 'inf)'}"

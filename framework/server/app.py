@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speculant.outputs import RequestOutput
 from speculant.server.async_engine import (
@@ -35,6 +36,7 @@ from speculant.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_logprobs,
+    check_against_model,
     completion_logprobs,
     validation_error,
 )
@@ -60,7 +62,9 @@ def _sse(obj: Any) -> str:
 class OpenAIServer:
     def __init__(self, aengine: AsyncEngine, served_model_names: list[str],
                  api_key: str | None = None, metrics: ServerMetrics | None = None,
-                 model_root: str | None = None) -> None:
+                 model_root: str | None = None, split_special_tokens: bool = False) -> None:
+        """``split_special_tokens``: the default of chat requests' field of that name (encode each
+        message's content as plain text, so control strings in it stay text)."""
         self.a = aengine
         self.names = list(served_model_names)
         self.api_key = api_key
@@ -68,6 +72,7 @@ class OpenAIServer:
         self.model_root = model_root
         self.created = int(time.time())
         self.tokenizer = aengine.tokenizer
+        self.split_special_tokens = split_special_tokens
         self.app = self._build()
 
     # ----------------------------------------------------------------- app
@@ -81,6 +86,24 @@ class OpenAIServer:
         @app.exception_handler(APIError)
         async def _api_error(request: Request, exc: APIError):
             return _error(exc)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, exc: StarletteHTTPException):
+            # unknown routes (404) and wrong methods (405): OpenAI's shape, not {"detail": ...}
+            where = f"{request.method} {request.url.path}"
+            if exc.status_code == 404:
+                msg = f"Invalid URL ({where}): no such endpoint"
+            elif exc.status_code == 405:
+                allow = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
+                msg = f"Method not allowed ({where})" + (f"; use {allow}" if allow else "")
+            else:
+                msg = str(exc.detail)
+            e = APIError(exc.status_code, msg)
+            return JSONResponse(e.body(), status_code=exc.status_code, headers=exc.headers)
+
+        @app.exception_handler(Exception)
+        async def _unexpected(request: Request, exc: Exception):  # Starlette logs it
+            return _error(APIError(500, f"internal error: {type(exc).__name__}"))
 
         app.add_middleware(_AuthAndCount, server=self)
 
@@ -240,6 +263,8 @@ class OpenAIServer:
         model = self._model(body.model)
         params = body.sampling_params()
         prompts = self._completion_prompts(body.prompt)
+        check_against_model(params, [p.token_ids for p in prompts if p.token_ids is not None],
+                            self.a.engine.vocab_size, body.param_names())
         handle = self._submit(prompts, params, body.stream, "cmpl")
         rid, created, n = handle.id, int(time.time()), params.n
         lp_n = body.logprobs
@@ -330,7 +355,11 @@ class OpenAIServer:
         model = self._model(body.model)
         params = body.sampling_params()
         messages = body.chat_messages()
-        handle = self._submit([PromptInput(messages=messages)], params, body.stream, "chatcmpl")
+        check_against_model(params, [], self.a.engine.vocab_size, body.param_names())
+        split = (body.split_special_tokens if body.split_special_tokens is not None
+                 else self.split_special_tokens)
+        handle = self._submit([PromptInput(messages=messages, split_special_tokens=split)], params,
+                              body.stream, "chatcmpl")
         rid, created = handle.id, int(time.time())
         top_n = body.top_logprobs or 0
 

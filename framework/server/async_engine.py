@@ -37,6 +37,7 @@ class PromptInput:
     text: str | None = None
     token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    split_special_tokens: bool = False  # chat: content's control strings stay text (protocol.py)
 
 
 # ----------------------------------------------------------------- events (engine -> handler)
@@ -289,7 +290,12 @@ class AsyncEngine:
             if tok is None:
                 raise ValueError("chat needs a tokenizer")
             try:
-                ids = tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True)
+                if p.split_special_tokens:
+                    from speculant.server.protocol import chat_prompt_ids
+                    ids = chat_prompt_ids(tok, p.messages)
+                else:
+                    ids = tok.apply_chat_template(p.messages, add_generation_prompt=True,
+                                                  tokenize=True)
             except Exception as e:
                 raise ValueError(f"cannot apply the chat template: {e}") from None
             if isinstance(ids, dict) or hasattr(ids, "keys"):

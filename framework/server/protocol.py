@@ -3,12 +3,13 @@ SamplingParams, OpenAI error JSON, and the logprobs formats."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from speculant.outputs import Logprob
-from speculant.sampling_params import SamplingParams
+from speculant.sampling_params import SamplingParams, field_range
 
 MAX_LOGPROBS = 20
 
@@ -22,7 +23,8 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.type = type_ or _TYPES.get(status, "server_error")
+        self.type = type_ or _TYPES.get(
+            status, "invalid_request_error" if 400 <= status < 500 else "server_error")
         self.code = code
 
     def body(self) -> dict[str, Any]:
@@ -31,7 +33,7 @@ class APIError(Exception):
 
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          503: "service_unavailable_error"}
+          405: "invalid_request_error", 503: "service_unavailable_error"}
 
 
 class _Body(BaseModel):
@@ -106,7 +108,12 @@ class CompletionRequest(_Sampling):
             kw["logprobs"] = self.logprobs
             if self.echo:
                 kw["prompt_logprobs"] = self.logprobs
-        return make_params(kw)
+        return make_params(kw, self.param_names())
+
+    @staticmethod
+    def param_names() -> dict[str, str]:
+        """SamplingParams field -> the request field it comes from, where they differ."""
+        return {"prompt_logprobs": "logprobs"}
 
 
 class ChatMessage(BaseModel):
@@ -127,6 +134,9 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # speculant's extension: encode each message's content with split_special_tokens=True, so
+    # control strings in it (e.g. "<|im_start|>system") stay text; None: the server's default
+    split_special_tokens: bool | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.tools:
@@ -144,7 +154,14 @@ class ChatCompletionRequest(_Sampling):
         kw["max_tokens"] = limit
         if self.logprobs:
             kw["logprobs"] = self.top_logprobs or 0
-        return make_params(kw)
+        return make_params(kw, self.param_names())
+
+    def param_names(self) -> dict[str, str]:
+        """SamplingParams field -> the request field it comes from, where they differ."""
+        names = {"logprobs": "top_logprobs" if self.top_logprobs is not None else "logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
     def chat_messages(self) -> list[dict[str, Any]]:
         out = []
@@ -154,8 +171,8 @@ class ChatCompletionRequest(_Sampling):
                 parts = []
                 for part in content:
                     if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise APIError(400, "only text content parts are supported",
-                                       f"messages[{i}].content")
+                        raise APIError(400, f"messages[{i}].content: only text content parts "
+                                       "are supported", f"messages[{i}].content")
                     parts.append(part["text"])
                 content = "".join(parts)
             msg: dict[str, Any] = {"role": m.role, "content": content or ""}
@@ -165,15 +182,93 @@ class ChatCompletionRequest(_Sampling):
         return out
 
 
-def make_params(kw: dict[str, Any]) -> SamplingParams:
+def make_params(kw: dict[str, Any], names: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams(**kw), or a 400 naming the request field (``names`` maps a SamplingParams
+    field to the request field it came from) and its valid range."""
     try:
         return SamplingParams(**kw)
     except ValidationError as e:
         err = e.errors()[0]
         loc = [str(x) for x in err.get("loc", ()) if x != "__root__"]
-        param = loc[0] if loc else None
+        field = loc[0] if loc else None
         msg = err.get("msg", str(e)).removeprefix("Value error, ")
-        raise APIError(400, f"{param}: {msg}" if param else msg, param) from None
+        if field is None:  # a check across fields: its message starts with the field to change
+            first = re.split(r"[ (:,]", msg, maxsplit=1)[0]
+            if first not in SamplingParams.model_fields:
+                raise APIError(400, msg) from None
+            param = (names or {}).get(first, first)
+            raise APIError(400, msg if param == first else f"{param}: {msg}", param) from None
+        rng = field_range(field)
+        if rng is not None and err.get("type") in _RANGE_ERRORS:
+            msg = f"{msg} (valid range {rng})"
+        param = (names or {}).get(field, field)
+        raise APIError(400, f"{param}: {msg}", param) from None
+
+
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal",
+                 "finite_number"}
+
+
+def check_against_model(params: SamplingParams, prompts_ids: list[list[int]], vocab_size: int,
+                        names: dict[str, str] | None = None) -> None:
+    """What needs the model, checked before a request reaches the engine: prompt token ids in
+    ``[0, vocab_size)`` (400 on ``prompt``) and :meth:`SamplingParams.vocab_errors`."""
+    for ids in prompts_ids:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"prompt: token ids {bad[:5]} are outside the vocabulary "
+                           f"[0, {vocab_size})", "prompt")
+    for field, msg in params.vocab_errors(vocab_size):
+        param = (names or {}).get(field, field)
+        raise APIError(400, f"{param}: {msg}", param)
+
+
+# ----------------------------------------------------------------- chat prompts
+def special_token_strings(tokenizer) -> list[str]:
+    """The text of every special token the tokenizer matches in raw text."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found = {t.content for t in decoder.values() if getattr(t, "special", False)}
+    found.update(getattr(tokenizer, "all_special_tokens", None) or ())
+    return sorted(s for s in found if s)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    """The chat template's rendering of ``messages`` with each message's content encoded as plain
+    text: the template's own parts are tokenized as usual (special tokens included) and each
+    content with ``split_special_tokens=True``, so a control string inside a message (e.g.
+    ``<|im_start|>system``) becomes ordinary text tokens. Equal to the usual encoding for content
+    without control strings, except that token boundaries cannot cross a content's first or last
+    character. ValueError if a role or name holds a control string, or if the template changes
+    content (then it cannot be located in the rendering)."""
+    specials = special_token_strings(tokenizer)
+    for i, m in enumerate(messages):
+        for key in ("role", "name"):
+            v = m.get(key)
+            if isinstance(v, str) and any(sp in v for sp in specials):
+                raise ValueError(f"messages[{i}].{key} contains a special token of the tokenizer")
+    marks = [f"\ue000speculant-content-{i}\ue001" for i in range(len(messages))]
+    masked = [{**m, "content": mark} for m, mark in zip(messages, marks)]
+    text = tokenizer.apply_chat_template(masked, add_generation_prompt=True, tokenize=False)
+    found = []
+    for i, mark in enumerate(marks):
+        if text.count(mark) != 1:
+            raise ValueError("split_special_tokens: this model's chat template changes or repeats "
+                             f"message content (messages[{i}]), so it cannot be encoded apart; "
+                             "send it without split_special_tokens")
+        found.append((text.index(mark), i))
+
+    def encode(s: str, split: bool) -> list[int]:
+        if not s:
+            return []
+        return list(tokenizer(s, add_special_tokens=False, split_special_tokens=split).input_ids)
+
+    ids: list[int] = []
+    pos = 0
+    for at, i in sorted(found):
+        ids += encode(text[pos:at], False)
+        ids += encode(messages[i].get("content") or "", True)
+        pos = at + len(marks[i])
+    return ids + encode(text[pos:], False)
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
@@ -185,13 +280,32 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     if not loc:
         return APIError(400, "the request body must be a JSON object (send Content-Type: "
                         f"application/json): {err.get('msg', '')}")
-    param = ".".join(loc)
+    param_loc, tags = _split_union(loc)
+    param = ".".join(param_loc)
     msg = err.get("msg", "invalid request")
-    if err.get("type") == "extra_forbidden":
+    if tags:  # one error per member of a union type: name the types the field takes
+        for other in errors[1:]:
+            oloc, otags = _split_union([str(x) for x in other.get("loc", ()) if x != "body"])
+            if oloc == param_loc and otags and otags[0] not in tags:
+                tags.append(otags[0])
+        msg = f"must be one of the types {' | '.join(tags)}"
+    elif err.get("type") == "extra_forbidden":
         msg = "unknown field"
     elif err.get("type") == "missing":
         msg = "field required"
     return APIError(400, f"{param}: {msg}", param)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _split_union(loc: list[str]) -> tuple[list[str], list[str]]:
+    """Pydantic puts the union member tried into an error's loc (``prompt.list[int].0``): the
+    field's path, and that member (or nothing)."""
+    for i, x in enumerate(loc):
+        if x in _TYPE_TAGS or "[" in x:
+            return loc[:i], [x]
+    return loc, []
 
 
 # ----------------------------------------------------------------- logprobs formats
