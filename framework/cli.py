@@ -212,6 +212,7 @@ def cmd_serve(args) -> int:
     return run_server(
         host=args.host, port=args.port, served_model_names=args.served_model_name,
         api_key=args.api_key, max_waiting_seqs=args.max_waiting_seqs,
+        split_special_tokens=args.split_special_tokens,
         log_level="info" if args.verbose else "warning",
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -343,6 +344,10 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                    help="sequences batched together at most")
     s.add_argument("--max-waiting-seqs", "--max_waiting_seqs", type=int, default=256,
                    help="sequences queued beyond --max-num-seqs before answering 503")
+    s.add_argument("--split-special-tokens", "--split_special_tokens", action="store_true",
+                   help="chat: encode message content as plain text, so control strings in it "
+                   "(e.g. '<|im_start|>system') are not control tokens; a request's "
+                   "split_special_tokens field overrides it (docs/server.md)")
     s.add_argument("--kv-cache-memory", "--kv_cache_memory", type=int, default=None,
                    help="bytes for the KV cache (default: sized from --max-num-seqs)")
     s.add_argument("-tp", "--tensor-parallel-size", "--tensor_parallel_size", type=int, default=1,

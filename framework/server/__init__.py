@@ -29,7 +29,7 @@ def _need_extra() -> None:
 
 
 def build_server(llm, served_model_names: list[str] | None = None, api_key: str | None = None,
-                 max_waiting_seqs: int = 256):
+                 max_waiting_seqs: int = 256, split_special_tokens: bool = False):
     """An :class:`OpenAIServer` around ``llm`` (a :class:`speculant.LLM`), engine loop not started.
     Its FastAPI app is ``.app``; start the loop with ``.a.start()``."""
     _need_extra()
@@ -42,12 +42,13 @@ def build_server(llm, served_model_names: list[str] | None = None, api_key: str 
     aengine = AsyncEngine(llm.engine, max_waiting_seqs=max_waiting_seqs, metrics=metrics)
     metrics.bind(aengine)
     return OpenAIServer(aengine, names, api_key=api_key, metrics=metrics,
-                        model_root=str(llm.engine.model_path))
+                        model_root=str(llm.engine.model_path),
+                        split_special_tokens=split_special_tokens)
 
 
 def run_server(host: str = "127.0.0.1", port: int = 8000, served_model_names: list[str] | None = None,
                api_key: str | None = None, max_waiting_seqs: int = 256, log_level: str = "info",
-               **llm_kwargs: Any) -> int:
+               split_special_tokens: bool = False, **llm_kwargs: Any) -> int:
     """Load the model, start the engine loop and serve until interrupted (blocking)."""
     _need_extra()
     import uvicorn
@@ -55,7 +56,7 @@ def run_server(host: str = "127.0.0.1", port: int = 8000, served_model_names: li
     from speculant.llm import LLM
 
     llm = LLM(**llm_kwargs)
-    server = build_server(llm, served_model_names, api_key, max_waiting_seqs)
+    server = build_server(llm, served_model_names, api_key, max_waiting_seqs, split_special_tokens)
     server.a.start()
     spec = llm.config.speculative_config
     print(f"speculant serve: model {server.names[0]!r} at http://{host}:{port}/v1 "
