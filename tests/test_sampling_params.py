@@ -159,11 +159,35 @@ def test_seeded_sampling_follows_the_cdf():
     ("min_p", 1.5), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -1),
     ("prompt_logprobs", -3), ("stop", [""]), ("no_such_field", 1),
+    ("seed", 2**63), ("seed", -(2**63) - 1), ("top_k", 2**31), ("temperature", float("inf")),
+    ("temperature", float("nan")), ("temperature", 1e39), ("top_p", float("nan")),
+    ("repetition_penalty", float("inf")), ("presence_penalty", float("nan")),
+    ("stop_token_ids", [3, -1]), ("best_of", 0),
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValidationError) as e:
         SamplingParams(**{field: value})
     assert field in str(e.value)
+
+
+def test_range_ends_are_valid_and_field_range_names_them():
+    from speculant.sampling_params import field_range
+
+    for kw in ({"seed": 2**63 - 1}, {"seed": -(2**63)}, {"top_k": 2**31 - 1}, {"top_k": -1},
+               {"temperature": 3.4e38}, {"top_p": 1.0}, {"min_p": 1.0}, {"stop_token_ids": [0]}):
+        SamplingParams(**kw)
+    assert field_range("seed") == "[-2**63, 2**63)" and field_range("top_p") == "(0, 1]"
+    assert field_range("top_k") == "[-1, 2**31-1]" and field_range("n") == "[1, inf)"
+    assert field_range("stop") is None
+
+
+def test_check_vocab_names_the_field():
+    assert SamplingParams(logprobs=100, prompt_logprobs=100, stop_token_ids=[99]).vocab_errors(100) == []
+    errs = dict(SamplingParams(logprobs=101, prompt_logprobs=7, stop_token_ids=[5, 100])
+                .vocab_errors(100))
+    assert set(errs) == {"logprobs", "stop_token_ids"} and "[0, 100]" in errs["logprobs"]
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be in \[0, 10\]"):
+        SamplingParams(prompt_logprobs=11).check_vocab(10)
 
 
 def test_invalid_assignment_is_validated_too():
