@@ -436,13 +436,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run a parsed command (``args.func``): errors a user can fix print one line, exit 2
-    (``-v``: the traceback)."""
+    """Run a parsed command (``args.func``): errors a user can fix (a bad option, a model or
+    checkpoint that is missing, truncated or corrupt, a port in use, a missing optional package)
+    print one line, exit 2 (``-v``: the traceback)."""
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError, ImportError) as e:
         if args.verbose:
             raise
         print(f"speculant: error: {e}", file=sys.stderr)

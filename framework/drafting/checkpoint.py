@@ -105,7 +105,7 @@ def checkpoint_files(folder: Path) -> list[Path]:
         return [folder]
     try:
         return weight_files(folder)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:  # none, a shard missing, an unreadable index
         raise StrategyError(str(e)) from None
 
 
@@ -116,7 +116,9 @@ def _load_bin(f: Path) -> dict[str, torch.Tensor]:
         except RuntimeError:  # the legacy (non-zip) format cannot be mapped
             state = torch.load(str(f), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file: say which
-        raise StrategyError(f"{f}: cannot be read as a PyTorch state dict ({e})") from None
+        from speculant.models.weights import state_dict_error
+
+        raise StrategyError(state_dict_error(f, e)) from None
     if not isinstance(state, dict):
         raise StrategyError(f"{f}: expected a state dict, got {type(state).__name__}")
     return state
@@ -128,10 +130,12 @@ def _opened(f: Path) -> Iterator[tuple[list[str], Callable[[str], tuple[int, ...
     if f.suffix == ".safetensors":
         from safetensors import safe_open
 
+        from speculant.models.weights import safetensors_error
+
         try:
             sf = safe_open(str(f), framework="pt")
-        except Exception as e:  # noqa: BLE001 - a corrupt header: say which file
-            raise StrategyError(f"{f}: cannot be read as safetensors ({e})") from None
+        except Exception as e:  # noqa: BLE001 - truncated, corrupt: say which file and how
+            raise StrategyError(safetensors_error(f, e)) from None
         yield list(sf.keys()), lambda k: tuple(sf.get_slice(k).get_shape()), sf.get_tensor
     else:
         state = _load_bin(f)

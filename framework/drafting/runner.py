@@ -62,7 +62,9 @@ def load_draft_model(
     :func:`load_draft_config`) with its weights, in ``dtype`` on ``device``, its rotary tables
     and graph block tables sized for ``max_len`` positions. The model maps token ids [T] and
     positions [T] to final hidden states [T, hidden]; ``compute_logits`` gives [T, vocab]
-    float32 (docs/drafting.md has a runnable example)."""
+    float32 (docs/drafting.md has a runnable example). Raises FileNotFoundError (no weights:
+    the files looked for) or ValueError (a truncated or corrupt weight file, a tensor that does
+    not fit the config) naming the file."""
     from speculant.models.loader import load_model
 
     return load_model(folder, config, dtype, device, max_len)
@@ -71,7 +73,8 @@ def load_draft_model(
 def load_draft_tokenizer(folder: Path) -> Any | None:
     """The tokenizer saved with the draft checkpoint in ``folder`` (a transformers tokenizer),
     or None when the folder holds none (a .gguf or weights-only folder). A draft model must
-    share the target's vocabulary: compare ``get_vocab()`` with ``ctx.tokenizer``'s."""
+    share the target's vocabulary: compare ``get_vocab()`` with ``ctx.tokenizer``'s. Raises
+    ValueError naming the file when the tokenizer files are there but corrupt."""
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((folder / f).exists() for f in names):
         return None

@@ -110,6 +110,29 @@ def _from_hub(repo_id: str) -> Path:
         ) from None
 
 
+def gguf_problem(path: Path) -> str | None:
+    """What makes ``path`` unreadable as a GGUF file (not one: no magic bytes; truncated or
+    corrupt: its header, metadata or tensor table cannot be parsed), or None."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as e:
+        return f"{path}: cannot be read ({e.strerror or e})"
+    if magic != b"GGUF":
+        return f"{path}: not a GGUF file (it does not start with the GGUF magic bytes)"
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return None  # materialize_gguf says what to install
+    try:
+        GGUFReader(str(path))  # memory-mapped: parses the header and tensor table, reads no data
+    except Exception as e:  # noqa: BLE001 - any parse failure: say which file
+        return (f"{path}: truncated or corrupt GGUF file ({size} bytes): it cannot be parsed "
+                f"({type(e).__name__}: {_one_line(e)}); download it again")
+    return None
+
+
 def materialize_gguf(gguf_path: Path) -> Path:
     """Convert a GGUF file once into a cached HF folder (dequantized float32 safetensors)."""
     st = gguf_path.stat()
@@ -129,6 +152,9 @@ def materialize_gguf(gguf_path: Path) -> Path:
     from speculant.models import MODEL_REGISTRY
 
     folder, name = str(gguf_path.parent), gguf_path.name
+    problem = gguf_problem(gguf_path)
+    if problem is not None:
+        raise ValueError(problem)
     logger.info("converting %s to %s (once)", gguf_path, out)
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
@@ -144,7 +170,14 @@ def materialize_gguf(gguf_path: Path) -> Path:
         )
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)
-    loaded = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=meta_model)
+    try:
+        loaded = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=meta_model)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as e:
+        raise ValueError(
+            f"{gguf_path}: corrupt GGUF file: its tensors or tokenizer cannot be read "
+            f"({type(e).__name__}: {_one_line(e)}); download it again"
+        ) from None
     tensors = {k: v.contiguous() for k, v in loaded["tensors"].items()}
     if getattr(config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)
@@ -152,7 +185,7 @@ def materialize_gguf(gguf_path: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     config.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "speculant_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
     try:
@@ -162,64 +195,155 @@ def materialize_gguf(gguf_path: Path) -> Path:
     return out
 
 
+WEIGHT_FILES = ("model.safetensors", "*.safetensors + model.safetensors.index.json",
+                "pytorch_model.bin", "pytorch_model-*.bin + pytorch_model.bin.index.json")
+
+
+def _listing(folder: Path, n: int = 8) -> str:
+    """The names in ``folder``, for an error message."""
+    try:
+        names = sorted(p.name for p in folder.iterdir())
+    except OSError:
+        return "(cannot be listed)"
+    return ", ".join(names[:n]) + (" ..." if len(names) > n else "") if names else "nothing"
+
+
+def _index_names(index: Path) -> list[str]:
+    try:
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        from speculant.models.weights import WeightLoadError
+
+        raise WeightLoadError(
+            f"{index}: not a weight index (a JSON object with a \"weight_map\" of tensor name -> "
+            f"file): {type(e).__name__}: {e}"
+        ) from None
+
+
+def _shards(index: Path) -> list[Path]:
+    files = [index.parent / n for n in _index_names(index)]
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise FileNotFoundError(f"{index}: shard(s) listed but missing: {', '.join(missing)}")
+    return files
+
+
 def weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / n for n in names]
-        missing = [str(f) for f in files if not f.exists()]
-        if missing:
-            raise FileNotFoundError(f"{index}: shard(s) listed but missing: {', '.join(missing)}")
-        return files
+    """The weight files of the checkpoint folder ``folder``. Raises FileNotFoundError naming the
+    folder, what was looked for and what it holds; WeightLoadError for an unreadable index."""
+    st_index, bin_index = folder / "model.safetensors.index.json", folder / "pytorch_model.bin.index.json"
+    if st_index.exists():
+        return _shards(st_index)
     files = sorted(folder.glob("*.safetensors"))
     if files:
         return files
-    bin_index = folder / "pytorch_model.bin.index.json"
     if bin_index.exists():
-        names = sorted(set(json.loads(bin_index.read_text())["weight_map"].values()))
-        return [folder / n for n in names]
+        return _shards(bin_index)
     files = sorted(folder.glob("pytorch_model*.bin"))
     if files:
         return files
     raise FileNotFoundError(
-        f"{folder}: no weights found (expected model.safetensors, sharded *.safetensors with "
-        "model.safetensors.index.json, or pytorch_model.bin)"
+        f"{folder}: no weights found (looked for {', '.join(WEIGHT_FILES)}); the folder holds "
+        f"{_listing(folder)}"
     )
 
 
 def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of the checkpoint in ``folder``, file by file. A file that
+    cannot be read raises WeightLoadError naming it and what is wrong (truncated, corrupt)."""
     from safetensors import safe_open
+
+    from speculant.models.weights import WeightLoadError, safetensors_error, state_dict_error
 
     for f in weight_files(folder):
         if f.suffix == ".safetensors":
-            with safe_open(str(f), framework="pt") as sf:
+            try:
+                sf = safe_open(str(f), framework="pt")
+            except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: say which file
+                raise WeightLoadError(safetensors_error(f, e)) from None
+            with sf:
                 for k in sf.keys():
                     yield k, sf.get_tensor(k)
         else:
-            state = torch.load(str(f), map_location="cpu", weights_only=True)
+            try:
+                state = torch.load(str(f), map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - any unreadable file: say which
+                raise WeightLoadError(state_dict_error(f, e)) from None
+            if not isinstance(state, dict):
+                raise WeightLoadError(f"{f}: expected a state dict, got {type(state).__name__}")
             yield from state.items()
 
 
 def load_config(folder: Path):
+    """The transformers config of the model folder ``folder``. Raises ValueError naming
+    config.json when it is not a JSON object or not a model config transformers knows."""
     from transformers import AutoConfig
 
+    f = folder / "config.json"
+    try:
+        data = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{f}: cannot be read as a model config: not valid JSON ({e})") from None
+    except OSError:
+        data = {}  # a hub id or a missing file: transformers says what is wrong
+    if not isinstance(data, dict):
+        raise ValueError(f"{f}: cannot be read as a model config: not a JSON object")
     try:
         return AutoConfig.from_pretrained(str(folder))
     except Exception as e:
-        raise ValueError(
-            f"{folder / 'config.json'}: cannot be read as a model config: {e}"
-        ) from None
+        raise ValueError(f"{f}: cannot be read as a model config: {_one_line(e)}") from None
+
+
+# files a transformers tokenizer is read from (any one of them, with its companions)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json + merges.txt", "vocab.txt")
+_TOKENIZER_GLOBS = ("tokenizer.json", "*.model", "vocab.json", "merges.txt", "vocab.txt",
+                    "*.tiktoken")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _tokenizer_problem(folder: Path) -> str | None:
+    """What makes the folder's tokenizer unusable, when it is the files: none of them (and, in
+    a model folder, no weights either), or a JSON file that is not JSON; with the fix."""
+    fix = "pass tokenizer=PATH or use prompt token ids (skip_tokenizer_init=True)"
+    if not any(any(folder.glob(g)) for g in _TOKENIZER_GLOBS):
+        looked = f"looked for {', '.join(TOKENIZER_FILES)}"
+        if (folder / "config.json").exists():
+            try:
+                weight_files(folder)
+            except (FileNotFoundError, ValueError):
+                return (f"{folder}: holds config.json but no weights (looked for "
+                        f"{', '.join(WEIGHT_FILES)}) and no tokenizer files ({looked}); "
+                        f"it holds {_listing(folder)}: pass a complete checkpoint folder")
+        return f"{folder}: no tokenizer files ({looked}); {fix}"
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"):
+        f = folder / name
+        if f.exists():
+            try:
+                json.loads(f.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                return f"{f}: corrupt tokenizer file: not valid JSON ({e}); {fix}"
+    return None
 
 
 def load_tokenizer(name_or_folder: str | Path):
+    """The transformers tokenizer of a folder (or hub id). Raises ValueError naming the folder
+    and what is missing (the files looked for) or the file that is corrupt."""
     from transformers import AutoTokenizer
 
+    folder = Path(name_or_folder)
+    if folder.is_dir():
+        problem = _tokenizer_problem(folder)
+        if problem is not None:
+            raise ValueError(problem)
     try:
         return AutoTokenizer.from_pretrained(str(name_or_folder))
     except Exception as e:
         raise ValueError(
-            f"{name_or_folder}: no usable tokenizer ({type(e).__name__}: {e}); pass tokenizer=PATH "
-            "or use prompt token ids (skip_tokenizer_init=True)"
+            f"{name_or_folder}: no usable tokenizer ({type(e).__name__}: {_one_line(e)}); pass "
+            "tokenizer=PATH or use prompt token ids (skip_tokenizer_init=True)"
         ) from None
 
 

@@ -1,14 +1,76 @@
 """Copy checkpoint tensors into a model's parameters, packing q/k/v and gate/up, and report
-missing or unexpected keys with the file they came from."""
+missing or unexpected keys with the file they came from; say what is wrong with a weight file
+that cannot be read (:func:`safetensors_error`, :func:`state_dict_error`)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 from torch import nn
 
+_FIX = "download or save the checkpoint again"
+
 
 class WeightLoadError(ValueError):
-    pass
+    """A checkpoint that cannot be loaded; the message names the file and what is wrong."""
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with the safetensors file ``path`` (in words, without the path), read from
+    its layout (8-byte little-endian header length, JSON header, tensor data), or None when the
+    layout is sound: shorter than the length field, a header longer than the file, a header
+    that is not JSON, or tensor data shorter (truncated) or longer than the header describes."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            raw = fh.read(n) if 0 < n <= size - 8 else b""
+    except OSError as e:
+        return str(e.strerror or e)
+    if size < 8:
+        return (f"truncated or not a safetensors file: {size} bytes, fewer than the 8-byte "
+                "header length a safetensors file starts with")
+    if n > size - 8:
+        return (f"truncated or not a safetensors file: its first 8 bytes give a header of {n} "
+                f"bytes, but only {size - 8} bytes follow")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"corrupt: its {n}-byte header is not valid JSON ({e})"
+    if not isinstance(header, dict):
+        return "corrupt: its header is not a JSON object"
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+                  default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        return "corrupt: a tensor of its header has no valid data_offsets"
+    have = size - 8 - n
+    if end > have:
+        return (f"truncated: its header describes {end} bytes of tensor data but the file "
+                f"holds {have} ({end - have} bytes missing)")
+    if end < have:
+        return (f"corrupt: it holds {have} bytes of tensor data, {have - end} more than its "
+                "header describes")
+    return None
+
+
+def safetensors_error(path: Path, error: BaseException) -> str:
+    """The message for a safetensors file that failed to open with ``error``: the file and what
+    is wrong with it (:func:`safetensors_problem`), else the reader's own words, and the fix."""
+    problem = safetensors_problem(path)
+    if problem is None:
+        problem = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"{path}: cannot be read as safetensors: {problem}; {_FIX}"
+
+
+def state_dict_error(path: Path, error: BaseException) -> str:
+    """The message for a PyTorch weight file (``pytorch_model.bin``) ``torch.load`` failed on."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    size = path.stat().st_size if path.exists() else 0
+    return (f"{path}: cannot be read as a PyTorch state dict ({first}); the file ({size} bytes) "
+            f"is truncated or corrupt: {_FIX}")
 
 
 class WeightLoader:
