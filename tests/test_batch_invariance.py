@@ -148,10 +148,14 @@ def test_greedy_outputs_do_not_depend_on_the_batch(llm, ngram, penalty):
 
 @pytest.mark.slow
 def test_default_model_greedy_with_penalty_does_not_depend_on_the_batch(default_model_path, smollm):
-    """The issue's case on the embedded default model (fp32, the CPU default): with
+    """The issue's case on the embedded default model (fp32, the CPU default): its logits rows
+    bit for bit alone / batched / 1 or k+1 rows / prefilled or token by token; with
     frequency_penalty=1.0, plain greedy decoding at batch 1, 4 and 16 and n-gram speculation give
     the same tokens (and plain decoding the same log-probabilities)."""
     from speculant.demo import DEMO_PROMPTS
+
+    test_logits_rows_do_not_depend_on_the_batch_or_query_length(smollm)
+    test_prefill_equals_token_by_token(smollm)
 
     tok = smollm.get_tokenizer()
     texts = [p for _, p in DEMO_PROMPTS] + [
