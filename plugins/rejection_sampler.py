@@ -81,33 +81,30 @@ class RejectionSampler(Strategy):
             )
             draft_probs = proposal.probs[mask].float().to(device)  # [total_draft, vocab]
         is_greedy = to_device(greedy_seq, torch.bool, device)  # [batch]
-        if draft_probs is None and not all(greedy_seq):
+        point_mass = draft_probs is None and not all(greedy_seq)
+        if point_mass:
             # point-mass drafts: every row's token is sampled from the target with the number
-            # of its position (the one a plain step there would use), and drafts are accepted
-            # while they equal it: P(accept x) = p(x) as in the rejection rule, and the output is
-            # the plain sample, whatever was drafted (sampled rows are then verified as greedy)
+            # of its position (the one a plain step there would use), and a draft is accepted
+            # iff it equals that sample: P(accept x) = p(x) as in the rejection rule, and the
+            # output is the plain sample, whatever was drafted. The accept numbers say which
+            # (0: accept, 2: reject, as u * q(x) <= p(x) reads them); the token after the last
+            # accepted draft is replaced below by its row's sample.
             u_row = uniforms(seqs, [n + 1 for n in lengths], self.engine_gen, device,
                              purpose="sample")  # [sum(k_i + 1)]
             target = target.float().contiguous()
-            sampled = sample_from_probs(target, u_row)[:, None]  # [rows, 1]
-            rand_row = to_device([not r.seq.params.is_greedy for r in rows], torch.bool, device)
-            mark = torch.where(rand_row[:, None], 2.0, target.gather(1, sampled))  # 2 > any p
-            target.scatter_(1, sampled, mark)  # a sampled row's argmax is its sample
-            is_greedy = torch.ones_like(is_greedy)
-            u_acc = torch.zeros(len(draft_ids), device=device)  # not read for greedy rows
-            u_smp = torch.zeros(len(seqs), device=device)
+            sampled = sample_from_probs(target, u_row)  # [sum(k_i + 1)]
+            draft_row = to_device([r0 + j for r0, n in zip(_starts(lengths), lengths)
+                                   for j in range(n)], torch.long, device)  # [sum(k_i)]
+            u_acc = (sampled[draft_row] != draft_ids).float() * 2.0  # [sum(k_i)]
+            u_smp = torch.zeros(len(seqs), device=device)  # its sample is replaced
         else:
             # sampled drafts (Leviathan et al.): the accept test of the draft at position p uses
-            # the number (seed, p, "accept"); the recovery or bonus token of the step starting
-            # at L uses (seed, L, "residual"), or (seed, L, "sample") when the sequence has no
-            # drafts (its token is then the plain sample)
+            # the number (seed, p, "accept"), a recovery token in the step starting at L
+            # (seed, L, "residual"); the bonus token is replaced below by the plain sample of
+            # its position
             u_acc = uniforms(seqs, lengths, self.engine_gen, device, purpose="accept")  # [sum(k_i)]
-            ones = [1] * len(seqs)
-            u_smp = torch.where(
-                num_draft > 0,
-                uniforms(seqs, ones, self.engine_gen, device, purpose="residual"),
-                uniforms(seqs, ones, self.engine_gen, device, purpose="sample"),
-            )  # [batch]
+            u_smp = uniforms(seqs, [1] * len(seqs), self.engine_gen, device,
+                             purpose="residual")  # [batch]
         out, n_out = rejection_sample(
             draft_ids,
             num_draft,
@@ -118,13 +115,24 @@ class RejectionSampler(Strategy):
             u_smp,
             max_num_draft_tokens=max_k,
         )  # [batch, max_k + 1], [batch]
+        if point_mass:  # the correction / bonus token: its row's sample
+            col = (n_out.long() - 1)[:, None]  # [batch, 1]
+            final = sampled[to_device(_starts(lengths), torch.long, device) + col[:, 0]]
+            out.scatter_(1, col, torch.where(is_greedy, out.gather(1, col)[:, 0], final)[:, None])
+        if draft_probs is not None and not all(greedy_seq):
+            # every draft accepted: the bonus token at position L + k_i is the sample a plain step
+            # there takes, with the number (seed, L + k_i, "sample")
+            bonus_row = to_device([r0 + n for r0, n in zip(_starts(lengths), lengths)], torch.long,
+                                  device)  # [batch]
+            u_bonus = uniforms(seqs, [1] * len(seqs), self.engine_gen, device, purpose="sample",
+                               starts=[len(s.token_ids) + n for s, n in zip(seqs, lengths)])
+            bonus = sample_from_probs(target.float()[bonus_row].contiguous(), u_bonus)  # [batch]
+            col = num_draft.long()[:, None]  # [batch, 1]: the bonus column
+            take = (n_out.long() == num_draft.long() + 1) & ~is_greedy
+            out.scatter_(1, col, torch.where(take, bonus, out.gather(1, col)[:, 0])[:, None])
         # the target's log-probability (raw logits) of every output token: row start_i + j
-        starts, acc = [], 0
-        for n in lengths:
-            starts.append(acc)
-            acc += n + 1
         rows_idx = (
-            to_device(starts, torch.long, device)[:, None]
+            to_device(_starts(lengths), torch.long, device)[:, None]
             + torch.arange(max_k + 1, device=device)[None, :]
         ).clamp(max=len(rows) - 1)
         B, W = out.shape
@@ -141,6 +149,15 @@ class RejectionSampler(Strategy):
         tokens = [[int(t) for t in row[:n]] for row, n in zip(out_l, n_l)]
         logprobs = [flat[lp_off + i * W : lp_off + i * W + n] for i, n in enumerate(n_l)]
         return VerifyResult(token_ids=tokens, num_accepted=[n - 1 for n in n_l], logprobs=logprobs)
+
+
+def _starts(lengths: list[int]) -> list[int]:
+    """The first ``ScoreResult.logits`` row of each sequence (k_i + 1 rows each)."""
+    starts, acc = [], 0
+    for n in lengths:
+        starts.append(acc)
+        acc += n + 1
+    return starts
 
 
 def verify_greedy(

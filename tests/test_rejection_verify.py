@@ -258,3 +258,40 @@ def test_greedy_pack_is_used_only_where_it_is_exact(logits, monkeypatch):
         RejectionSampler(None, _ctx()).verify(
             batch=SpecBatch(seqs=seqs), proposal=Proposal(token_ids=[[a0]]),
             scores=ScoreResult(logits=logits[:2], greedy=greedy_pack(logits)))
+
+
+def test_seeded_bonus_and_point_mass_rows_are_the_plain_sample():
+    """A seeded request's token at position p is the plain step's sample there when it is a
+    bonus token (sampled drafts, all accepted) or a point-mass verification row: the numbers are
+    keyed by (seed, position, purpose), not by how many were drawn."""
+    from speculant.engine.sampler import Row, sample_tokens
+    from speculant.engine.sequence import SeedStream, Sequence
+    from speculant.outputs import RequestMetrics
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, V) * 2
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=4)
+    prefix = [0, 1, 2]
+
+    def plain(tokens: list[int], row: int) -> int:  # the plain step at position len(tokens)
+        s = Sequence("r", 0, tokens, params, RequestMetrics(0.0), SeedStream(4 * 1000003))
+        return sample_tokens(logits[row : row + 1], [Row(s, [])], torch.Generator(), None).item()
+
+    def verify(drafts, probs):
+        seq = SpecSequence(0, list(prefix), 3, len(drafts), params, SeedStream(4 * 1000003))
+        return RejectionSampler(None, _ctx()).verify(
+            batch=SpecBatch(seqs=[seq]), proposal=Proposal(token_ids=[drafts], probs=probs),
+            scores=ScoreResult(logits=logits[: len(drafts) + 1])).token_ids[0]
+
+    p = torch.stack([expected_probs(row, params) for row in logits])  # [3, V]
+    drafts = [int(p[0].argmax()), int(p[1].argmax())]
+    # q = p: every draft is accepted, then the bonus at position 5
+    out = verify(drafts, p[None, :2].contiguous())
+    assert out[:2] == drafts and out[2] == plain(prefix + drafts, 2)
+    # point-mass drafts: each position's plain sample, whatever was drafted there
+    first = plain(prefix, 0)
+    for d in range(V):
+        out = verify([d], None)
+        assert out[0] == first and (len(out) == 1) == (d != first)
+        if d == first:
+            assert out[1] == plain(prefix + [d], 1)
