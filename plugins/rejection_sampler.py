@@ -43,6 +43,7 @@ from speculant.spec_types import Proposal, ScoreResult, SpecBatch, StrategyConte
 class RejectionSampler(Strategy):
     name = "rejection_sampler"
     kind = "verifier"
+    lossless = True  # greedy: draft == argmax; sampled: exact rejection sampling
 
     def __init__(self, config: None, ctx: StrategyContext) -> None:
         super().__init__(config, ctx)
