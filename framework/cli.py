@@ -184,7 +184,13 @@ def cmd_plugins(args) -> int:
         dist = f"{p['distribution']} {p['version']}" if p["distribution"] else (p["version"] or "-")
         print(f"{p['name']}  ({dist})  hooks: {', '.join(p['hooks'])}")
         for s in p["strategies"]:
-            print(f"    strategy {s['name']!r} [{s['kind']}]  hooks: {', '.join(s['hooks'])}")
+            mark = s["kind"]
+            if not s["lossless"]:  # hookspecs.Strategy.lossless
+                mark += ", LOSSY: " + ("declared lossless = False" if s["lossless_declared"]
+                                       else "does not declare lossless")
+            elif s["lossless_declared"]:
+                mark += ", lossless"
+            print(f"    strategy {s['name']!r} [{mark}]  hooks: {', '.join(s['hooks'])}")
     return 0
 
 

@@ -119,7 +119,9 @@ def verify(batch: SpecBatch, proposal: Proposal, scores: ScoreResult) -> VerifyR
     top-p, min-p, penalties, logits processors) are applied to the target logits first.
     Another verifier is a strategy class with ``kind = "verifier"``, chosen with
     ``speculative_config={..., "acceptance_method": name}``; it replaces the built-in (one
-    verifier is registered per engine), so it must answer every batch.
+    verifier is registered per engine), so it must answer every batch. A verifier declares
+    whether it keeps the output the target's (:attr:`Strategy.lossless`); one that does not
+    (or does not say) is named in a warning when an engine starts with it.
 
     :param batch: as for :func:`propose`, with ``batch.seqs[i].sampling_params``.
     :param proposal: the drafts being verified.
@@ -234,6 +236,18 @@ class Strategy:
     """``True``: the method of a ``speculative_config`` ``model`` that no strategy's
     :meth:`matches_model` recognises (the draft model)."""
 
+    lossless: ClassVar[bool | None] = None
+    """Whether the engine's output stays exactly the target's with this strategy: greedy output
+    equal to plain greedy decoding token for token, sampled output following the target
+    distribution. Only a class that decides the output can break that, so only such a class
+    declares it: one with ``kind = "verifier"`` or one implementing :func:`verify` or
+    :func:`score` must set ``True`` (it keeps the guarantee, e.g. the built-in
+    ``rejection_sampler``) or ``False`` (it trades it for speed, e.g. "accept a draft in the
+    target's top 2"); left ``None`` it is treated as lossy. A class that only proposes is
+    lossless whatever it drafts (``None`` means ``True``). A lossy strategy is logged as a
+    warning naming it and its plugin when an engine starts with it, marked ``LOSSY`` in
+    ``speculant plugins``, and sets ``SpecMetrics.lossless = False``."""
+
     @classmethod
     def matches_model(cls, path: Path, config: dict[str, Any]) -> bool:
         """Whether the checkpoint folder ``path`` (with its parsed ``config.json``, ``{}`` when
@@ -266,6 +280,11 @@ class StrategyInfo:
     aux_hidden_layers: tuple[int, ...]
     default_for_model: bool
     matches_model: Callable[[Path, dict[str, Any]], bool]
+    # whether the output stays the target's (Strategy.lossless, None resolved: True for a class
+    # that only proposes, False for an undeclared one that decides the output) and whether the
+    # class declared it itself
+    lossless: bool = True
+    lossless_declared: bool = False
 
 
 def strategy_info(strategy: type | object, plugin: str = "") -> StrategyInfo:
@@ -312,6 +331,12 @@ def strategy_info(strategy: type | object, plugin: str = "") -> StrategyInfo:
     default_for_model = getattr(cls, "default_for_model", False)
     if not isinstance(default_for_model, bool):
         raise fail("default_for_model", "a bool", default_for_model)
+    lossless = getattr(cls, "lossless", None)
+    if lossless is not None and not isinstance(lossless, bool):
+        raise fail("lossless", "a bool (None: not declared)", lossless)
+    declared = lossless is not None
+    if not declared:  # a proposer cannot change the output; a verifier must say it does not
+        lossless = not decides_output(cls, kind)
     matches = getattr(cls, "matches_model", None)
     if matches is None:
         matches = Strategy.matches_model
@@ -341,11 +366,20 @@ def strategy_info(strategy: type | object, plugin: str = "") -> StrategyInfo:
     return StrategyInfo(
         cls=cls, plugin=plugin, name=name, aliases=tuple(aliases), kind=kind, Config=config_cls,
         num_speculative_tokens=k, needs_hidden_states=needs_hidden, aux_hidden_layers=tuple(aux),
-        default_for_model=default_for_model, matches_model=matches,
+        default_for_model=default_for_model, matches_model=matches, lossless=lossless,
+        lossless_declared=declared,
+    )
+
+
+def decides_output(cls: type, kind: str) -> bool:
+    """Whether a strategy class decides which tokens are emitted (a verifier, or a class with
+    its own :func:`verify` or :func:`score`), so it must declare :attr:`Strategy.lossless`."""
+    return kind == "verifier" or any(
+        hasattr(getattr(cls, hook, None), f"{PROJECT_NAME}_impl") for hook in ("verify", "score")
     )
 
 
 __all__ = [
     "hookimpl", "hookspec", "HOOK_NAMES", "Any", "Strategy", "StrategyInfo", "StrategyKind",
-    "strategy_info",
+    "decides_output", "strategy_info",
 ]

@@ -87,6 +87,9 @@ class SpecMetrics:
     # faults of a plugin (a bad proposal, a hook that raised; docs/hooks.md "Faults"): contained,
     # each cost its sequences their drafts (per request: this request's; per run: all of them)
     num_faults: int = 0
+    # run-level: False when the verifier (or the strategy) is not lossless (hookspecs
+    # Strategy.lossless): outputs may differ from plain decoding
+    lossless: bool = True
 
     @property
     def acceptance_rate(self) -> float:
@@ -156,6 +159,7 @@ class SpecMetrics:
         self.num_times_disabled += other.num_times_disabled
         self.num_times_enabled += other.num_times_enabled
         self.num_faults += other.num_faults
+        self.lossless = self.lossless and other.lossless
         for name in ("accepted_per_position", "proposed_per_position"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if len(theirs) > len(mine):
@@ -213,6 +217,7 @@ class SpecMetrics:
             "num_times_disabled": self.num_times_disabled,
             "num_times_enabled": self.num_times_enabled,
             "num_faults": self.num_faults,
+            "lossless": self.lossless,
         }
 
 

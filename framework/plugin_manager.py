@@ -130,7 +130,9 @@ def collect_strategies() -> list[StrategyInfo]:
 
 
 def list_plugins() -> list[dict]:
-    """Loaded plugins with their distribution, version, hooks and the strategies they provide."""
+    """Loaded plugins with their distribution, version, hooks and the strategies they provide
+    (each: name, kind, hooks, ``lossless`` and whether the class declared it,
+    :attr:`speculant.hookspecs.Strategy.lossless`)."""
     pm = get_plugin_manager()
     by_plugin: dict[str, list[StrategyInfo]] = {}
     for info in collect_strategies():
@@ -143,7 +145,8 @@ def list_plugins() -> list[dict]:
         for s in by_plugin.get(name, []):
             impl = sorted(h for h in hookspecs.HOOK_NAMES if callable(getattr(s.cls, h, None))
                           and hasattr(getattr(s.cls, h), "speculant_impl"))
-            strategies.append({"name": s.name, "kind": s.kind, "hooks": impl})
+            strategies.append({"name": s.name, "kind": s.kind, "hooks": impl,
+                               "lossless": s.lossless, "lossless_declared": s.lossless_declared})
         out.append({
             "name": name,
             "distribution": info.distribution,

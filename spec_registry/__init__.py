@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,10 @@ from pydantic import (
 )
 
 from speculant.hookspecs import StrategyInfo, StrategyKind, strategy_info
-from speculant.plugin_manager import collect_strategies
+from speculant.plugin_manager import collect_strategies, plugin_info
 from speculant.spec_types import StrategyError
+
+logger = logging.getLogger("speculant")
 
 
 def _by_name(kind: StrategyKind | None = None) -> dict[str, StrategyInfo]:
@@ -59,6 +62,36 @@ def lookup(name: str, kind: StrategyKind = "proposer") -> StrategyInfo:
 def get_strategy(name: str, kind: StrategyKind = "proposer") -> type:
     """The strategy class of ``kind`` registered as ``name`` (:func:`lookup`)."""
     return lookup(name, kind).cls
+
+
+def lossy_reason(info: StrategyInfo) -> str | None:
+    """Why the strategy ``info`` does not keep the output the target's
+    (:attr:`speculant.hookspecs.Strategy.lossless`), naming it and its plugin; None when it
+    does."""
+    if info.lossless:
+        return None
+    dist = plugin_info(info.plugin) if info.plugin else None
+    origin = f"plugin {info.plugin!r}" if info.plugin else "an unnamed plugin"
+    if dist is not None and dist.distribution:
+        origin += f" ({dist.distribution} {dist.version or ''})".replace(" )", ")")
+    why = ("declares lossless = False" if info.lossless_declared else
+           "does not declare `lossless` (speculant.hookspecs.Strategy.lossless), so it is "
+           "treated as lossy")
+    return (f"{info.kind} {info.name!r} of {origin} {why}: with it, greedy output may differ "
+            "from plain decoding and sampled output may not follow the target distribution")
+
+
+def check_lossless(*infos: StrategyInfo) -> bool:
+    """Whether the strategies an engine runs (its proposer, its verifier) all keep the output
+    the target's; each that does not is logged as a warning (:func:`lossy_reason`). Called
+    once at engine start-up."""
+    lossless = True
+    for info in infos:
+        reason = lossy_reason(info)
+        if reason is not None:
+            logger.warning("speculative decoding is not lossless: %s", reason)
+            lossless = False
+    return lossless
 
 
 class SpeculativeConfig(BaseModel):
@@ -206,7 +239,7 @@ def build_strategy_config(strategy: type | StrategyInfo, spec: SpeculativeConfig
 
 
 __all__ = [
-    "SpeculativeConfig", "StrategyError", "available_strategies", "get_strategy",
+    "SpeculativeConfig", "StrategyError", "available_strategies", "check_lossless", "get_strategy",
     "infer_method", "pop_legacy_kwargs", "build_strategy_config", "strategies_by_plugin",
-    "lookup",
+    "lookup", "lossy_reason",
 ]

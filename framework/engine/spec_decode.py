@@ -24,7 +24,13 @@ from speculant.hookspecs import StrategyInfo, hookimpl, strategy_info
 from speculant.kernels.logprobs import token_logprobs
 from speculant.outputs import SpecMetrics
 from speculant.plugin_manager import plugin_info
-from speculant.spec_registry import SpeculativeConfig, StrategyError, build_strategy_config, lookup
+from speculant.spec_registry import (
+    SpeculativeConfig,
+    StrategyError,
+    build_strategy_config,
+    check_lossless,
+    lookup,
+)
 from speculant.spec_types import (
     Proposal,
     ScoreResult,
@@ -200,6 +206,8 @@ class SpecDecoder:
         self.owners[f"strategy:{info.name}"] = info.plugin
         self.pm.register(TargetScorer(self), name="scorer:target")
         verifier = lookup(spec.acceptance_method, "verifier")
+        # hookspecs.Strategy.lossless: a lossy verifier (or strategy) is named here, once
+        self.lossless = check_lossless(own, verifier)
         self.pm.register(verifier.cls(None, ctx), name=f"verifier:{verifier.name}")
         self.owners[f"verifier:{verifier.name}"] = verifier.plugin
         if spec.disable_by_batch_size is not None:
@@ -232,7 +240,7 @@ class SpecDecoder:
         self.control = (SpecController(spec.auto_disable_tolerance, spec.auto_disable_interval)
                         if spec.auto_disable else None)
         self.last_batch_size = 0
-        self.total = SpecMetrics()
+        self.total = SpecMetrics(lossless=self.lossless)
         # faults (engine/spec_decode.py "Faults", docs/hooks.md): sequences the strategy no
         # longer drafts for, and whether it faulted max_plugin_faults times (then: plain only)
         self.disabled: set[int] = set()
