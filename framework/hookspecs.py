@@ -334,8 +334,8 @@ def strategy_info(strategy: type | object, plugin: str = "") -> StrategyInfo:
     lossless = getattr(cls, "lossless", None)
     if lossless is not None and not isinstance(lossless, bool):
         raise fail("lossless", "a bool (None: not declared)", lossless)
-    declared = lossless is not None
-    if not declared:  # a proposer cannot change the output; a verifier must say it does not
+    lossless_declared = lossless is not None
+    if not lossless_declared:  # a proposer cannot change the output; a verifier must say it does not
         lossless = not decides_output(cls, kind)
     matches = getattr(cls, "matches_model", None)
     if matches is None:
@@ -367,7 +367,7 @@ def strategy_info(strategy: type | object, plugin: str = "") -> StrategyInfo:
         cls=cls, plugin=plugin, name=name, aliases=tuple(aliases), kind=kind, Config=config_cls,
         num_speculative_tokens=k, needs_hidden_states=needs_hidden, aux_hidden_layers=tuple(aux),
         default_for_model=default_for_model, matches_model=matches, lossless=lossless,
-        lossless_declared=declared,
+        lossless_declared=lossless_declared,
     )
 
 

@@ -208,6 +208,7 @@ def test_builtins_follow_the_strategy_contract():
     for name in ("ngram", "oracle", "batch_size_disable", "rejection_sampler", "bigram"):
         assert issubclass(infos[name].cls, Strategy), name
     assert infos["rejection_sampler"].kind == "verifier"
+    assert infos["rejection_sampler"].lossless and infos["rejection_sampler"].lossless_declared
     assert infos["batch_size_disable"].kind == "modifier"
     ngram = lookup("prompt_lookup")  # an alias
     assert ngram.name == "ngram" and ngram.plugin == "ngram" and ngram.Config is not None
@@ -219,7 +220,7 @@ def test_builtins_follow_the_strategy_contract():
 @pytest.mark.parametrize("attr,value", [
     ("aliases", "one_string"), ("kind", "drafter"), ("Config", dict),
     ("num_speculative_tokens", 0), ("needs_hidden_states", "yes"), ("aux_hidden_layers", [1, -2]),
-    ("default_for_model", 1), ("matches_model", True),
+    ("default_for_model", 1), ("matches_model", True), ("lossless", "yes"),
 ])
 def test_a_contract_breach_names_the_plugin_and_the_attribute(throwaway, attr, value):
     cls = _make("bad_attr", lambda self, batch: None)
