@@ -59,6 +59,19 @@ def test_gemm_strided_rows_and_output_buffer():
     np.testing.assert_allclose(y, x @ w.T, rtol=1e-5, atol=1e-4)
 
 
+def test_gemm_of_no_rows_writes_nothing():
+    """A 0-row product (e.g. the LM head of a step where no sequence drafts) returns an empty
+    result and leaves the memory around it alone (the few-row tiles once wrote 3 rows there)."""
+    w = torch.randn(40, 24)
+    wb = ck.block_weight(w)
+    for _ in range(3):
+        y = ck.gemm(np.zeros((0, 24), np.float32), wb, 40)
+        assert y.shape == (0, 40)
+    guard = np.full((4, 40), 7.0, np.float32)
+    ck.gemm(np.zeros((0, 24), np.float32), wb, 40, y=guard[:0])
+    assert (guard == 7.0).all()
+
+
 def test_gemm_large_index():
     """The LM-head shape of Llama 3 (128256 x 512 here): offsets beyond 2**26 floats."""
     rng = np.random.default_rng(2)

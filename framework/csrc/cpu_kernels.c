@@ -97,6 +97,7 @@ static TARGET void spec_gemm(const float *x, long T, long ldx, const float *wb, 
     static const tile_fn rows[7] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1};
     const long nb = (out + BW - 1) / BW, bs = in * BW;
     long b = 0;
+    if (T <= 0) return; /* no rows: nothing to write (the few-row tiles below assume T >= 1) */
     if (T <= 3) { /* few rows: several blocks at once keep enough FMA chains in flight */
         const long g = T == 1 ? 4 : 2;
         for (; b + g <= nb; b += g) {
