@@ -4,6 +4,7 @@ uses its engine through :class:`~speculant.engine.target.TargetEngine` only."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import types
@@ -434,7 +435,7 @@ class SpecDecoder:
         if bad_q is not None:  # read after the step's own read-back: no wait
             bad = [seqs[i] for i, b in zip(drafting, _finish_read(bad_q)) if b]
             if bad:
-                self._fault(f"{self._describe(self._strategy_key)}: draft probabilities (Proposal"
+                self._fault(f"{self._who}: draft probabilities (Proposal"
                             f".probs) that are not a distribution (a non-finite or negative "
                             f"entry, a row sum off 1 by more than {PROB_SUM_TOLERANCE}, or q = 0 "
                             "at the drafted token); verified as point masses at the drafts "
@@ -500,11 +501,16 @@ class SpecDecoder:
     def _strategy_key(self) -> str:
         return f"strategy:{self.name}"
 
+    @functools.cached_property
+    def _who(self) -> str:
+        """The strategy, as fault messages name it (worked out once, not every step)."""
+        return self._describe(self._strategy_key)
+
     def _propose(self, batch: SpecBatch) -> Proposal | None:
         """The strategy's proposal for ``batch``, checked (``_check``; the pending read of
         which sequences' q was not a distribution goes to ``self._bad_q``). None: no proposal
         this step (the strategy proposed nothing, or a fault that no one sequence caused)."""
-        who = self._describe(self._strategy_key)
+        who = self._who
         seqs = [self.seq_by_id[s.seq_id] for s in batch.seqs]
         try:
             proposal = self.pm.hook.propose(batch=batch)
