@@ -1,0 +1,179 @@
+"""Setting up and tearing down tensor parallelism, and the all-reduce of the sharded layers.
+
+torch.distributed only: one process group of ``size`` ranks (``env://`` under torchrun, or the
+``init_method`` given), a device group for the all-reduces (NCCL on CUDA, gloo on the CPU) and a
+gloo group for host-side control messages. On CUDA a small all-reduce (decode and verification
+steps) is a one-shot all-reduce over torch symmetric memory (peer-to-peer reads, no NVLink
+multicast: ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NCCL_NVLS_ENABLE=0`` are set before any
+group exists); larger ones, or where symmetric memory is unavailable, NCCL's. Both can be captured
+in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from speculant.distributed.parallel import (
+    NO_TENSOR_PARALLEL,
+    TensorParallel,
+    set_tensor_parallel,
+    tensor_parallel,
+)
+
+logger = logging.getLogger("speculant")
+
+# the largest all-reduce (bytes) that takes the one-shot symmetric-memory path: a decode or
+# verification step's hidden rows (a 70B model's 32 rows of 8192 bf16 are 512 KiB)
+ONE_SHOT_MAX_BYTES = 1 << 20
+_ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)
+
+_owns_process_group = False  # init_tensor_parallel called init_process_group
+_one_shot: _OneShot | None = None
+
+
+class _OneShot:
+    """A one-shot all-reduce over a symmetric-memory buffer of ``ONE_SHOT_MAX_BYTES``: each rank
+    copies its input into its buffer, then one kernel reads every peer's buffer and sums
+    (``torch.ops.symm_mem.one_shot_all_reduce_out``). The buffer is made and rendezvoused once,
+    at set-up (neither may happen during a CUDA graph capture)."""
+
+    def __init__(self, group, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buffer, group)
+        self.group_name = group.group_name
+        self.op = torch.ops.symm_mem.one_shot_all_reduce_out
+
+    def fits(self, x: torch.Tensor) -> bool:
+        n = x.numel() * x.element_size()
+        return (x.dtype in _ONE_SHOT_DTYPES and n <= ONE_SHOT_MAX_BYTES and n % 16 == 0
+                and x.is_contiguous())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        buf = self.buffer.view(x.dtype)[: x.numel()].view(x.shape)
+        buf.copy_(x)
+        return self.op(buf, "sum", self.group_name, x)
+
+
+def _setup_one_shot(tp: TensorParallel, device: torch.device) -> _OneShot | None:
+    """The one-shot all-reduce where every rank could set it up (agreed over the gloo group, so
+    no rank takes a path the others do not), else None (NCCL for every size)."""
+    one_shot, why = None, ""
+    try:
+        if torch.cuda.get_device_capability(device)[0] < 9:
+            why = "needs compute capability 9.0+"
+        else:
+            one_shot = _OneShot(tp.group, device)
+    except Exception as e:  # noqa: BLE001 - no P2P, an old driver, a torch without symm_mem
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    ok = torch.tensor([1 if one_shot is not None else 0], dtype=torch.int64)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+    if not int(ok.item()):
+        logger.info("tensor parallel: one-shot symmetric-memory all-reduce off (%s); NCCL "
+                    "all-reduce for every size", why or "off on another rank")
+        return None
+    return one_shot
+
+
+def init_tensor_parallel(
+    rank: int, size: int, device: torch.device | str, init_method: str | None = None
+) -> TensorParallel:
+    """Join ``size`` ranks as rank ``rank``, with this process's model on ``device`` (rank r on
+    ``cuda:r`` on CUDA), and make the result the current :func:`tensor_parallel`.
+
+    ``init_method`` is torch.distributed's (``"file:///tmp/x"``, ``"tcp://host:port"``); None
+    reads ``MASTER_ADDR`` / ``MASTER_PORT`` from the environment (``env://``, as torchrun sets).
+    A process group that already exists (a script under torchrun that made its own) is used as
+    it is. At size 1 nothing is set up and ``TensorParallel(0, 1, None, None)`` is returned."""
+    global _owns_process_group, _one_shot
+    device = torch.device(device)
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if not 0 <= rank < size:
+        raise ValueError(f"tensor-parallel rank {rank} is not one of the {size} ranks (0..{size - 1})")
+    if tensor_parallel().enabled:
+        raise RuntimeError(
+            "tensor parallelism is already set up in this process; call "
+            "speculant.distributed.shutdown_tensor_parallel() (LLM.shutdown()) before setting "
+            "it up again")
+    if size == 1:
+        set_tensor_parallel(NO_TENSOR_PARALLEL)
+        return NO_TENSOR_PARALLEL
+    cuda = device.type == "cuda"
+    if cuda:
+        count = torch.cuda.device_count()
+        index = device.index if device.index is not None else rank
+        if index >= count:
+            raise ValueError(
+                f"tensor-parallel rank {rank} needs device cuda:{index} but {count} CUDA "
+                f"device(s) are visible; use a tensor_parallel_size of at most {count}")
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+        # never NVLink multicast (NVLS): it can take a shared host's GPUs out of service
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+    backend = "nccl" if cuda else "gloo"
+    if dist.is_initialized():
+        if dist.get_world_size() != size or dist.get_rank() != rank:
+            raise RuntimeError(
+                f"a torch.distributed process group of {dist.get_world_size()} ranks (this one "
+                f"rank {dist.get_rank()}) already exists, but tensor parallelism asks for rank "
+                f"{rank} of {size}; make tensor_parallel_size the world size")
+        _owns_process_group = False
+    else:
+        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
+                                world_size=size, timeout=timedelta(minutes=30),
+                                device_id=device if cuda else None)
+        _owns_process_group = True
+    ranks = list(range(size))
+    group = dist.new_group(ranks, backend=backend)
+    cpu_group = dist.new_group(ranks, backend="gloo")
+    tp = TensorParallel(rank, size, group, cpu_group)
+    if cuda:
+        warm = torch.ones(1, device=device)
+        dist.all_reduce(warm, group=group)  # the NCCL communicator made now, not in a capture
+        torch.cuda.synchronize(device)
+        _one_shot = _setup_one_shot(tp, device)
+    set_tensor_parallel(tp)
+    return tp
+
+
+def shutdown_tensor_parallel() -> None:
+    """Destroy the groups (and the process group, when :func:`init_tensor_parallel` made it)
+    and return to size 1, so an ``LLM`` can be made again in this process. A no-op at size 1."""
+    global _owns_process_group, _one_shot
+    tp = tensor_parallel()
+    set_tensor_parallel(NO_TENSOR_PARALLEL)
+    _one_shot = None
+    if not tp.enabled or not dist.is_initialized():
+        return
+    for g in (tp.group, tp.cpu_group):
+        if g is not None:
+            dist.destroy_process_group(g)
+    if _owns_process_group:
+        dist.destroy_process_group()
+    _owns_process_group = False
+
+
+def all_reduce(x: torch.Tensor, tp: TensorParallel | None = None) -> torch.Tensor:
+    """The sum of ``x`` over the ranks of ``tp`` (default: the current one), written into ``x``
+    and returned; ``x`` itself at size 1 (no kernel, no copy).
+
+    On CUDA: the one-shot symmetric-memory all-reduce for contiguous bf16 / fp32 tensors of up
+    to ``ONE_SHOT_MAX_BYTES``, else NCCL's; either can be captured in a CUDA graph. On the CPU:
+    gloo's (``x`` made contiguous first; the result is then a new tensor)."""
+    tp = tensor_parallel() if tp is None else tp
+    if tp.size == 1:
+        return x
+    if x.is_cuda and _one_shot is not None and _one_shot.fits(x):
+        return _one_shot(x)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    dist.all_reduce(x, group=tp.group)
+    return x
