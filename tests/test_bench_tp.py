@@ -1,0 +1,206 @@
+"""bench/gpu_tp.py (the tensor-parallel GPU benchmark) on the CPU: its figures (weight bytes per
+GPU, rooflines, the TP N / TP 1 summary, greedy comparison), the JSON + figure writing and
+--replot on a small made-up result, its argument checks, and (slow) the whole run at TP 2 on a
+tiny model over gloo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import gpu_tp  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_weight_bytes_match_the_8b_measurement_and_shard():
+    # TP 1: every parameter but the input embedding, as gpu_8b measured on the H100
+    # (weight_bytes_per_step of the Llama-3-8B geometry: bench/results/gpu_8b_h100.log)
+    one = gpu_tp.weight_bytes_per_gpu(gpu_tp.LLAMA3_8B, 1)
+    assert one["rank0"] == 15_009_849_344
+    head = 128256 * 4096 * 2
+    assert one["worker"] == one["rank0"] - head
+    two = gpu_tp.weight_bytes_per_gpu(gpu_tp.LLAMA3_8B, 2)
+    # the layers halve (but for the replicated norms); the LM head stays whole on rank 0
+    norms = (2 * 32 + 1) * 4096 * 2
+    assert two["worker"] - norms == (one["worker"] - norms) // 2
+    assert two["rank0"] == two["worker"] + head
+    # more ranks than KV heads: each rank keeps one KV head (replicated, as vLLM)
+    g = dict(gpu_tp.LLAMA3_70B, num_hidden_layers=1)
+    h, d = 8192, 128
+    sixteen = gpu_tp.weight_bytes_per_gpu(g, 16)
+    q = 64 // 16 * d
+    layer = (q + 2 * d) * h + q * h + 3 * (28672 // 16) * h + 2 * h
+    assert sixteen["worker"] == (layer + h) * 2
+
+
+def test_roofline():
+    assert gpu_tp.roofline(3e12, 15e9) == pytest.approx(200.0)
+    # 64 all-reduces of 10 us add 0.64 ms to a 5 ms step
+    assert gpu_tp.roofline(3e12, 15e9, 64 * 10e-6) == pytest.approx(1 / 5.64e-3)
+
+
+def test_compare_greedy():
+    r = gpu_tp.compare_greedy([[1, 2, 3], [4, 5, 6], [7, 8]], [[1, 2, 3], [4, 9, 6], [7, 8, 9]])
+    assert r == {"prompts": 3, "equal_prompts": 1, "first_divergence": [None, 1, 2],
+                 "tokens_per_prompt": 2}
+
+
+def test_parse_oracle_grid():
+    assert gpu_tp.parse_oracle_grid("0.6:3, 0.8:5") == [(0.6, 3), (0.8, 5)]
+    assert gpu_tp.parse_oracle_grid("") == []
+    with pytest.raises(ValueError, match="ALPHA:K"):
+        gpu_tp.parse_oracle_grid("0.8")
+
+
+def _row(method, bs, tps, name=None, speedup=1.0, **kw):
+    return {"name": name or method, "method": method, "batch_size": bs, "tokens_per_s": tps,
+            "step_s": bs / tps, "speedup": speedup, "theoretical_speedup": kw.pop("theo", None),
+            "acceptance": kw.pop("acceptance", None), "same_tokens_as_plain": True, **kw}
+
+
+def fake_result() -> dict:
+    """A made-up 8B TP 2 run: plain and the oracle at TP 1 and 2, two strategies (one failed),
+    all-reduce timings of both ranks, greedy tokens of both equality pairs."""
+    g = dict(gpu_tp.LLAMA3_8B)
+    tokens = [[5, 6, 7, 8], [9, 10, 11, 12]]
+
+    def engine(tp, b1, b64, oracle, **more):
+        runs = [_row("plain", 1, b1), _row("plain", 64, b64),
+                _row("oracle", 1, b1 * oracle, "oracle a=0.8 k=5", oracle, theo=3.6,
+                     acceptance=0.8)]
+        return {"tp": tp, "geometry": g, "init": "scaled", "runs": runs,
+                "weight_bytes_rank0": gpu_tp.weight_bytes_per_gpu(g, tp)["rank0"],
+                "greedy": {"plain": tokens}, "errors": {}, **more}
+
+    collectives = {
+        "ranks": [{"rank": 0, "copy_bandwidth_Bps": 3.0e12, "device": "H100"},
+                  {"rank": 1, "copy_bandwidth_Bps": 2.9e12, "device": "H100"}],
+        "allreduce": {
+            "rows_1": {"shape": [1, 4096], "correct": True, "speculant_eager_us": 20.0,
+                       "speculant_graph_us": 8.0, "nccl_eager_us": 25.0, "nccl_graph_us": 12.0},
+            "rows_64": {"shape": [64, 4096], "correct": True, "speculant_eager_us": 25.0,
+                        "speculant_graph_us": 11.0, "nccl_eager_us": 30.0, "nccl_graph_us": 15.0},
+        },
+        "errors": {},
+    }
+    strat = [_row("plain", 1, 290.0), _row("ngram", 1, 280.0, "ngram k=3", 0.97, acceptance=0.0)]
+    return {
+        "mode": "8b", "tp": 2, "geometry": g, "init": "scaled", "device": "H100",
+        "phases": {
+            "collectives": collectives,
+            "tp1": engine(1, 176.0, 8000.0, 3.5),
+            "tp2": engine(2, 300.0, 14800.0, 3.3, strategy_runs=strat,
+                          errors={"eagle": "RuntimeError: boom"}),
+            "equality_tp1": {"tp": 1, "init": "dummy", "greedy": {"plain": tokens}},
+            "equality_tp2": {"tp": 2, "init": "dummy",
+                             "greedy": {"plain": [[5, 6, 7, 8], [9, 10, 0, 12]]}},
+        },
+    }
+
+
+def test_summary_of_a_made_up_run():
+    s = gpu_tp.summarize(fake_result())
+    assert s["copy_bandwidth_Bps_per_gpu"] == [3.0e12, 2.9e12]
+    assert s["tp_speedup_plain"] == {1: pytest.approx(300 / 176), 64: pytest.approx(1.85)}
+    assert s["goal_tp_speedup_b1_met"] is True  # 1.705 >= 1.7
+    assert s["goal_tp_speedup_b64_met"] is True
+    (o,) = s["oracle_tp_vs_tp1"]
+    assert o["ratio"] == pytest.approx(3.3 / 3.5) and o["within_goal"]
+    # 2 all-reduces per layer, 32 layers, 8 us each in a graph
+    assert s["allreduce_per_step_ms"]["rows_1"]["speculant_graph_ms"] == pytest.approx(0.512)
+    tp2 = s["per_phase"]["tp2"]
+    wb = gpu_tp.weight_bytes_per_gpu(gpu_tp.LLAMA3_8B, 2)["rank0"]
+    assert tp2["roofline_tokens_per_s"] == pytest.approx(2.9e12 / wb)  # the slowest GPU
+    assert tp2["roofline_with_allreduce_tokens_per_s"] == pytest.approx(
+        1 / (wb / 2.9e12 + 64 * 8e-6))
+    assert tp2["plain_b1_fraction_of_roofline"] == pytest.approx(300 / tp2["roofline_tokens_per_s"])
+    assert [st["name"] for st in tp2["strategies"]] == ["ngram k=3"]
+    assert tp2["errors"] == {"eagle": "RuntimeError: boom"}
+    assert "equality_tp1" not in s["per_phase"]  # raw dummy weights: no timings
+    eq = s["greedy_equality"]
+    assert eq["tp2:plain vs tp1:plain"]["equal_prompts"] == 2
+    bad = eq["equality_tp2:plain vs equality_tp1:plain"]
+    assert bad["equal_prompts"] == 1 and bad["first_divergence"] == [None, 2]
+
+
+def test_a_failed_phase_still_summarises_and_plots(tmp_path):
+    r = fake_result()
+    r["phases"]["tp2"] = {"errors": {"phase": "killed after 300s (time limit)"}, "timed_out": True}
+    del r["phases"]["collectives"]
+    s = gpu_tp.summarize(r)
+    assert "tp_speedup_plain" not in s and "roofline_tokens_per_s" not in s["per_phase"]["tp1"]
+    json_path, png = gpu_tp.write_result(r, tmp_path)
+    assert png.read_bytes()[:8] == PNG and "plot_error" not in json.loads(json_path.read_text())
+
+
+def test_write_result_and_replot(tmp_path):
+    json_path, png = gpu_tp.write_result(fake_result(), tmp_path / "run")
+    saved = json.loads(json_path.read_text())
+    assert saved["summary"]["tp_speedup_plain"]["1"] == pytest.approx(300 / 176)  # JSON keys
+    assert png.read_bytes()[:8] == PNG and "plot_error" not in saved
+    png.unlink()
+    assert gpu_tp.main(["--replot", str(json_path), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "gpu_tp.png").read_bytes()[:8] == PNG
+
+
+def test_plan_of_both_modes():
+    args = gpu_tp.parser().parse_args(["--tp", "2"])
+    args.init, args.argv = "scaled", []
+    names = [p[0] for p in gpu_tp.plan(args)]
+    assert names == ["collectives", "tp1", "tp2", "equality_tp1", "equality_tp2"]
+    args = gpu_tp.parser().parse_args(["--geometry", "70b", "--tp", "4", "--skip", "collectives"])
+    phases = {p[0]: p for p in gpu_tp.plan(args)}
+    assert list(phases) == ["70b_tp4", "8b_tp1", "8b_tp4"]
+    extra = phases["70b_tp4"][3]
+    assert extra[extra.index("--oracle") + 1] == gpu_tp.ORACLE_70B
+    assert extra[extra.index("--strategies") + 1] == "mlp"
+    assert phases["8b_tp4"][2] == 4 and "eagle" in phases["8b_tp4"][3]
+
+
+def test_argument_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_tp.main(["--device", "cpu", "--init", "scaled"])
+    assert e.value.code == 2 and "--init dummy" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        gpu_tp.main(["--oracle", "0.8"])
+    assert e.value.code == 2 and "ALPHA:K" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        gpu_tp.main(["--tp", "0"])
+    assert e.value.code == 2 and "at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # five phases of 1-2 processes each, two of them engines at TP 2 over gloo
+def test_whole_run_at_tp2_on_the_cpu(tmp_path):
+    """The bench's main path on the CPU: tiny Llama, 2 layers, TP 1 and TP 2 over gloo (ranks
+    started as torchrun starts them): every phase ends, the greedy tokens of TP 2 equal TP 1's,
+    the oracle and the n-gram strategy ran at TP 2."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(BENCH / "gpu_tp.py"), "--device", "cpu", "--geometry", "tiny",
+           "--tp", "2", "--layers", "2", "--out", str(out), "--batch-sizes", "1,2",
+           "--max-tokens", "12", "--prompt-len", "8", "--repeats", "1", "--warmup-tokens", "2",
+           "--strategies", "ngram", "--equality-prompts", "2", "--equality-tokens", "10",
+           "--kv-cache-gib", "0.01", "--allreduce-iters", "20", "--budget-s", "500"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "gpu_tp.json").read_text())
+    assert (out / "gpu_tp.png").read_bytes()[:8] == PNG
+    for name, ph in result["phases"].items():
+        assert ph["rc"] == 0 and not ph["errors"], (name, ph.get("errors"))
+    s = result["summary"]
+    assert set(s["tp_speedup_plain"]) == {"1", "2"}
+    assert s["allreduce_us"]["rows_1"]["speculant_eager_us"] > 0
+    assert all(c["correct"] for c in result["phases"]["collectives"]["allreduce"].values())
+    for key, eq in s["greedy_equality"].items():
+        assert eq["equal_prompts"] == eq["prompts"] == 2, (key, eq)
+    tp2 = s["per_phase"]["tp2"]
+    assert [st["name"] for st in tp2["strategies"]] == ["ngram k=3"]
+    assert {o["batch_size"] for o in tp2["oracle"]} == {1, 2}
+    assert all(o["same_tokens_as_plain"] for o in tp2["oracle"])
