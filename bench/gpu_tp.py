@@ -311,7 +311,8 @@ def plot(result: dict, out_dir: str | Path, stem: str = "gpu_tp") -> Path:
     ax.set_ylabel("decode tokens/s (all sequences)")
     ax.set_title("plain decoding", fontsize=9)
     ax.grid(True, alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
 
     ax = axes[0][1]
     if s.get("tp_speedup_plain"):
@@ -623,30 +624,11 @@ def collectives_phase(args) -> None:
             def ours(x=x):
                 all_reduce(x)
 
-            def nccl(x=x):
+            def nccl(x=x):  # torch.distributed on the device group: NCCL (gloo on the CPU)
                 dist.all_reduce(x, group=tp.group)
 
-            for label, fn in (("speculant", ours), ("nccl", nccl)):
-                for _ in range(10):
-                    fn()
-                if cuda:
-                    torch.cuda.synchronize(device)
-                dist.barrier(group=tp.cpu_group)
-                row[f"{label}_eager_us"] = 1e6 * _time_calls(fn, args.allreduce_iters, cuda)
-                if not cuda:
-                    row[f"{label}_graph_us"] = None
-                    continue
-                reps = 32  # all-reduces per graph (a layer stack's worth)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(reps):
-                        fn()
-                graph.replay()
-                torch.cuda.synchronize(device)
-                dist.barrier(group=tp.cpu_group)
-                per_replay = _time_calls(graph.replay, max(args.allreduce_iters // reps, 5), True)
-                row[f"{label}_graph_us"] = 1e6 * per_replay / reps
-                del graph
+            for label, fn in (("speculant", ours), ("dist", nccl)):
+                _time_both(row, label, fn, args, tp, device, cuda)
             res[f"rows_{rows}"] = row
             if rank == 0:
                 print(f"all-reduce {row}", flush=True)
@@ -655,7 +637,57 @@ def collectives_phase(args) -> None:
         traceback.print_exc()
     part["allreduce"] = res
     _save_part(args, part, rank)
+    if cuda and not part["errors"]:
+        try:  # the fused one-shot all-reduce + residual add + RMSNorm (kernels/tp_allreduce.py)
+            from speculant.kernels.tp_allreduce import SymmetricAllReduce
+
+            fused = SymmetricAllReduce(tp.group, device, 64, hidden, dtype)
+            weight = torch.ones(hidden, dtype=dtype, device=device)
+            for rows in (1, 64):
+                x = torch.zeros(rows, hidden, dtype=dtype, device=device)
+                resid = torch.zeros_like(x)
+                slot = [0]
+
+                def call(x=x, resid=resid, slot=slot):
+                    slot[0] += 1
+                    fused(x, slot[0], resid, weight)
+
+                _time_both(res[f"rows_{rows}"], "fused_allreduce_norm", call, args, tp, device,
+                           cuda)
+            _save_part(args, part, rank)
+        except Exception as e:  # noqa: BLE001 - reported in the JSON
+            part["errors"]["fused_allreduce_norm"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+            _save_part(args, part, rank)
     shutdown_tensor_parallel()
+
+
+def _time_both(row: dict, label: str, fn, args, tp, device, cuda: bool) -> None:
+    """``row[label + "_eager_us"]``: microseconds per call of ``fn`` called one by one;
+    ``row[label + "_graph_us"]``: per call of 32 calls captured in one CUDA graph, replayed
+    (None on the CPU)."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(10):
+        fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    dist.barrier(group=tp.cpu_group)
+    row[f"{label}_eager_us"] = 1e6 * _time_calls(fn, args.allreduce_iters, cuda)
+    if not cuda:
+        row[f"{label}_graph_us"] = None
+        return
+    reps = 32  # all-reduces per graph (a layer stack's worth)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    dist.barrier(group=tp.cpu_group)
+    per_replay = _time_calls(graph.replay, max(args.allreduce_iters // reps, 5), True)
+    row[f"{label}_graph_us"] = 1e6 * per_replay / reps
 
 
 def engine_phase(args) -> None:
@@ -721,22 +753,39 @@ def engine_phase(args) -> None:
         if args.disable_by_batch_size:
             for o in oracles:
                 o["disable_by_batch_size"] = args.disable_by_batch_size
+        obs = [int(b) for b in (args.oracle_batch_sizes or args.batch_sizes).split(",")]
+        together = bool(oracles) and obs == batch_sizes  # one run_bench: plain measured once
+        failed_together = False
         try:
-            res = run_bench(engine, prompts, [], args.max_tokens, batch_sizes,
-                            warmup_tokens=args.warmup_tokens, repeats=repeats, progress=progress)
+            res = run_bench(engine, prompts, oracles if together else [], args.max_tokens,
+                            batch_sizes, warmup_tokens=args.warmup_tokens, repeats=repeats,
+                            progress=progress)
             part["runs"] = res["runs"]
+        except Exception as e:  # noqa: BLE001 - reported in the JSON
+            part["errors"]["oracle" if together else "plain"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+            failed_together = together
+        _save_part(args, part)
+        if failed_together:  # the plain sweep alone
+            try:
+                part["runs"] = run_bench(engine, prompts, [], args.max_tokens, batch_sizes,
+                                         warmup_tokens=args.warmup_tokens, repeats=repeats,
+                                         progress=progress)["runs"]
+            except Exception as e:  # noqa: BLE001 - reported in the JSON
+                part["errors"]["plain"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
             _save_part(args, part)
-            if oracles:
-                obs = [int(b) for b in (args.oracle_batch_sizes or args.batch_sizes).split(",")]
+        elif oracles and not together:  # other batch sizes: plain measured again beside them
+            try:
                 res = run_bench(engine, prompts, oracles, args.max_tokens, obs,
                                 warmup_tokens=args.warmup_tokens, repeats=repeats,
                                 progress=progress)
-                part["runs"] += [r for r in res["runs"] if r["method"] != "plain"]
+                part.setdefault("runs", []).extend(r for r in res["runs"] if r["method"] != "plain")
                 part["oracle_plain_runs"] = [r for r in res["runs"] if r["method"] == "plain"]
-                _save_part(args, part)
-        except Exception as e:  # noqa: BLE001 - reported in the JSON
-            part["errors"]["plain/oracle"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
+            except Exception as e:  # noqa: BLE001 - reported in the JSON
+                part["errors"]["oracle"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            _save_part(args, part)
         part["strategy_runs"] = []
         sbs = [int(b) for b in args.strategy_batch_sizes.split(",")]
         for name in filter(None, (args.strategies or "").split(",")):

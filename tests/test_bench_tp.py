@@ -85,9 +85,9 @@ def fake_result() -> dict:
                   {"rank": 1, "copy_bandwidth_Bps": 2.9e12, "device": "H100"}],
         "allreduce": {
             "rows_1": {"shape": [1, 4096], "correct": True, "speculant_eager_us": 20.0,
-                       "speculant_graph_us": 8.0, "nccl_eager_us": 25.0, "nccl_graph_us": 12.0},
+                       "speculant_graph_us": 8.0, "dist_eager_us": 25.0, "dist_graph_us": 12.0},
             "rows_64": {"shape": [64, 4096], "correct": True, "speculant_eager_us": 25.0,
-                        "speculant_graph_us": 11.0, "nccl_eager_us": 30.0, "nccl_graph_us": 15.0},
+                        "speculant_graph_us": 11.0, "dist_eager_us": 30.0, "dist_graph_us": 15.0},
         },
         "errors": {},
     }
