@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -163,6 +164,37 @@ def test_plan_of_both_modes():
     assert extra[extra.index("--oracle") + 1] == gpu_tp.ORACLE_70B
     assert extra[extra.index("--strategies") + 1] == "mlp"
     assert phases["8b_tp4"][2] == 4 and "eagle" in phases["8b_tp4"][3]
+
+
+def test_install_loader_wraps_every_binding(monkeypatch):
+    """The loader wrapper replaces every imported binding of load_model, passes the engine's
+    arguments through untouched (and leaves models of other configs alone), and installs once;
+    the scaled init refuses the CPU with the fix."""
+    from types import SimpleNamespace
+
+    import speculant.engine.llm_engine as llm_engine
+    import speculant.models.loader as loader
+
+    calls = []
+
+    def fake(folder, config, *args, **kwargs):
+        calls.append((folder, args, kwargs))
+        return SimpleNamespace(name="model")
+
+    monkeypatch.setattr(loader, "load_model", fake)
+    monkeypatch.setattr(llm_engine, "load_model", fake)
+    gpu_tp.install_loader()
+    wrapped = loader.load_model
+    assert wrapped is not fake and llm_engine.load_model is wrapped
+    model = wrapped("folder", SimpleNamespace(speculant_tp_init="dummy"), "dtype", "dev", 8,
+                    load_format="dummy")
+    assert model.name == "model"
+    assert calls == [("folder", ("dtype", "dev", 8), {"load_format": "dummy"})]
+    gpu_tp.install_loader()
+    assert loader.load_model is wrapped  # not wrapped twice
+    cpu_model = SimpleNamespace(embed_tokens=SimpleNamespace(weight=torch.zeros(2, 2)))
+    with pytest.raises(ValueError, match="--init dummy"):
+        gpu_tp.scaled_init(cpu_model, 2)
 
 
 def test_argument_errors(capsys):
