@@ -22,17 +22,18 @@ after every cell it measures):
   each in a ``speculant.bench.run_bench`` call of its own (a failing one is recorded, the rest
   still run); the greedy tokens of a few prompts;
 * ``equality_tp1`` / ``equality_tpN``: greedy tokens of the same prompts on the raw dummy weights
-  (below), eager: where TP 1 and TP N first differ.
+  (below), eager: where TP 1 and TP N first differ. One process each: ``LLM(...)`` starts the
+  other ranks itself, as it does for a user.
 
 70B mode (``--geometry 70b --tp 4``): ``collectives``; ``70b_tp4``: plain sweep, the oracle at
 a in {0.6, 0.8} x k in {3, 5} (measured against theoretical speedup) and an MLPSpeculator sized
 like ibm-ai-platform/llama3-70b-accelerator at batch 1; ``8b_tp1`` / ``8b_tp4``: the 8B EAGLE-1
 example, its speed and greedy tokens at TP 4 against TP 1.
 
-Ranks are started as torchrun starts them (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
-MASTER_PORT in each process's environment, every rank running this script; rank r on cuda:r):
-``LLM(...)`` then starts no processes of its own, and every rank runs this script's loader
-wrapper (:func:`install_loader`). That is how the weights get ``--init scaled``: the dummy
+The other phases' ranks are started as torchrun starts them (RANK / WORLD_SIZE / LOCAL_RANK /
+MASTER_ADDR / MASTER_PORT in each process's environment, every rank running this script; rank r
+on cuda:r): ``LLM(...)`` then starts no processes of its own, and every rank runs this script's
+loader wrapper (:func:`install_loader`). That is how the weights get ``--init scaled``: the dummy
 weights (normal, std DUMMY_STD, norms 1: load_format="dummy", identical at every TP size) are
 rescaled in place on each rank after loading, as gpu_8b.py's SCALED init: o_proj / down_proj
 by 1 / sqrt(2 x layers), the token embedding to std EMBED_STD and the LM head a permutation of
@@ -907,8 +908,10 @@ def plan(args) -> list[tuple[str, str, int, list[str], float]]:
                                              args.strategies if args.strategies is not None
                                              else "ngram,draft,eagle,eagle3,mlp"], 330))
     if "equality" not in skip:
+        # one process: LLM(tensor_parallel_size=N) starts its own workers (the usual path;
+        # the raw dummy weights need no loader wrapper on the other ranks)
         for tp in (1, n):
-            phases.append((f"equality_tp{tp}", "engine", tp,
+            phases.append((f"equality_tp{tp}", "engine", 1,
                            ["--tp", str(tp), "--init", "dummy", "--eager", "--no-perf"], 150))
     return [p for p in phases if p[0] not in skip]
 
