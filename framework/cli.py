@@ -33,6 +33,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="random seed of sampling (temperature > 0) (default: 0)")
     p.add_argument("--max-model-len", "--max_model_len", type=int, default=None,
                    help="longest sequence, prompt + output, in tokens (default: the model's)")
+    p.add_argument("-tp", "--tensor-parallel-size", "--tensor_parallel_size", type=int, default=1,
+                   help="devices to shard the model over (rank r on cuda:r; on the CPU, "
+                   "processes); the drafter runs unsharded on rank 0 (docs/tensor_parallel.md) "
+                   "(default: 1)")
     p.add_argument("--speculative-config", "--speculative_config", default=None,
                    help='speculation strategy as JSON, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 5}\' (`speculant plugins` lists the methods); '
@@ -55,7 +59,7 @@ def _llm(args):
     from speculant import LLM
 
     return LLM(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
-               max_model_len=args.max_model_len,
+               max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
                speculative_config=_spec_arg(args.speculative_config))
 
 
@@ -191,7 +195,18 @@ def cmd_plugins(args) -> int:
             elif s["lossless_declared"]:
                 mark += ", lossless"
             print(f"    strategy {s['name']!r} [{mark}]  hooks: {', '.join(s['hooks'])}")
+    print(_tensor_parallel_line())
     return 0
+
+
+def _tensor_parallel_line() -> str:
+    """What ``--tensor-parallel-size`` can be here (speculant plugins' last line)."""
+    import torch
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    where = f"up to {cuda} on CUDA (rank r on cuda:r)" if cuda else "no CUDA device visible"
+    return (f"tensor parallelism: tensor_parallel_size {where}, any on the CPU (gloo); "
+            "drafters run unsharded on rank 0 (draft_tensor_parallel_size 1)")
 
 
 def cmd_demo(args) -> int:
@@ -324,7 +339,8 @@ _LEGACY_SPEC_FLAGS = {
     "speculative_model": (str, "the draft / speculator checkpoint, or [ngram] (legacy: use "
                           "--speculative-config)"),
     "num_speculative_tokens": (int, "tokens proposed per step (legacy: use --speculative-config)"),
-    "speculative_draft_tensor_parallel_size": (int, "GPUs of the drafter; only 1 (legacy: use "
+    "speculative_draft_tensor_parallel_size": (int, "devices of the drafter; only 1: it runs "
+                                               "unsharded on rank 0 (legacy: use "
                                                "--speculative-config)"),
     "speculative_disable_by_batch_size": (int, "no speculation above this many running "
                                           "sequences (legacy: use --speculative-config)"),
@@ -356,8 +372,6 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
                    "split_special_tokens field overrides it (docs/server.md)")
     s.add_argument("--kv-cache-memory", "--kv_cache_memory", type=int, default=None,
                    help="bytes for the KV cache (default: sized from --max-num-seqs)")
-    s.add_argument("-tp", "--tensor-parallel-size", "--tensor_parallel_size", type=int, default=1,
-                   help="GPUs to shard the model over; only 1 for now (default: 1)")
     s.add_argument("--gpu-memory-utilization", "--gpu_memory_utilization", type=float,
                    default=0.9, help="share of the GPU's memory the engine may use (default: "
                    "0.9; no effect on the CPU)")

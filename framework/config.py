@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from speculant.envs import env_str
 
@@ -45,7 +45,9 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] | str = "auto"
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = Field(
-        1, ge=1, description="GPUs the target is sharded over (vLLM's name); only 1 for now")
+        1, description="devices the target is sharded over (vLLM's name; Megatron-style, "
+        "docs/tensor_parallel.md): rank r runs on cuda:r (processes on the CPU, over gloo); "
+        "LLM starts the other ranks' processes itself, or they come from torchrun")
     trust_remote_code: bool = Field(
         False, description="accepted for vLLM compatibility, no effect: speculant runs its own "
         "model implementations and never executes code from a checkpoint")
@@ -90,15 +92,25 @@ class EngineConfig(BaseModel):
                              "automatically")
         return v
 
-    @field_validator("tensor_parallel_size")
+    @field_validator("tensor_parallel_size", mode="before")
     @classmethod
-    def _tp(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(
-                f"tensor_parallel_size={v}: tensor parallelism is not available yet in speculant "
-                "(the target runs on one device); use tensor_parallel_size=1"
-            )
+    def _tp(cls, v: Any) -> Any:
+        if isinstance(v, bool) or (isinstance(v, int) and v < 1):
+            raise ValueError(f"tensor_parallel_size={v!r}: the number of devices to shard the "
+                             "model over, >= 1; use tensor_parallel_size=1 for one device")
         return v
+
+    @model_validator(mode="after")
+    def _tp_devices(self) -> EngineConfig:
+        tp = self.tensor_parallel_size
+        if tp > 1 and self.torch_device().type == "cuda":
+            have = torch.cuda.device_count()
+            if tp > have:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} needs {tp} CUDA devices (rank r runs on cuda:r) "
+                    f"but {have} are visible (CUDA_VISIBLE_DEVICES); use tensor_parallel_size<="
+                    f"{have} or make more devices visible")
+        return self
 
     def compat_warnings(self) -> list[str]:
         """Warnings for vLLM options that are accepted but do nothing here (shown by ``LLM``)."""

@@ -66,6 +66,30 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self._counter = itertools.count()
 
+    # ----------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        """Stop this LLM's tensor-parallel worker processes and leave the process group (also
+        done at exit and when the LLM is garbage collected), so another LLM with
+        ``tensor_parallel_size`` > 1 can be made in this process. A no-op at size 1; the LLM
+        cannot generate afterwards at size > 1."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
+    shutdown = close
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: atexit closes them anyway
+            pass
+
     # ----------------------------------------------------------------- properties
     @property
     def tokenizer(self):

@@ -103,8 +103,8 @@ class SpeculativeConfig(BaseModel):
     method: str | None = None
     model: str | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
-    # vLLM's option, common to every method: the drafter runs on one device (tensor parallelism
-    # is not available yet), so 1 is the only value
+    # vLLM's option, common to every method: the drafter is not sharded (it runs on rank 0,
+    # whatever the target's tensor_parallel_size), so 1 is the only value
     draft_tensor_parallel_size: int | None = Field(None, ge=1)
     disable_by_batch_size: int | None = Field(None, ge=1)
     acceptance_method: str = "rejection_sampler"
@@ -121,9 +121,9 @@ class SpeculativeConfig(BaseModel):
     def _draft_tp(cls, v: int | None) -> int | None:
         if v not in (None, 1):
             raise ValueError(
-                f"draft_tensor_parallel_size={v}: tensor parallelism is not supported yet, for "
-                "the target or the drafter; use draft_tensor_parallel_size=1 (the drafter runs "
-                "on one device)"
+                f"draft_tensor_parallel_size={v}: tensor parallelism is not supported yet for "
+                "the drafter (it runs unsharded on rank 0's device, whatever the target's "
+                "tensor_parallel_size); use draft_tensor_parallel_size=1 or leave it out"
             )
         return v
 

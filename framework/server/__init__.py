@@ -60,13 +60,15 @@ def run_server(host: str = "127.0.0.1", port: int = 8000, served_model_names: li
     server.a.start()
     spec = llm.config.speculative_config
     print(f"speculant serve: model {server.names[0]!r} at http://{host}:{port}/v1 "
-          f"(speculative_config={spec}, max_num_seqs={llm.config.max_num_seqs})",
+          f"(speculative_config={spec}, max_num_seqs={llm.config.max_num_seqs}, "
+          f"tensor_parallel_size={llm.config.tensor_parallel_size})",
           file=sys.stderr, flush=True)
     try:
         uvicorn.run(server.app, host=host, port=port, log_level=log_level, access_log=False,
                     timeout_graceful_shutdown=5)
     finally:
         server.a.shutdown()
+        llm.close()  # the tensor-parallel workers, if any
     return 0
 
 

@@ -89,6 +89,8 @@ class _EngineCollector:
             ("speculant_kv_cache_blocks_used", "KV cache blocks allocated", used),
             ("speculant_kv_cache_blocks_total", "KV cache blocks in all", total),
             ("speculant_engine_steps", "Engine steps run", self.a.num_steps),
+            ("speculant_tensor_parallel_size", "Devices (ranks) the model is sharded over",
+             self.a.engine.config.tensor_parallel_size),
         ):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric(m, value)

@@ -1,0 +1,200 @@
+"""Rank 0's target runner under tensor parallelism, and the worker side of its calls.
+
+Every rank holds a shard of the target (``speculant.distributed``) and its own ``ModelRunner``
+over that shard's KV cache (its KV heads). Rank 0 owns everything else: scheduler, block
+manager, sampler, strategies, drafters. :class:`TPRunner` is the runner rank 0's engine calls:
+``forward``, ``score`` and ``capture_graphs`` are first sent to the workers (one broadcast over
+the gloo CPU group, :func:`pack_call`), then run on rank 0's local runner. A worker
+(``speculant.distributed.worker``) runs the very same method of its own runner with the same
+arguments (:func:`receive_call`, :func:`apply_call`), so every rank takes the same code path,
+replays or captures the same CUDA graphs and issues the same all-reduces in the same order; the
+hidden states after each row-parallel layer are all-reduced, so rank 0's ``forward`` returns
+what one device would. ``logits`` (the replicated LM head) runs on rank 0 only.
+
+The message of one call is one int64 vector (layout below); it is broadcast in a fixed buffer of
+``CAPACITY`` entries, with a second broadcast of the rest only when it is longer (a prefill's
+tokens, long block tables). Tokens still on the device (``token_ids``: the overlapped decode
+steps of engine/async_decode.py) follow on the device group (NCCL on CUDA).
+
+Layout: ``[length, op, flags, n_seqs, n_aux, max_seqs, max_query, max_prefill, aux...,
+per sequence (query_len, num_cached_tokens, table_len)..., tokens..., block tables...]``;
+``tokens`` is left out when they come on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from speculant.distributed.parallel import TensorParallel
+
+CAPACITY = 1024  # int64 entries of the fixed broadcast: 8 KiB
+FORWARD, SCORE, CAPTURE, SHUTDOWN = 1, 2, 3, 4
+_TOKENS_ON_DEVICE, _GREEDY, _KEEP_HIDDEN, _HEAD = 1, 2, 4, 8
+_HEADER = 8  # length, op, flags, n_seqs, n_aux, max_seqs, max_query, max_prefill
+
+
+@dataclass(slots=True)
+class RemoteSeq:
+    """What a runner reads of a sequence, rebuilt on a worker from rank 0's message."""
+
+    num_cached_tokens: int
+    block_table: list[int]
+
+
+@dataclass
+class Call:
+    """One runner call as a worker receives it."""
+
+    op: int
+    flags: int = 0
+    aux_layers: tuple[int, ...] = ()
+    seqs: list[RemoteSeq] = field(default_factory=list)
+    new_tokens: list[list[int]] = field(default_factory=list)
+    token_ids: torch.Tensor | None = None  # [num_tokens] int64 on the device, or None
+    max_seqs: int = 0
+    max_query: int = 0
+    max_prefill: int | None = None
+
+
+def pack_call(op: int, flags: int = 0, aux_layers=(), seqs=(), new_tokens=(), max_seqs: int = 0,
+              max_query: int = 0, max_prefill: int | None = None) -> list[int]:
+    """The message of one call (module docstring's layout) as a list of ints."""
+    aux = [int(a) for a in aux_layers]
+    msg = [0, op, flags, len(seqs), len(aux), max_seqs, max_query,
+           -1 if max_prefill is None else max_prefill, *aux]
+    for s, toks in zip(seqs, new_tokens):
+        msg += (len(toks), s.num_cached_tokens, len(s.block_table))
+    if not flags & _TOKENS_ON_DEVICE:
+        for toks in new_tokens:
+            msg += toks
+    for s in seqs:
+        msg += s.block_table
+    msg[0] = len(msg)
+    return msg
+
+
+def unpack_call(msg: list[int]) -> Call:
+    """The inverse of :func:`pack_call` (``token_ids`` left None)."""
+    _, op, flags, n, n_aux, max_seqs, max_query, max_prefill = msg[:_HEADER]
+    i = _HEADER
+    aux = tuple(msg[i : i + n_aux])
+    i += n_aux
+    meta = [msg[i + 3 * j : i + 3 * j + 3] for j in range(n)]  # (query_len, cached, table_len)
+    i += 3 * n
+    new_tokens = []
+    for q, _, _ in meta:
+        if flags & _TOKENS_ON_DEVICE:
+            new_tokens.append([0] * q)  # placeholders: only the query lengths are read
+        else:
+            new_tokens.append(msg[i : i + q])
+            i += q
+    seqs = []
+    for _, cached, t in meta:
+        seqs.append(RemoteSeq(cached, msg[i : i + t]))
+        i += t
+    return Call(op, flags, aux, seqs, new_tokens, None, max_seqs, max_query,
+                None if max_prefill < 0 else max_prefill)
+
+
+def _broadcast_message(tp: TensorParallel, msg: list[int] | None) -> list[int]:
+    """Rank 0 sends ``msg``, the others receive it: one broadcast of ``CAPACITY`` entries, a
+    second one only for what does not fit."""
+    buf = torch.zeros(CAPACITY, dtype=torch.int64)
+    if msg is not None:
+        head = msg[:CAPACITY]
+        buf[: len(head)] = torch.tensor(head, dtype=torch.int64)
+    dist.broadcast(buf, src=0, group=tp.cpu_group)
+    length = int(buf[0])
+    if length <= CAPACITY:
+        return buf[:length].tolist()
+    rest = torch.empty(length - CAPACITY, dtype=torch.int64)
+    if msg is not None:
+        rest.copy_(torch.tensor(msg[CAPACITY:], dtype=torch.int64))
+    dist.broadcast(rest, src=0, group=tp.cpu_group)
+    return buf.tolist() + rest.tolist()
+
+
+def receive_call(tp: TensorParallel, device: torch.device) -> Call:
+    """A worker's side of :meth:`TPRunner._send`: the next call rank 0 makes."""
+    call = unpack_call(_broadcast_message(tp, None))
+    if call.flags & _TOKENS_ON_DEVICE:
+        n = sum(len(t) for t in call.new_tokens)
+        call.token_ids = torch.empty(n, dtype=torch.int64, device=device)  # [num_tokens]
+        dist.broadcast(call.token_ids, src=0, group=tp.group)
+    return call
+
+
+def apply_call(runner, call: Call) -> bool:
+    """Run ``call`` on a worker's local ``ModelRunner`` exactly as rank 0 runs it on its own
+    (the results are rank 0's to use; here they are dropped). False on shutdown."""
+    if call.op == FORWARD:
+        runner.forward(call.seqs, call.new_tokens, call.aux_layers, token_ids=call.token_ids)
+    elif call.op == SCORE:
+        runner.score(call.seqs, call.new_tokens, call.aux_layers,
+                     greedy=bool(call.flags & _GREEDY), keep_hidden=bool(call.flags & _KEEP_HIDDEN))
+    elif call.op == CAPTURE:
+        runner.capture_graphs(call.max_seqs, call.max_query, call.aux_layers, call.max_prefill,
+                              progress=False, head=bool(call.flags & _HEAD))  # rank 0 shows it
+    elif call.op == SHUTDOWN:
+        return False
+    else:
+        raise RuntimeError(f"tensor-parallel worker: unknown call {call.op} from rank 0 (the "
+                           "ranks run different speculant versions?)")
+    return True
+
+
+class TPRunner:
+    """Rank 0's runner: each call is sent to the workers, then run on ``local`` (this rank's
+    ``ModelRunner``); everything else is ``local``'s."""
+
+    def __init__(self, local, tp: TensorParallel) -> None:
+        self.local = local
+        self.tp = tp
+        self.closed = False
+
+    def __getattr__(self, name: str):  # graphs, kv_cache, model, block_size, device, ...
+        return getattr(self.local, name)
+
+    def _send(self, op: int, seqs=(), new_tokens=(), aux_layers=(), flags: int = 0,
+              token_ids: torch.Tensor | None = None, **kw) -> None:
+        if self.closed:
+            raise RuntimeError("this engine's tensor-parallel workers were shut down (LLM.close()"
+                               "); create a new LLM")
+        if token_ids is not None:
+            flags |= _TOKENS_ON_DEVICE
+        _broadcast_message(self.tp, pack_call(op, flags, aux_layers, seqs, new_tokens, **kw))
+        if token_ids is not None:
+            dist.broadcast(token_ids, src=0, group=self.tp.group)
+
+    def forward(self, seqs, new_tokens, aux_layers=(), token_ids=None):
+        self._send(FORWARD, seqs, new_tokens, aux_layers, token_ids=token_ids)
+        return self.local.forward(seqs, new_tokens, aux_layers, token_ids=token_ids)
+
+    def score(self, seqs, new_tokens, aux_layers=(), greedy: bool = False,
+              keep_hidden: bool = True):
+        flags = (_GREEDY if greedy else 0) | (_KEEP_HIDDEN if keep_hidden else 0)
+        self._send(SCORE, seqs, new_tokens, aux_layers, flags)
+        return self.local.score(seqs, new_tokens, aux_layers, greedy=greedy,
+                                keep_hidden=keep_hidden)
+
+    def capture_graphs(self, max_seqs: int, max_query: int, aux_layers=(),
+                       max_prefill_tokens: int | None = None, progress: bool = True,
+                       head: bool = False) -> int:
+        if self.local.graphs is None:
+            return 0  # the workers have none either: same config, same device type
+        self._send(CAPTURE, aux_layers=aux_layers, flags=_HEAD if head else 0,
+                   max_seqs=max_seqs, max_query=max_query, max_prefill=max_prefill_tokens)
+        return self.local.capture_graphs(max_seqs, max_query, aux_layers, max_prefill_tokens,
+                                         progress, head=head)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.local.logits(hidden)  # the LM head is replicated: rank 0 alone
+
+    def shutdown(self) -> None:
+        """Tell the workers to leave their loop (they exit); later calls raise."""
+        if not self.closed:
+            self.closed = True
+            _broadcast_message(self.tp, pack_call(SHUTDOWN))
