@@ -167,7 +167,9 @@ def all_reduce(x: torch.Tensor, tp: TensorParallel | None = None) -> torch.Tenso
 
     On CUDA: the one-shot symmetric-memory all-reduce for contiguous bf16 / fp32 tensors of up
     to ``ONE_SHOT_MAX_BYTES``, else NCCL's; either can be captured in a CUDA graph. On the CPU:
-    gloo's (``x`` made contiguous first; the result is then a new tensor)."""
+    gloo's (``x`` made contiguous first; the result is then a new tensor); over more than two
+    ranks an all-gather summed in rank order, so every rank gets the same bits and each
+    element's sum does not depend on the tensor's size (a batch-invariant forward stays so)."""
     tp = tensor_parallel() if tp is None else tp
     if tp.size == 1:
         return x
@@ -175,5 +177,12 @@ def all_reduce(x: torch.Tensor, tp: TensorParallel | None = None) -> torch.Tenso
         return _one_shot(x)
     if not x.is_contiguous():
         x = x.contiguous()
+    if not x.is_cuda and tp.size > 2:  # in rank order: the same bits on every rank, per element
+        parts = [torch.empty_like(x) for _ in range(tp.size)]
+        dist.all_gather(parts, x, group=tp.group)
+        x.copy_(parts[0])
+        for part in parts[1:]:
+            x.add_(part)
+        return x
     dist.all_reduce(x, group=tp.group)
     return x

@@ -65,9 +65,11 @@ def load_draft_model(
     float32 (docs/drafting.md has a runnable example). Raises FileNotFoundError (no weights:
     the files looked for) or ValueError (a truncated or corrupt weight file, a tensor that does
     not fit the config) naming the file."""
+    from speculant.distributed import NO_TENSOR_PARALLEL
     from speculant.models.loader import load_model
 
-    return load_model(folder, config, dtype, device, max_len)
+    # whole on rank 0 under tensor parallelism (a drafter is not sharded)
+    return load_model(folder, config, dtype, device, max_len, tp=NO_TENSOR_PARALLEL)
 
 
 def load_draft_tokenizer(folder: Path) -> Any | None:

@@ -19,6 +19,10 @@ HF greedy-equality tests cover.
 
 Models it does not cover (nn.Linear not prepared for the CPU, partial rotary, other activations,
 replaced submodules) return None from ``cpu_plan`` and keep the module path.
+
+A tensor-parallel shard (``model.tp`` of size > 1) runs the same loops on its heads and MLP
+share, summing o_proj's and down_proj's outputs over the ranks (gloo, ``all_reduce``) before
+each residual add; the sum is per element, so the forward stays batch-invariant.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from speculant.distributed import NO_TENSOR_PARALLEL, TensorParallel, all_reduce
 from speculant.models import cpu_kernels
 from speculant.models.attention import (
     CPU_FEW_ROWS,
@@ -44,7 +49,8 @@ class CpuPlan:
 
     def __init__(self, model) -> None:
         a = model.layers[0].self_attn
-        self.nh, self.nkv, self.d = a.num_heads, a.num_kv_heads, a.head_dim
+        self.nh, self.nkv, self.d = a.num_heads, a.num_kv_heads, a.head_dim  # this rank's heads
+        self.tp: TensorParallel = getattr(model, "tp", NO_TENSOR_PARALLEL)
         self.scale = a.scale
         self.rope = model.rope
         self.norm = (model.norm.weight, model.norm.eps)
@@ -148,6 +154,7 @@ def forward(
     if plan.numpy:
         numpy_blas().sync_threads()
     aux = ctx.aux_layers
+    tp = plan.tp
     for i, (w1, eps1, qkv_proj, o_proj, w2, eps2, gate_up, down, inter) in enumerate(plan.layers):
         if aux and i in aux:
             ctx.aux_hidden.append(x)  # input of layer i == output of layer i-1
@@ -159,10 +166,10 @@ def forward(
             o = attention_cpu(q, k, v, views[i], scale)  # [T, nh d]
         else:
             o = ctx.attend(i, q, k, v, scale).reshape(T, q_size)
-        x = x + o_proj.rows(o)
+        x = x + all_reduce(o_proj.rows(o), tp)
         gu = gate_up.rows(rms_norm_cpu(x, w2, eps2)).view(T, 2, inter)  # [T, 2, inter]
         gate, up = gu.unbind(1)  # [T, inter] each
-        x = x + down.rows(F.silu(gate).mul_(up))
+        x = x + all_reduce(down.rows(F.silu(gate).mul_(up)), tp)
     return rms_norm_cpu(x, *plan.norm)
 
 
@@ -227,6 +234,7 @@ def _forward_flat(
         rms = _rms
         rows = [(j, ctx_len - T + j + 1) for j in range(T)]  # (row, its context length)
     aux = ctx.aux_layers
+    tp = plan.tp
     xt = x
     x = x.numpy()  # [T, hidden]
     o = np.empty((T, q_size), np.float32)  # attention output rows
@@ -262,15 +270,24 @@ def _forward_flat(
                 np.exp(s, out=s)
                 s /= s.sum(-1, keepdims=True)
                 o[j] = np.matmul(s, vj).reshape(q_size)
-        x = x + o_mm(o)  # [T, hidden]
+        x = x + _reduce(o_mm(o), tp)  # [T, hidden]
         gu = gu_mm(rms(x, w2, e2))  # [T, 2 inter]
         gate = gu[:, :inter]
         act = np.exp(-gate)
         act += 1.0
         np.divide(gate, act, out=act)  # silu(gate) = gate / (1 + exp(-gate))
         act *= gu[:, inter:]
-        x = x + down_mm(act)  # [T, hidden]
+        x = x + _reduce(down_mm(act), tp)  # [T, hidden]
     return torch.from_numpy(rms(x, *plan.np_norm))
+
+
+def _reduce(y: np.ndarray, tp: TensorParallel) -> np.ndarray:  # y: [T, hidden]
+    """A row-parallel product's output summed over the tensor-parallel ranks (in place)."""
+    if not tp.enabled:
+        return y
+    y = np.ascontiguousarray(y)
+    all_reduce(torch.from_numpy(y), tp)  # in place: the tensor shares y's memory
+    return y
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: np.float32) -> np.ndarray:  # x: [T, hidden]

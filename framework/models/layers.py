@@ -374,3 +374,51 @@ def activation(name: str):
         approx = "tanh" if name != "gelu" else "none"
         return lambda x: nn.functional.gelu(x, approximate=approx)
     raise NotImplementedError(f"activation {name!r} is not supported")
+
+
+def tensor_parallel_sizes(
+    kv_heads: tuple[int, int] | None,  # (num_attention_heads, num_key_value_heads), or None
+    widths: dict[str, int],  # config names of dimensions every rank must get an equal share of
+    limit: int = 64,
+) -> list[int]:
+    """The tensor-parallel sizes up to ``limit`` that split ``widths`` equally and, with
+    ``kv_heads``, either split the KV heads equally or are a multiple of their number (each rank
+    then keeps a copy of the one KV head its query heads use, as vLLM does)."""
+    out = []
+    for n in range(1, limit + 1):
+        if any(v % n for v in widths.values()):
+            continue
+        if kv_heads is not None:
+            nkv = kv_heads[1]
+            if (nkv >= n and nkv % n) or (nkv < n and n % nkv):
+                continue
+        out.append(n)
+    return out
+
+
+def check_tensor_parallel(
+    model_type: str,
+    size: int,
+    kv_heads: tuple[int, int] | None,  # (num_attention_heads, num_key_value_heads), or None
+    widths: dict[str, int],  # e.g. {"num_attention_heads": 32, "intermediate_size": 14336}
+) -> None:
+    """Raise ValueError naming the dimension that ``size`` ranks cannot split, with the sizes
+    that can (:func:`tensor_parallel_sizes`)."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if size == 1:
+        return
+    bad = [f"{k}={v}" for k, v in widths.items() if v % size]
+    if kv_heads is not None:
+        nkv = kv_heads[1]
+        if nkv >= size and nkv % size:
+            bad.append(f"num_key_value_heads={nkv}")
+        elif nkv < size and size % nkv:
+            bad.append(f"num_key_value_heads={nkv} (fewer KV heads than ranks: the size must be "
+                       "a multiple of them, each rank keeping a copy of one)")
+    if bad:
+        ok = [n for n in tensor_parallel_sizes(kv_heads, widths, limit=max(8, size)) if n > 1]
+        raise ValueError(
+            f"tensor_parallel_size={size} cannot split this {model_type} model: it does not "
+            f"divide {', '.join(bad)}; use a tensor_parallel_size that does"
+            + (f" ({', '.join(map(str, ok))})" if ok else " (only 1 fits this model)"))

@@ -2,6 +2,15 @@
 
 Fused QKV and gate/up projections; loads the Hugging Face key names
 (``model.layers.{i}.self_attn.q_proj.weight`` ...).
+
+Tensor parallelism (``speculant.distributed``, Megatron-style): at size n each rank holds
+num_heads / n query heads, their KV heads (num_key_value_heads / n, or a copy of the one KV head
+its query heads use when there are fewer KV heads than ranks), intermediate_size / n of the MLP;
+qkv_proj is packed per rank as [q shard; k shard; v shard] and gate_up_proj as [gate shard; up
+shard] (column-parallel), o_proj and down_proj take the matching input columns (row-parallel)
+and their outputs are summed over the ranks (``all_reduce``) in every forward path, so each
+layer returns the full hidden state, as at size 1. The embedding, the norms and the LM head are
+whole on every rank. At size 1 no path changes (no extra kernel).
 """
 
 from __future__ import annotations
@@ -11,21 +20,46 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from speculant.distributed import NO_TENSOR_PARALLEL, TensorParallel, all_reduce, tensor_parallel
 from speculant.kernels.gemv import gemv, gemv_partials, gemv_split
 from speculant.models import cpu_forward, fused
 from speculant.models.attention import ForwardContext
 from speculant.models.gather import gather_rows
-from speculant.models.layers import RMSNorm, RotaryEmbedding, activation
-from speculant.models.weights import WeightLoader
+from speculant.models.layers import RMSNorm, RotaryEmbedding, activation, check_tensor_parallel
+from speculant.models.weights import WeightLoader, WeightLoadError, WeightShard
+
+
+def check_llama_tensor_parallel(config, size: int) -> None:
+    """Raise ValueError when ``size`` ranks cannot split this Llama / Mistral / Qwen2 config."""
+    nh = config.num_attention_heads
+    nkv = getattr(config, "num_key_value_heads", None) or nh
+    check_tensor_parallel(config.model_type, size, (nh, nkv),
+                          {"num_attention_heads": nh, "intermediate_size": config.intermediate_size})
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, rope: RotaryEmbedding, qkv_bias: bool) -> None:
+    """Self-attention; at ``tp`` size n this rank's query heads and their KV heads (module
+    docstring), ``o_proj``'s output summed over the ranks."""
+
+    def __init__(self, config, layer_idx: int, rope: RotaryEmbedding, qkv_bias: bool,
+                 tp: TensorParallel = NO_TENSOR_PARALLEL) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = tp
+        self.total_heads = config.num_attention_heads
+        self.total_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_heads
+        self.head_dim = (getattr(config, "head_dim", None)
+                         or config.hidden_size // config.num_attention_heads)
+        n = tp.size
+        if n > 1:
+            check_llama_tensor_parallel(config, n)
+        self.num_heads = self.total_heads // n  # this rank's query heads
+        if self.total_kv_heads >= n:
+            self.num_kv_heads = self.total_kv_heads // n
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        else:  # fewer KV heads than ranks: a copy of the one this rank's query heads use
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank * self.total_kv_heads // n
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
@@ -48,11 +82,11 @@ class LlamaAttention(nn.Module):
             q, k = self.rope.rotate_cpu(positions, qk).split([nh, nkv], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(T, nkv, d)  # [T, nkv, d]
             o = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [T, nh, d]
-            return self.o_proj(o.reshape(T, self.q_size))
+            return all_reduce(self.o_proj(o.reshape(T, self.q_size)), self.tp)
         o = self.attend_qkv(positions, qkv, ctx)  # [num_tokens, q_size]
         if fused.gemv_enabled(o):  # a one-row step (an EAGLE head's draft step)
-            return gemv(o, self.o_proj.weight, self.o_proj.bias)
-        return self.o_proj(o)
+            return all_reduce(gemv(o, self.o_proj.weight, self.o_proj.bias), self.tp)
+        return all_reduce(self.o_proj(o), self.tp)
 
     def attend_qkv(
         self,
@@ -104,10 +138,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    """The gated MLP; at ``tp`` size n intermediate_size / n of it, ``down_proj``'s output summed
+    over the ranks."""
+
+    def __init__(self, config, tp: TensorParallel = NO_TENSOR_PARALLEL) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.inter = config.intermediate_size
+        self.tp = tp
+        if config.intermediate_size % tp.size:
+            check_llama_tensor_parallel(config, tp.size)
+        self.inter = config.intermediate_size // tp.size  # this rank's share
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
         self.act = activation(getattr(config, "hidden_act", "silu"))
@@ -115,9 +155,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
         if self.fused_act and fused.enabled(x):
-            return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+            return all_reduce(self.down_proj(fused.silu_mul(self.gate_up_proj(x))), self.tp)
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return all_reduce(self.down_proj(self.act(gate) * up), self.tp)
 
 
 def mlp_gemv(
@@ -130,17 +170,19 @@ def mlp_gemv(
     inside the gate/up product, SiLU * up inside the down product."""
     gu, x = gemv(a, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, prologue="rmsnorm",
                  norm_weight=norm.weight, residual=residual, eps=norm.eps)
-    return gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul"), x
+    return all_reduce(gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul"),
+                      mlp.tp), x
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, rope: RotaryEmbedding, qkv_bias: bool) -> None:
+    def __init__(self, config, layer_idx: int, rope: RotaryEmbedding, qkv_bias: bool,
+                 tp: TensorParallel = NO_TENSOR_PARALLEL) -> None:
         super().__init__()
         eps = getattr(config, "rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.self_attn = LlamaAttention(config, layer_idx, rope, qkv_bias)
+        self.self_attn = LlamaAttention(config, layer_idx, rope, qkv_bias, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, positions, x, ctx: ForwardContext) -> torch.Tensor:  # x: [num_tokens, hidden]
         """One layer, residual stream in and out (the target model runs ``forward_fused`` /
@@ -175,7 +217,8 @@ class LlamaDecoderLayer(nn.Module):
         (kernels/gemv.py ``out_norm_weight``): o_proj's the post-attention norm, down_proj's
         ``next_norm``. The layer then returns ``next_norm``'s output (``normed`` True) and the
         next layer starts from it. Bit-identical to the separate kernels; two kernels fewer per
-        layer."""
+        layer. Under tensor parallelism the norm needs the sum over the ranks, so those two
+        products stay plain GEMVs, followed by the all-reduce and the RMSNorm kernel."""
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         attn, mlp = self.self_attn, self.mlp
         if normed:
@@ -185,28 +228,30 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = fused.rms_norm(h, ln1.weight, ln1.eps, residual=residual)
         few = fused.gemv_few_enabled(x)  # o_proj / down_proj as few-row GEMVs
+        tp = attn.tp
         few_in = fused.gemv_in_enabled(x)  # qkv and gate/up as GEMVs
         if few_in and attn.rope_fusable(x):  # qkv's split-K reduce does RoPE and the K/V store
             o = attn.attend_partials(positions, gemv_partials(x, attn.qkv_proj.weight), ctx)
         else:
             qkv = gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias) if few_in else attn.qkv_proj(x)
             o = attn.attend_qkv(positions, qkv, ctx)  # [num_tokens, q_size]
-        if few:
+        if few and not tp.enabled:
             x, residual = gemv(o, attn.o_proj.weight, attn.o_proj.bias, out_norm_weight=ln2.weight,
                                out_residual=residual, out_eps=ln2.eps)
         else:
-            x, residual = fused.rms_norm(attn.o_proj(o), ln2.weight, ln2.eps, residual=residual)
+            a = gemv(o, attn.o_proj.weight, attn.o_proj.bias) if few else attn.o_proj(o)
+            x, residual = fused.rms_norm(all_reduce(a, tp), ln2.weight, ln2.eps, residual=residual)
         if mlp.fused_act and (few or few_in):
             gu = (gemv(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias) if few_in
                   else mlp.gate_up_proj(x))  # [num_tokens, 2 * inter]
             if not few:
-                return mlp.down_proj(fused.silu_mul(gu)), residual, False
+                return all_reduce(mlp.down_proj(fused.silu_mul(gu)), tp), residual, False
             wd, bd = mlp.down_proj.weight, mlp.down_proj.bias
-            if next_norm is not None:
+            if next_norm is not None and not tp.enabled:
                 x, residual = gemv(gu, wd, bd, prologue="silu_mul", out_norm_weight=next_norm.weight,
                                    out_residual=residual, out_eps=next_norm.eps)
                 return x, residual, True
-            return gemv(gu, wd, bd, prologue="silu_mul"), residual, False
+            return all_reduce(gemv(gu, wd, bd, prologue="silu_mul"), tp), residual, False
         return mlp(x), residual, False
 
     def forward_gemv(
@@ -230,11 +275,12 @@ class LlamaDecoderLayer(nn.Module):
             qkv, residual = gemv(h, qkv_w, qkv_b, prologue="rmsnorm", norm_weight=ln1.weight,
                                  residual=residual, eps=ln1.eps)
         o = gemv(attn.attend_qkv(positions, qkv, ctx), attn.o_proj.weight, attn.o_proj.bias)
-        return mlp_gemv(mlp, ln2, o, residual)
+        return mlp_gemv(mlp, ln2, all_reduce(o, attn.tp), residual)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves Mistral and Qwen2 (``qkv_bias``)."""
+    """Also serves Mistral and Qwen2 (``qkv_bias``). ``tp``: the tensor-parallel rank this
+    model is the shard of (default: the current ``speculant.distributed.tensor_parallel()``)."""
 
     # packed parameter: HF names it is made of, in order
     packed = {
@@ -242,10 +288,12 @@ class LlamaForCausalLM(nn.Module):
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
 
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
         self.max_positions = max_positions  # sizes CUDA-graph block tables
+        self.tp = tp = tensor_parallel() if tp is None else tp
+        check_llama_tensor_parallel(config, tp.size)
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -253,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
         rope = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rope, qkv_bias) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, rope, qkv_bias, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -339,8 +387,41 @@ class LlamaForCausalLM(nn.Module):
             return gemv(hidden, self.lm_head.weight).float()
         return self.lm_head(hidden).float()
 
+    def weight_shard(self, name: str, part: str | None) -> WeightShard | None:
+        """This rank's part of the checkpoint tensor that loads into parameter ``name`` (its
+        ``part`` of a packed one): None (whole) at size 1 and for the embedding, norms, LM head."""
+        tp = self.tp
+        fields = name.split(".")
+        if not tp.enabled or fields[0] != "layers" or len(fields) != 5:
+            return None
+        layer, proj, kind = self.layers[int(fields[1])], fields[3], fields[4]
+        a, r = layer.self_attn, tp.rank
+        d = a.head_dim
+        if proj == "qkv_proj":
+            if part == "q_proj":
+                return WeightShard(0, r * a.q_size, (r + 1) * a.q_size, a.total_heads * d)
+            if part in ("k_proj", "v_proj"):
+                start = a.kv_head_start * d
+                return WeightShard(0, start, start + a.kv_size, a.total_kv_heads * d)
+            raise WeightLoadError(
+                f"{name}: a packed qkv tensor cannot be split over {tp.size} ranks; save "
+                "q_proj, k_proj and v_proj separately (the Hugging Face layout)")
+        if proj == "gate_up_proj":
+            if part is None:
+                raise WeightLoadError(
+                    f"{name}: a packed gate/up tensor cannot be split over {tp.size} ranks; "
+                    "save gate_proj and up_proj separately (the Hugging Face layout)")
+            inter = layer.mlp.inter
+            return WeightShard(0, r * inter, (r + 1) * inter, inter * tp.size)
+        if proj in ("o_proj", "down_proj"):  # row-parallel: input columns; bias on rank 0
+            if kind == "bias":
+                return None if r == 0 else WeightShard(zeros=True)
+            width = a.q_size if proj == "o_proj" else layer.mlp.inter
+            return WeightShard(1, r * width, (r + 1) * width, width * tp.size)
+        return None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-        loader = WeightLoader(self, source, packed=self.packed)
+        loader = WeightLoader(self, source, packed=self.packed, shard=self.weight_shard)
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue

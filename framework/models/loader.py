@@ -9,8 +9,10 @@ import json
 import logging
 import os
 import shutil
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
@@ -248,9 +250,13 @@ def weight_files(folder: Path) -> list[Path]:
     )
 
 
-def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(folder: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
     """(name, tensor) of every tensor of the checkpoint in ``folder``, file by file. A file that
-    cannot be read raises WeightLoadError naming it and what is wrong (truncated, corrupt)."""
+    cannot be read raises WeightLoadError naming it and what is wrong (truncated, corrupt).
+
+    ``lazy``: a safetensors tensor of 1+ dimensions comes as its lazy slice
+    (``safe_open(...).get_slice(name)``, valid until the next pair is asked for), of which
+    ``WeightLoader`` reads only the rows or columns its rank keeps."""
     from safetensors import safe_open
 
     from speculant.models.weights import WeightLoadError, safetensors_error, state_dict_error
@@ -263,7 +269,11 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 raise WeightLoadError(safetensors_error(f, e)) from None
             with sf:
                 for k in sf.keys():
-                    yield k, sf.get_tensor(k)
+                    if lazy:
+                        sl = sf.get_slice(k)
+                        yield k, sl if len(sl.get_shape()) else sf.get_tensor(k)
+                    else:
+                        yield k, sf.get_tensor(k)
         else:
             try:
                 state = torch.load(str(f), map_location="cpu", weights_only=True)
@@ -347,21 +357,93 @@ def load_tokenizer(name_or_folder: str | Path):
         ) from None
 
 
-def load_model(folder: Path, config, dtype: torch.dtype, device: torch.device, max_positions: int):
-    """Instantiate our implementation for ``config`` (no random init) and load the weights."""
+LoadFormat = Literal["auto", "dummy"]
+DUMMY_STD = 0.02  # dummy weights: normal(0, 0.02), norms 1 (activations stay finite in bf16)
+
+
+def check_tensor_parallel(config, size: int, source: str = "config.json") -> None:
+    """Raise ValueError when ``size`` ranks cannot shard the model of ``config``: the dimension
+    they do not divide (heads, KV heads, MLP width) and the sizes that would."""
+    from speculant.models import model_class_for
+    from speculant.models.llama import check_llama_tensor_parallel
+    from speculant.models.opt import OPTForCausalLM, check_opt_tensor_parallel
+
+    cls = model_class_for(config, source)
+    (check_opt_tensor_parallel if cls is OPTForCausalLM else check_llama_tensor_parallel)(config, size)
+
+
+def _dummy_seed(name: str, seed: int) -> int:
+    return (zlib.crc32(name.encode()) + 1_000_003 * seed) % (1 << 63)
+
+
+def dummy_weights(cls, config, max_positions: int, dtype: torch.dtype, device: torch.device,
+                  seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights for ``cls(config)`` (``load_format="dummy"``), as (checkpoint name, full
+    tensor) pairs: packed parameters as their parts (q_proj, k_proj, v_proj, gate_proj,
+    up_proj), each generated on ``device`` in ``dtype`` from a generator seeded by its name and
+    ``seed``; norm weights 1, norm biases 0, every other tensor normal(0, ``DUMMY_STD``). Each
+    tensor is generated whole, then a tensor-parallel rank keeps its shard, so the model is the
+    same at every tensor_parallel_size (on one device type)."""
+    from speculant.distributed import NO_TENSOR_PARALLEL
+    from speculant.models.weights import _part_sizes
+
+    with torch.device("meta"):
+        full = cls(config, max_positions, tp=NO_TENSOR_PARALLEL)  # the unsharded shapes
+    packed = getattr(full, "packed", {})
+    for pname, param in full.named_parameters():
+        pieces = [(pname, tuple(param.shape))]
+        for packed_name, parts in packed.items():
+            token = f".{packed_name}."
+            if token in f".{pname}":
+                module = full.get_submodule(pname.rsplit(".", 2)[0])
+                sizes = _part_sizes(module, packed_name, len(parts))
+                pieces = [(f".{pname}".replace(token, f".{part}.")[1:], (n, *param.shape[1:]))
+                          for part, n in zip(parts, sizes)]
+                break
+        for name, shape in pieces:
+            leaf = name.rsplit(".", 2)
+            if param.dim() == 1 and "norm" in (leaf[-2] if len(leaf) > 1 else ""):
+                fill = 1.0 if leaf[-1] == "weight" else 0.0
+                yield name, torch.full(shape, fill, dtype=dtype, device=device)
+                continue
+            gen = torch.Generator(device=device)
+            gen.manual_seed(_dummy_seed(name, seed))
+            t = torch.empty(shape, dtype=dtype, device=device)
+            yield name, t.normal_(0.0, DUMMY_STD, generator=gen)
+
+
+def load_model(folder: Path, config, dtype: torch.dtype, device: torch.device, max_positions: int,
+               load_format: LoadFormat = "auto", seed: int = 0, tp=None):
+    """Instantiate our implementation for ``config`` (no random init) and load the weights.
+
+    ``load_format``: "auto" reads the checkpoint in ``folder``; "dummy" (vLLM's name) makes
+    random weights on ``device`` instead (:func:`dummy_weights`, from ``seed``; only
+    config.json is read), for benchmarks at a model's geometry. ``tp``: the tensor-parallel rank
+    to load the shard of (a ``speculant.distributed.TensorParallel``; default: the current one,
+    so a worker's call loads its own shard; a draft model passes ``NO_TENSOR_PARALLEL``); each
+    rank reads only its rows or columns of each safetensors tensor."""
+    from speculant.distributed import tensor_parallel
     from speculant.models import model_class_for
     from speculant.models.layers import RotaryEmbedding
 
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' (read the "
+                         "checkpoint) or 'dummy' (random weights)")
+    tp = tensor_parallel() if tp is None else tp
     cls = model_class_for(config, str(folder / "config.json"))
     with torch.device("meta"):
-        model = cls(config, max_positions)
+        model = cls(config, max_positions, tp=tp)
     model = model.to_empty(device=device).to(dtype)
     if getattr(model, "tie_word_embeddings", False):
         model.lm_head.weight = model.embed_tokens.weight
     for mod in model.modules():
         if isinstance(mod, RotaryEmbedding):
             mod.reset(config, max_positions, device)
-    model.load_weights(iter_weights(folder), source=str(folder))
+    if load_format == "dummy":
+        weights = dummy_weights(cls, config, max_positions, dtype, device, seed)
+        model.load_weights(weights, source=f"{folder} (dummy weights)")
+    else:
+        model.load_weights(iter_weights(folder, lazy=True), source=str(folder))
     if device.type == "cpu":
         prepare_cpu_linears(model)
     return model.eval()

@@ -1,14 +1,56 @@
 """Copy checkpoint tensors into a model's parameters, packing q/k/v and gate/up, and report
 missing or unexpected keys with the file they came from; say what is wrong with a weight file
-that cannot be read (:func:`safetensors_error`, :func:`state_dict_error`)."""
+that cannot be read (:func:`safetensors_error`, :func:`state_dict_error`).
+
+Under tensor parallelism a model gives the loader its ``weight_shard(name, part)`` rule: the
+rows or columns of a checkpoint tensor this rank keeps (:class:`WeightShard`). The loader reads
+only those, from a lazy safetensors slice (``safe_open(...).get_slice(name)``) or by narrowing a
+tensor already in memory."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class WeightShard:
+    """This rank's part of a checkpoint tensor: rows (``dim`` 0: a column-parallel weight or its
+    bias) or columns (``dim`` 1: a row-parallel weight) ``start:end``; ``zeros``: a row-parallel
+    layer's bias on a rank other than 0 (the bias is added once, by rank 0, before the sum);
+    ``full``: the unsharded size of ``dim`` the config implies (checked against the tensor)."""
+
+    dim: int = 0
+    start: int = 0
+    end: int = 0
+    full: int = 0
+    zeros: bool = False
+
+
+ShardRule = Callable[[str, "str | None"], "WeightShard | None"]  # (param name, packed part)
+
+
+def read_shard(src: Any, shard: WeightShard | None) -> torch.Tensor:
+    """``src`` (a tensor, or a lazy safetensors slice: ``get_shape()`` and indexing) read whole
+    (``shard`` None) or only its ``shard`` rows / columns."""
+    lazy = not isinstance(src, torch.Tensor)
+    if shard is None:
+        return src[:] if lazy else src
+    if shard.zeros:  # nothing read
+        return torch.zeros(source_shape(src), dtype=torch.float32)
+    if shard.dim == 0:
+        return src[shard.start : shard.end] if lazy else src[shard.start : shard.end]
+    return src[:, shard.start : shard.end] if lazy else src[:, shard.start : shard.end]
+
+
+def source_shape(src: Any) -> tuple[int, ...]:
+    return tuple(src.shape) if isinstance(src, torch.Tensor) else tuple(src.get_shape())
 
 _FIX = "download or save the checkpoint again"
 
@@ -74,9 +116,15 @@ def state_dict_error(path: Path, error: BaseException) -> str:
 
 
 class WeightLoader:
-    def __init__(self, model: nn.Module, source: str, packed: dict[str, tuple[str, ...]]) -> None:
+    """Loads (name, tensor) pairs into ``model``'s parameters. ``shard``: the model's rule for
+    which part of each tensor this rank keeps (None: every tensor whole); a tensor may then also
+    be a lazy safetensors slice, of which only that part is read."""
+
+    def __init__(self, model: nn.Module, source: str, packed: dict[str, tuple[str, ...]],
+                 shard: ShardRule | None = None) -> None:
         self.model = model
         self.source = source
+        self.shard = shard
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.packed = packed
         self.loaded: set[str] = set()
@@ -104,7 +152,19 @@ class WeightLoader:
                     )
                 param[offset : offset + n].copy_(tensor.to(param.dtype))
 
-    def load(self, name: str, tensor: torch.Tensor) -> None:
+    def _read(self, pname: str, part: str | None, src: Any, name: str) -> torch.Tensor:
+        shard = None if self.shard is None else self.shard(pname, part)
+        if shard is not None and not shard.zeros:
+            shape = source_shape(src)
+            if len(shape) <= shard.dim or shape[shard.dim] != shard.full:
+                raise WeightLoadError(
+                    f"{self.source}: tensor {name!r} has shape {shape} but the config implies "
+                    f"{shard.full} along dim {shard.dim} (this rank reads {shard.start}:"
+                    f"{shard.end} of it); the checkpoint and its config.json do not match")
+        return read_shard(src, shard)
+
+    def load(self, name: str, tensor: Any) -> None:
+        """Load the checkpoint tensor ``name`` (a tensor, or a lazy safetensors slice)."""
         for packed_name, parts in self.packed.items():
             for i, part in enumerate(parts):
                 token = f".{part}."
@@ -116,13 +176,13 @@ class WeightLoader:
                 module = self.model.get_submodule(pname.rsplit(".", 2)[0])
                 sizes = _part_sizes(module, packed_name, len(parts))
                 offset = sum(sizes[:i])
-                self._copy(pname, tensor, offset)
+                self._copy(pname, self._read(pname, part, tensor, name), offset)
                 self.part_loaded.setdefault(pname, set()).add(part)
                 if len(self.part_loaded[pname]) == len(parts):
                     self.loaded.add(pname)
                 return
         if name in self.params:
-            self._copy(name, tensor)
+            self._copy(name, self._read(name, None, tensor, name))
             self.loaded.add(name)
         else:
             self.unexpected.append(name)

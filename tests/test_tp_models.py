@@ -1,0 +1,260 @@
+"""Tensor-parallel models (speculant.distributed, models/llama.py, models/opt.py): a forward of
+2 gloo ranks (spawned processes) gives the hidden states and logits of the unsharded model.
+
+Tiny random Hugging Face checkpoints: Llama with fewer KV heads than query heads (2 KV heads over
+2 ranks: one each), Llama with one KV head (fewer than the ranks: each keeps a copy) and o_proj /
+down_proj biases (added by rank 0 only), Qwen2 (qkv bias) and OPT. Each runs a batch of two
+prefills (one sequence's blocks not consecutive) and then a step of decode and verification rows
+over the paged KV cache, on every CPU path: the flat numpy / C loop, the flat torch loop and the
+module path; plus ``load_format="dummy"`` weights (the same model at either size)."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from checkpoints import make_tiny_checkpoint
+
+from speculant.distributed import (
+    NO_TENSOR_PARALLEL,
+    TensorParallel,
+    init_tensor_parallel,
+    shard_range,
+    shutdown_tensor_parallel,
+    tensor_parallel,
+)
+from speculant.engine.model_runner import ModelRunner
+from speculant.models.llama import LlamaForCausalLM
+from speculant.models.loader import check_tensor_parallel, load_config, load_model
+from speculant.models.opt import OPTForCausalLM
+
+CASES = {  # name: (arch, checkpoint overrides)
+    "llama_gqa": ("llama", {}),  # 4 heads, 2 KV heads
+    "llama_kv1_bias": ("llama", {"num_key_value_heads": 1, "attention_bias": True,
+                                 "mlp_bias": True}),
+    "qwen2": ("qwen2", {}),  # qkv bias
+    "opt": ("opt", {}),
+}
+MODES = ("flat", "torch", "module")  # the CPU paths of a Llama forward (OPT: module only)
+# two sequences: (prompt length, block table); the second's blocks are not consecutive
+SEQS = ((7, [0, 1, 2, 3]), (5, [9, 5, 6, 11]))
+STEP2 = (1, 3)  # then one decode row and a 3-row verification pass
+
+
+def _plan_ready(model) -> None:
+    """Build the Llama CPU plan the way a first forward does (``_forward_all`` then picks a path)."""
+    from speculant.models import cpu_forward
+
+    if hasattr(model, "_cpu_plan") and model._cpu_plan is None:
+        model._cpu_plan = cpu_forward.cpu_plan(model) or False
+
+
+def _run_case(folder: Path, arch: str, load_format: str, tp, config=None
+              ) -> dict[str, list[torch.Tensor]]:
+    config = load_config(folder) if config is None else config
+    results = {}
+    for mode in MODES if arch != "opt" else ("module",):
+        model = load_model(folder, config, torch.float32, torch.device("cpu"), 64,
+                           load_format=load_format, seed=3, tp=tp)
+        _plan_ready(model)
+        if mode != "module":
+            assert model._cpu_plan, "the Llama CPU plan should cover this model"
+        if mode == "torch":
+            model._cpu_plan.np_layers = None
+        elif mode == "module":
+            model._cpu_plan = False
+        results[mode] = _forward(model)
+    return results
+
+
+def _forward(model) -> list[torch.Tensor]:
+    """Hidden states and logits of a prefill step of both sequences, then of STEP2, on a fresh
+    paged cache with block size 4: [prefill hidden, prefill logits, step-2 hidden, logits]."""
+    runner = ModelRunner(model, num_blocks=12, block_size=4, device=torch.device("cpu"),
+                         dtype=torch.float32)
+    seqs = [types.SimpleNamespace(block_table=bt, num_cached_tokens=0) for _, bt in SEQS]
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for lens in ([n for n, _ in SEQS], STEP2):
+        toks = [torch.randint(3, 250, (n,), generator=g).tolist() for n in lens]
+        hidden, _ = runner.forward(seqs, toks)
+        out += [hidden.clone(), model.compute_logits(hidden)]
+    return out
+
+
+def _shapes(folder: Path, config, tp) -> dict[str, tuple]:
+    """Local shapes of the first layer's sharded parameters and of the KV cache."""
+    model = load_model(folder, config, torch.float32, torch.device("cpu"), 64, tp=tp)
+    a = model.layers[0].self_attn
+    out = {"kv": model.kv_cache_shape(), "qkv": tuple(a.qkv_proj.weight.shape)}
+    o = getattr(a, "o_proj", None) or a.out_proj
+    out["o"] = tuple(o.weight.shape)
+    if o.bias is not None:
+        out["o_bias_abs"] = float(o.bias.abs().sum())
+    return out
+
+
+def _rank_main(rank: int, size: int, init: str, folders: dict, out: str) -> None:
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(rank, size, "cpu", init_method=init)
+    try:
+        assert tensor_parallel() is tp and tp.size == size and tp.rank == rank
+        res = {}
+        for name, (folder, arch, config) in folders.items():
+            res[name] = _run_case(Path(folder), arch, "auto", None, config)  # None: current tp
+            res[name + "_shapes"] = _shapes(Path(folder), config, None)
+        for name, case in (("dummy", "llama_gqa"), ("dummy_opt", "opt")):
+            folder, arch, config = folders[case]
+            res[name] = _run_case(Path(folder), arch, "dummy", None, config)
+        if rank == 0:
+            torch.save(res, out)
+    finally:
+        shutdown_tensor_parallel()
+    assert tensor_parallel() is NO_TENSOR_PARALLEL
+
+
+def _random_biases(folder: Path) -> None:
+    """Biases drawn at random (transformers initialises them to 0): a row-parallel bias added
+    by every rank, or by none, would then show."""
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    tensors = load_file(str(f))
+    g = torch.Generator().manual_seed(1)
+    for k, v in tensors.items():
+        if k.endswith(".bias") and "norm" not in k:
+            tensors[k] = torch.randn(v.shape, generator=g).mul_(0.1).to(v.dtype)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory):
+    """Every case run at 2 ranks in 2 spawned processes (rank 0's results) and unsharded here."""
+    root = tmp_path_factory.mktemp("tp")
+    folders = {}
+    for name, (arch, over) in CASES.items():
+        folder = make_tiny_checkpoint(root / name, arch, vocab_size=256, tokenizer=False, **over)
+        _random_biases(folder)
+        # the config's values as a plain namespace: the ranks then need not import transformers
+        # (seconds per process on a busy machine)
+        config = types.SimpleNamespace(**load_config(folder).to_dict())
+        folders[name] = (str(folder), arch, config)
+    out = root / "rank0.pt"
+    mp.start_processes(_rank_main, args=(2, f"file://{root / 'init'}", folders, str(out)),
+                       nprocs=2, start_method="spawn")
+    tp2 = torch.load(out)
+    tp1 = {name: _run_case(Path(f), arch, "auto", NO_TENSOR_PARALLEL)  # the real config
+           for name, (f, arch, _) in folders.items()}
+    for name, case in (("dummy", "llama_gqa"), ("dummy_opt", "opt")):
+        folder, arch, _ = folders[case]
+        tp1[name] = _run_case(Path(folder), arch, "dummy", NO_TENSOR_PARALLEL)
+    return tp1, tp2
+
+
+@pytest.mark.slow  # two spawned ranks: 15-35 s on a busy 2-core machine
+@pytest.mark.parametrize("case", [*CASES, "dummy", "dummy_opt"])
+def test_tp2_forward_equals_tp1(tp2_run, case):
+    tp1, tp2 = tp2_run
+    assert set(tp2[case]) == set(tp1[case])
+    for mode, ref in tp1[case].items():
+        got = tp2[case][mode]
+        for what, a, b in zip(("prefill hidden", "prefill logits", "step hidden", "step logits"),
+                              got, ref):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5,
+                                       msg=lambda m, w=what, mo=mode: f"{case} {mo} {w}: {m}")
+
+
+@pytest.mark.slow
+def test_tp2_shards_are_local(tp2_run):
+    """Rank 0 holds its heads' share: qkv rows [q shard; k shard; v shard], o_proj's columns, a
+    KV cache of its KV heads (a copy of the one KV head when there are fewer than ranks)."""
+    _, tp2 = tp2_run
+    d = 16  # 64 hidden / 4 heads
+    s = tp2["llama_gqa_shapes"]
+    assert s["kv"] == (1, d) and s["qkv"] == ((2 + 2 * 1) * d, 64) and s["o"] == (64, 2 * d)
+    s = tp2["llama_kv1_bias_shapes"]  # one KV head, copied on both ranks; o_proj bias on rank 0
+    assert s["kv"] == (1, d) and s["qkv"] == ((2 + 2 * 1) * d, 64) and s["o_bias_abs"] > 0
+    s = tp2["opt_shapes"]
+    assert s["kv"] == (2, d) and s["qkv"] == (3 * 2 * d, 64) and s["o"] == (64, 2 * d)
+
+
+def test_dummy_weights_deterministic_and_seeded(tiny_llama):
+    config = load_config(tiny_llama)
+    cpu = torch.device("cpu")
+
+    def weights(seed):
+        m = load_model(tiny_llama, config, torch.float32, cpu, 32, load_format="dummy", seed=seed,
+                       tp=NO_TENSOR_PARALLEL)
+        return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+    a, b, c = weights(0), weights(0), weights(1)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["layers.0.self_attn.qkv_proj.weight"],
+                           c["layers.0.self_attn.qkv_proj.weight"])
+    assert torch.equal(a["norm.weight"], torch.ones_like(a["norm.weight"]))
+    w = a["layers.0.mlp.gate_up_proj.weight"]
+    assert 0.015 < float(w.std()) < 0.025 and abs(float(w.mean())) < 0.005
+    with pytest.raises(ValueError, match="load_format 'pt' is not supported"):
+        load_model(tiny_llama, config, torch.float32, cpu, 32, load_format="pt")
+
+
+def _config(**kw):
+    import transformers
+
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    base.update(kw)
+    return transformers.LlamaConfig(**base)
+
+
+@pytest.mark.parametrize("kw, size, match", [
+    ({}, 3, r"does not divide num_attention_heads=4.*\(2, 4\)"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96}, 2,
+     r"num_key_value_heads=3"),
+    ({"num_attention_heads": 8, "num_key_value_heads": 3, "hidden_size": 64}, 4,
+     r"num_key_value_heads=3 \(fewer KV heads than ranks"),
+    ({"intermediate_size": 130}, 4, r"intermediate_size=130"),
+    ({}, 0, r"must be at least 1"),
+])
+def test_split_errors_name_the_dimension_and_the_fix(kw, size, match):
+    config = _config(**kw)
+    with pytest.raises(ValueError, match=match):
+        check_tensor_parallel(config, size)
+    if size >= 1:
+        with torch.device("meta"), pytest.raises(ValueError, match=match):
+            LlamaForCausalLM(config, 32, tp=TensorParallel(0, size, None, None))
+
+
+def test_opt_split_error_and_fits():
+    import transformers
+
+    config = transformers.OPTConfig(hidden_size=64, ffn_dim=90, num_attention_heads=4,
+                                    num_hidden_layers=1, vocab_size=256, word_embed_proj_dim=64)
+    with torch.device("meta"), pytest.raises(ValueError, match=r"ffn_dim=90.*\(2\)"):
+        OPTForCausalLM(config, 32, tp=TensorParallel(0, 4, None, None))
+    check_tensor_parallel(config, 2)  # fits
+    check_tensor_parallel(_config(num_key_value_heads=1), 4)  # 1 KV head copied on 4 ranks
+
+
+def test_shard_range():
+    assert [shard_range(12, r, 3) for r in range(3)] == [(0, 4), (4, 8), (8, 12)]
+    with pytest.raises(ValueError, match="cannot be split equally"):
+        shard_range(10, 0, 3)
+
+
+def test_draft_model_is_whole_under_tensor_parallel(tiny_llama, monkeypatch):
+    """A drafter runs on rank 0 only: loaded whole even where the target is sharded."""
+    from speculant.distributed import parallel
+    from speculant.drafting.runner import load_draft_model
+
+    monkeypatch.setattr(parallel, "_current", TensorParallel(0, 2, None, None))
+    config = load_config(tiny_llama)
+    draft = load_draft_model(tiny_llama, config, torch.float32, torch.device("cpu"), 32)
+    assert draft.tp.size == 1 and draft.kv_cache_shape() == (2, 16)
+    with torch.device("meta"):
+        target = LlamaForCausalLM(config, 32)  # the current tensor parallelism: a shard
+    assert target.tp.size == 2 and target.kv_cache_shape() == (1, 16)
