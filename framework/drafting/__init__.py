@@ -20,6 +20,7 @@ from speculant.drafting import (
     runner,
     sampling,
     token_map,
+    tree_verification,
     verification,
 )
 from speculant.drafting.checkpoint import *  # noqa: F403
@@ -30,9 +31,10 @@ from speculant.drafting.kv_cache import *  # noqa: F403
 from speculant.drafting.runner import *  # noqa: F403
 from speculant.drafting.sampling import *  # noqa: F403
 from speculant.drafting.token_map import *  # noqa: F403
+from speculant.drafting.tree_verification import *  # noqa: F403
 from speculant.drafting.verification import *  # noqa: F403
 from speculant.spec_types import StrategyError
 
 _MODULES = (checkpoint, graphs, kv_cache, heads, head_drafter, runner, sampling, token_map,
-            verification)
+            verification, tree_verification)
 __all__ = ["StrategyError", *(name for m in _MODULES for name in m.__all__)]
