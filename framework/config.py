@@ -48,6 +48,11 @@ class EngineConfig(BaseModel):
         1, description="devices the target is sharded over (vLLM's name; Megatron-style, "
         "docs/tensor_parallel.md): rank r runs on cuda:r (processes on the CPU, over gloo); "
         "LLM starts the other ranks' processes itself, or they come from torchrun")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="'auto' reads the checkpoint's weights; 'dummy' (vLLM's name) makes "
+        "random ones on the device instead (normal(0, 0.02), norms 1, from `seed`, the same "
+        "model at every tensor_parallel_size; only config.json is read): benchmarks at a "
+        "model's geometry without its weights")
     trust_remote_code: bool = Field(
         False, description="accepted for vLLM compatibility, no effect: speculant runs its own "
         "model implementations and never executes code from a checkpoint")

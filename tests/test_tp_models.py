@@ -258,3 +258,20 @@ def test_draft_model_is_whole_under_tensor_parallel(tiny_llama, monkeypatch):
     with torch.device("meta"):
         target = LlamaForCausalLM(config, 32)  # the current tensor parallelism: a shard
     assert target.tp.size == 2 and target.kv_cache_shape() == (1, 16)
+
+
+def test_llm_load_format_dummy(tiny_llama):
+    """``LLM(load_format="dummy")``: random weights from the seed instead of the checkpoint's."""
+    from speculant import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [1, 5, 9, 200]}]
+    outs = []
+    for seed in (0, 0, 1):
+        llm = LLM(model=str(tiny_llama), load_format="dummy", seed=seed, max_num_seqs=2)
+        w = llm.engine.model.layers[0].mlp.down_proj.weight.detach()
+        assert 0.015 < float(w.std()) < 0.025  # normal(0, 0.02), not the checkpoint's 0.08
+        outs.append((llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids,
+                     w.detach().clone()))
+    assert outs[0][0] == outs[1][0] and torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[0][1], outs[2][1])

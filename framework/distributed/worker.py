@@ -305,7 +305,8 @@ def serve(spec: WorkerSpec, tp: TensorParallel, device: torch.device, status=Non
     cfg = spec.config
     model = None
     try:
-        model = load_model(spec.folder, spec.hf_config, spec.dtype, device, spec.max_model_len)
+        model = load_model(spec.folder, spec.hf_config, spec.dtype, device, spec.max_model_len,
+                           load_format=cfg.load_format, seed=cfg.seed)
         fit = _fit_blocks(spec, model, device)
         _report(status, state="loaded")
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it

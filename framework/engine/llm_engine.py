@@ -73,7 +73,8 @@ class LLMEngine:
         if self.tp_group is not None:
             self.device = self.tp_group.device
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
-        self.model = load_model(folder, self.hf_config, self.dtype, self.device, self.max_model_len)
+        self.model = load_model(folder, self.hf_config, self.dtype, self.device, self.max_model_len,
+                                load_format=config.load_format, seed=config.seed)
         self.vocab_size = self.model.lm_head.weight.shape[0]
         self.eos_token_id = self._eos_id()
         self.block_size = config.block_size
