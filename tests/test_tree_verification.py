@@ -133,6 +133,8 @@ def test_verification_checks_its_inputs():
     with pytest.raises(DraftTreeError, match=r"token_ids\[1\] = 2 is outside the target's "
                                              r"vocabulary \[0, 2\)"):
         verify_tree_greedy(t, torch.zeros(3, 2))
+    with pytest.raises(DraftTreeError, match=r"token_ids\[0\] = -1 is outside"):
+        verify_tree_sampled(DraftTree([-1, 2], [-1, -1]), torch.full((3, 4), 0.25), torch.rand(3))
     with pytest.raises(DraftTreeError, match=r"u must be \[n \+ 1\] = \[3\]"):
         verify_tree_sampled(t, torch.full((3, 4), 0.25), torch.rand(2))
     with pytest.raises(DraftTreeError, match=r"probs has shape \(2, 5\)"):

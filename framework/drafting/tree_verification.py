@@ -44,10 +44,11 @@ def _check_target(tree: DraftTree, target: torch.Tensor) -> None:
         raise DraftTreeError(
             f"target must be [n + 1, vocab] = [{n + 1}, vocab] for a DraftTree of {n} nodes "
             f"(row 0: after the root, row i + 1: after node i), got {shape}")
-    if n and max(tree.token_ids) >= target.shape[1]:
-        i = max(range(n), key=tree.token_ids.__getitem__)
-        raise DraftTreeError(f"DraftTree.token_ids[{i}] = {tree.token_ids[i]} is outside the "
-                             f"target's vocabulary [0, {target.shape[1]})")
+    vocab = target.shape[1]
+    bad = next((i for i, t in enumerate(tree.token_ids) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise DraftTreeError(f"DraftTree.token_ids[{bad}] = {tree.token_ids[bad]} is outside "
+                             f"the target's vocabulary [0, {vocab})")
 
 
 def _children_lists(tree: DraftTree) -> dict[int, list[int]]:
