@@ -294,3 +294,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # set when the engine aborted the request for an error of its own (a logits processor that
+    # raised or left nothing to sample): what went wrong, naming the request and the processor;
+    # its outputs then end as far as they got, finish_reason "abort"
+    error: str | None = None

@@ -10,17 +10,20 @@ from dataclasses import dataclass, field
 import torch
 
 from speculant.config import EngineConfig
-from speculant.distributed.worker import WorkerSpec, start_tensor_parallel, unsharded
 from speculant.engine.async_decode import AsyncDecoder
 from speculant.engine.block_manager import BlockManager
 from speculant.engine.cpu_threads import apply_cpu_threads
 from speculant.engine.model_runner import ModelRunner, kv_bytes_per_block
-from speculant.engine.sampler import Row, sample_with_logprobs, topn_dict
+from speculant.engine.sampler import (
+    Row,
+    contain_processor_faults,
+    sample_with_logprobs,
+    topn_dict,
+)
 from speculant.engine.scheduler import Scheduler
 from speculant.engine.sequence import SeedStream, Sequence
 from speculant.engine.spec_decode import SpecDecoder
 from speculant.engine.target import DecodeStep
-from speculant.engine.tp_runner import TPRunner
 from speculant.models.loader import load_config, load_model, load_tokenizer, resolve_model
 from speculant.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecMetrics
 from speculant.sampling_params import SamplingParams
@@ -41,6 +44,7 @@ class Request:
     metrics: RequestMetrics
     emitted: bool = False
     aborted: bool = field(default=False)
+    error: str | None = None  # why it was aborted, when the engine aborted it (a logits processor)
 
 
 class LLMEngine:
@@ -58,54 +62,31 @@ class LLMEngine:
         self.dtype = config.torch_dtype(self.device, getattr(self.hf_config, "dtype", None)
                                         or vars(self.hf_config).get("torch_dtype"))
         self.max_model_len = self._max_model_len()
-        # tensor parallelism (docs/tensor_parallel.md): the other ranks start here (under
-        # torchrun a rank > 0 serves rank 0 and exits in this call); the model is this rank's shard
-        self.tp_group = start_tensor_parallel(WorkerSpec(
-            config, folder, self.hf_config, self.dtype, self.max_model_len, self.device.type),
-            self.device)
-        try:
-            self._build(config, folder)
-        except BaseException:
-            self.close()
-            raise
-
-    def _build(self, config: EngineConfig, folder) -> None:
-        if self.tp_group is not None:
-            self.device = self.tp_group.device
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
-        self.model = load_model(folder, self.hf_config, self.dtype, self.device, self.max_model_len,
-                                load_format=config.load_format, seed=config.seed)
+        self.model = load_model(folder, self.hf_config, self.dtype, self.device, self.max_model_len)
         self.vocab_size = self.model.lm_head.weight.shape[0]
         self.eos_token_id = self._eos_id()
         self.block_size = config.block_size
-        num_blocks = (self._num_blocks() if self.tp_group is None
-                      else self.tp_group.agree_num_blocks(self._num_blocks))
+        num_blocks = self._num_blocks()
         self.block_manager = BlockManager(num_blocks, self.block_size)
         self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype,
                                   enforce_eager=config.enforce_eager,
                                   max_graph_prefill=config.max_prefill_graph_tokens)
-        if self.tp_group is not None:
-            self.runner = self.tp_group.runner = TPRunner(self.runner, self.tp_group.tp)
         batched = config.max_num_batched_tokens or max(self.max_model_len, 2048)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self.finished_ids: list[int] = []  # sequences finished since the last step's release
+        # requests whose logits processors failed this step -> the error; aborted at its end
+        self.failed: dict[str, str] = {}
         self.spec = None
         if config.speculative_config is not None:
-            with unsharded():  # drafters run whole, on rank 0 only
-                self.spec = SpecDecoder(self, config.speculative_config)
+            self.spec = SpecDecoder(self, config.speculative_config)
         self.async_decoder = AsyncDecoder(self) if self._async_scheduling() else None
         if config.cuda_graph_capture == "startup":
             self.capture_graphs()
         logger.info("speculant engine: %s on %s (%s), %d KV blocks of %d", folder, self.device,
                     self.dtype, num_blocks, self.block_size)
-
-    def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (``LLM.close()``); a no-op at size 1."""
-        group = getattr(self, "tp_group", None)
-        if group is not None:
-            group.close()
 
     # ----------------------------------------------------------------- set-up helpers
     def _max_model_len(self) -> int:
@@ -273,11 +254,27 @@ class LLMEngine:
             self.spec.step(seqs)
         elif seqs:
             self.decode(seqs)
+        self._abort_failed()
         released = self.scheduler.take_preempted() + self.finished_ids
         self.finished_ids = []
         if self.spec is not None and released:
             self.spec.release(released)
         return self._collect_finished()
+
+    def _abort_failed(self) -> None:
+        """Abort the requests whose logits processors failed in this step (engine/sampler.py
+        ``contain_processor_faults``), each with its error; nothing else of the step changes."""
+        if self.spec is not None:
+            for rid, msg in self.spec.take_failed():
+                self.failed.setdefault(rid, msg)
+        failed, self.failed = self.failed, {}
+        for rid, msg in failed.items():
+            req = self.requests.get(rid)
+            if req is None or req.aborted:
+                continue
+            logger.warning("request %s aborted: %s", rid, msg)
+            self.abort_request(rid)
+            req.error = msg
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         now = time.perf_counter()
@@ -360,9 +357,14 @@ class LLMEngine:
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor,
                            on_append: Callable[[Sequence], None] | None = None) -> None:
         rows = [Row(s, []) for s in seqs]
-        tokens, lps, dicts = sample_with_logprobs(logits, rows, self.generator, self.eos_token_id,
-                                                  self.tokenizer)
+        with contain_processor_faults() as faults:
+            tokens, lps, dicts = sample_with_logprobs(logits, rows, self.generator,
+                                                      self.eos_token_id, self.tokenizer)
+        bad = {f.seq_id: f.error for f in faults}
         for s, t, lp, d in zip(seqs, tokens, lps, dicts):
+            if s.seq_id in bad:  # its request is aborted at the end of the step (_abort_failed)
+                self.failed.setdefault(s.request_id, str(bad[s.seq_id]))
+                continue
             if on_append is not None:
                 on_append(s)
             self.append_token(s, t, lp, d)
@@ -467,6 +469,7 @@ class LLMEngine:
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             prompt_logprobs=req.seqs[0].prompt_logprobs, outputs=completions,
             finished=all(s.is_finished for s in req.seqs), metrics=req.metrics,
+            error=req.error,
         )
 
     def spec_metrics(self) -> SpecMetrics:

@@ -3,7 +3,10 @@ transforms (temperature, top-k, top-p, min-p) and greedy / seeded random choice.
 
 from __future__ import annotations
 
+import contextvars
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,50 +36,94 @@ class Row:
 
 
 class LogitsProcessorError(ValueError):
-    """A request's logits processor returned something that cannot be sampled from: a wrong
-    shape, or a row with no finite value (all -inf, or NaN). ``request_id`` names the request."""
+    """A request's logits processor raised, or returned something that cannot be sampled from:
+    a wrong shape, or a row with no finite value (all -inf, or NaN). ``request_id`` names the
+    request; ``detail`` is the message without the "request ...: " in front."""
 
-    def __init__(self, message: str, request_id: str | None = None) -> None:
+    def __init__(self, message: str, request_id: str | None = None,
+                 detail: str | None = None) -> None:
         super().__init__(message)
         self.request_id = request_id
+        self.detail = detail if detail is not None else message
+
+
+@dataclass
+class ProcessorFault:
+    """A logits row whose processors failed, recorded by :func:`process_logits` inside
+    :func:`contain_processor_faults`."""
+
+    seq_id: int
+    request_id: str | None
+    position: int  # the row's place in its verification window: len(Row.extra) (0: plain)
+    error: LogitsProcessorError
+
+
+_FAULTS: contextvars.ContextVar[list[ProcessorFault] | None] = contextvars.ContextVar(
+    "speculant_processor_faults", default=None)
+
+
+@contextmanager
+def contain_processor_faults() -> Iterator[list[ProcessorFault]]:
+    """Inside it :func:`process_logits` raises no :class:`LogitsProcessorError`: a row whose
+    processors fail is recorded in the yielded list and given neutral logits (zeros) instead, so
+    the batch's other rows are sampled exactly as without it. The caller discards what the
+    recorded rows produce and fails their requests (the engine: ``LLMEngine.step``)."""
+    faults: list[ProcessorFault] = []
+    token = _FAULTS.set(faults)
+    try:
+        yield faults
+    finally:
+        _FAULTS.reset(token)
 
 
 def _processor_name(fn) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
+def _error(seq, detail: str) -> LogitsProcessorError:
+    """The error of ``seq``'s processors, naming its request (or, for a sequence that does not
+    carry one, the sequence)."""
+    rid = getattr(seq, "request_id", None)
+    who = f"request {rid}" if rid is not None else f"sequence {seq.seq_id}"
+    return LogitsProcessorError(f"{who}: {detail}", rid, detail)
+
+
 def _call_processor(fn, prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor,
-                    request_id: str | None = None):
+                    seq):
     try:
         n = len(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         n = 2
-    res = fn(prompt_ids, output_ids, logits) if n >= 3 else fn(output_ids, logits)
+    try:
+        res = fn(prompt_ids, output_ids, logits) if n >= 3 else fn(output_ids, logits)
+    except Exception as e:
+        raise _error(seq, f"logits processor {_processor_name(fn)} raised "
+                          f"{type(e).__name__}: {e}") from e
     if res is not None and (not isinstance(res, torch.Tensor) or res.shape != logits.shape):
         got = tuple(res.shape) if isinstance(res, torch.Tensor) else type(res).__name__
-        raise LogitsProcessorError(
-            f"request {request_id}: logits processor {_processor_name(fn)} returned {got}, "
-            f"expected a tensor of shape {tuple(logits.shape)} (the row's logits, one per "
-            "vocabulary entry) or None", request_id)
+        raise _error(seq, f"logits processor {_processor_name(fn)} returned {got}, expected a "
+                          f"tensor of shape {tuple(logits.shape)} (the row's logits, one per "
+                          "vocabulary entry) or None")
     return res
 
 
-def _check_processed(logits: torch.Tensor, rows: list, idx: list[int]) -> None:
+def _unsampleable(logits: torch.Tensor, rows: list, idx: list[int]
+                  ) -> list[tuple[int, LogitsProcessorError]]:
     """Rows ``idx`` (those with logits processors) must keep a finite value and no NaN, or
-    nothing could be sampled there. One device read, on this already host-bound path only."""
+    nothing could be sampled there: (row, error) of those that do not. One device read, on
+    this already host-bound path only."""
     sub = logits[idx]  # [len(idx), vocab]
     bad = ((~torch.isfinite(sub)).all(dim=1) | torch.isnan(sub).any(dim=1)).tolist()
+    out = []
     for i, b in zip(idx, bad):
         if b:
             seq = rows[i].seq
             names = ", ".join(_processor_name(fn) for fn in seq.params.logits_processors)
-            rid = getattr(seq, "request_id", None)
-            who = f"request {rid}" if rid is not None else f"sequence {seq.seq_id}"
-            raise LogitsProcessorError(
-                f"{who}: after its logits processors "
-                f"({names}) the logits row has NaN or no finite value (all -inf), so no token "
-                "can be sampled; a processor must leave at least one token allowed and return "
-                "no NaN", rid)
+            out.append((i, _error(seq, f"after its logits processors ({names}) the logits row "
+                                       "has NaN or no finite value (all -inf), so no token can be "
+                                       "sampled; a processor must leave at least one token "
+                                       "allowed and return no NaN")))
+    return out
 
 
 def params_need_processing(p) -> bool:
@@ -110,17 +157,24 @@ def process_logits(
         return logits
     logits = logits.clone()
     V = logits.shape[1]
+    sink = _FAULTS.get()
     processed = []  # rows whose logits processors ran
+    failed: dict[int, LogitsProcessorError] = {}  # row -> what went wrong (inside a sink)
     for i, r in enumerate(rows):
         p = r.seq.params
         out_ids = r.seq.output_token_ids + r.extra
         if p.logits_processors:
             prompt_ids = r.seq.token_ids[: r.seq.num_prompt_tokens]
-            for fn in p.logits_processors:
-                res = _call_processor(fn, prompt_ids, list(out_ids), logits[i],
-                                      getattr(r.seq, "request_id", None))
-                if res is not None:
-                    logits[i] = res
+            try:
+                for fn in p.logits_processors:
+                    res = _call_processor(fn, prompt_ids, list(out_ids), logits[i], r.seq)
+                    if res is not None:
+                        logits[i] = res
+            except LogitsProcessorError as e:
+                if sink is None:
+                    raise
+                failed[i] = e
+                continue
             processed.append(i)
         if p.has_penalties:
             dev = logits.device
@@ -144,8 +198,13 @@ def process_logits(
             for t in banned:
                 if 0 <= t < V:
                     logits[i, t] = float("-inf")
-    if processed:
-        _check_processed(logits, rows, processed)
+    for i, e in _unsampleable(logits, rows, processed) if processed else ():
+        if sink is None:
+            raise e
+        failed[i] = e
+    for i, e in sorted(failed.items()):  # neutral logits: its tokens are discarded
+        logits[i] = 0.0
+        sink.append(ProcessorFault(rows[i].seq.seq_id, e.request_id, len(rows[i].extra), e))
     return logits
 
 

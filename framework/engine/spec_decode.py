@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from speculant import hookspecs
 from speculant.config import explain
-from speculant.engine.sampler import topn_dict
+from speculant.engine.sampler import ProcessorFault, contain_processor_faults, topn_dict
 from speculant.engine.sequence import Sequence
 from speculant.engine.spec_control import SpecController
 from speculant.engine.staging import to_device
@@ -221,6 +221,9 @@ class SpecDecoder:
         except pluggy.PluginValidationError as e:
             raise StrategyError(f"strategy {info.name!r} implements an unknown hook: {e}") from None
         self.seq_by_id: dict[int, Sequence] = {}
+        # requests whose logits processors failed in a verification (request id, error), for
+        # the engine to abort at the end of its step (take_failed)
+        self.failed: list[tuple[str, str]] = []
         # hidden states not yet handed to the proposer, per seq id: (start_pos, [tensors], [aux])
         self.pending: dict[int, tuple[int, list[torch.Tensor], list[torch.Tensor]]] = {}
         self._new_run_state()  # enabled, control, last_batch_size, total, faults
@@ -427,11 +430,14 @@ class SpecDecoder:
                         f"{type(e).__name__}: {e}", seqs)
             self._plain_step(seqs, overlap=False)
             return
-        try:
-            result = self.pm.hook.verify(batch=batch, proposal=proposal, scores=scores)
-        except Exception as e:
-            raise self._verify_failed(seqs, e) from e
-        self._apply(seqs, proposal, scores, result)
+        # a request's logits processor failing on a row is that request's fault, not the
+        # verifier's: the row gets neutral logits and the request is cut there (_cut_at)
+        with contain_processor_faults() as faults:
+            try:
+                result = self.pm.hook.verify(batch=batch, proposal=proposal, scores=scores)
+            except Exception as e:
+                raise self._verify_failed(seqs, e) from e
+        self._apply(seqs, proposal, scores, result, self._cut_at(seqs, faults))
         if bad_q is not None:  # read after the step's own read-back: no wait
             bad = [seqs[i] for i, b in zip(drafting, _finish_read(bad_q)) if b]
             if bad:
@@ -440,6 +446,24 @@ class SpecDecoder:
                             f"entry, a row sum off 1 by more than {PROB_SUM_TOLERANCE}, or q = 0 "
                             "at the drafted token); verified as point masses at the drafts "
                             "instead", bad)
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """(request id, error) of the requests whose logits processors failed since the last
+        call: the engine aborts them at the end of its step."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def _cut_at(self, seqs: list[Sequence], faults: list[ProcessorFault]
+                ) -> dict[int, tuple[int, str]]:
+        """Index in ``seqs`` -> (the first verification row whose logits processors failed,
+        the error naming the request). Row j decides the token after j accepted drafts."""
+        cut: dict[int, tuple[int, str]] = {}
+        index = {s.seq_id: i for i, s in enumerate(seqs)}
+        for f in faults:
+            i = index.get(f.seq_id)
+            if i is not None and (i not in cut or f.position < cut[i][0]):
+                cut[i] = (f.position, f"request {seqs[i].request_id}: {f.error.detail}")
+        return cut
 
     def _verify_failed(self, seqs: list[Sequence], e: Exception) -> StrategyFault:
         """``verify`` raised ``e``. It may have drawn from the sequences' random streams, so the
@@ -605,8 +629,14 @@ class SpecDecoder:
         self.total.num_emitted_tokens += 1
 
     def _apply(self, seqs: list[Sequence], proposal: Proposal, scores: ScoreResult,
-               result: VerifyResult) -> None:
+               result: VerifyResult, cut: dict[int, tuple[int, str]] | None = None) -> None:
+        """Append each sequence's verified tokens. ``cut``: sequences whose logits processors
+        failed at a row (``_cut_at``): a row after the first rejected draft decided nothing, so
+        the sequence is applied as usual; otherwise it gets the accepted drafts before the row
+        (the tokens a plain run appends before its processors fail at that position) and its
+        request is failed."""
         eng = self.engine
+        cut = cut or {}
         counts = [n + 1 for n in proposal.lengths]
         starts = [0]
         for c in counts[:-1]:
@@ -625,9 +655,14 @@ class SpecDecoder:
                 pos += len(toks)
         keep, hidden_starts = [], [len(s) - 1 for s in seqs]
         total = self.total
-        for s, drafts, toks, lps, acc, r0 in zip(seqs, proposal.token_ids, result.token_ids, logprobs,
-                                                 result.num_accepted, starts):
+        for i, (s, drafts, toks, lps, acc, r0) in enumerate(zip(
+                seqs, proposal.token_ids, result.token_ids, logprobs, result.num_accepted, starts)):
             base = len(s)  # tokens before this step; cache now holds base + len(drafts)
+            row, error = cut.get(i, (len(drafts) + 1, None))
+            if acc >= row:  # the failed row decided a token: keep the drafts before it only
+                acc, toks, lps = row, toks[:row], lps[:row]
+            else:
+                error = None
             m = s.metrics.spec
             m.record(len(drafts), acc)
             m.num_spec_steps += 1
@@ -642,8 +677,11 @@ class SpecDecoder:
                 total.num_emitted_tokens += 1
                 if eng.append_token(s, t, lp, top):
                     break
+            if error is not None and not s.is_finished:  # aborted by the engine after the step
+                self.failed.append((s.request_id, error))
+                eng.rollback(s, len(s) - 1)
             # the cache is valid for the last token and the accepted drafts only
-            if not s.is_finished:
+            elif not s.is_finished:
                 eng.rollback(s, base + acc)
         total.num_spec_steps += len(seqs)
         self.record_hidden(seqs, counts, scores.hidden_states, scores.aux_hidden_states, keep,

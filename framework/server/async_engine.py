@@ -341,6 +341,9 @@ class AsyncEngine:
 
     def _publish(self, finished: list[RequestOutput]) -> None:
         for out in finished:
+            if out.error is not None:  # the engine aborted it (its logits processor failed)
+                self._fail_some([out.request_id], out.error)
+                continue
             tr = self._tracks.pop(out.request_id, None)
             if tr is None:
                 continue  # aborted earlier
