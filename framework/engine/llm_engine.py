@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speculant.config import EngineConfig
+from speculant.distributed.worker import WorkerSpec, start_tensor_parallel, unsharded
 from speculant.engine.async_decode import AsyncDecoder
 from speculant.engine.block_manager import BlockManager
 from speculant.engine.cpu_threads import apply_cpu_threads
@@ -24,6 +25,7 @@ from speculant.engine.scheduler import Scheduler
 from speculant.engine.sequence import SeedStream, Sequence
 from speculant.engine.spec_decode import SpecDecoder
 from speculant.engine.target import DecodeStep
+from speculant.engine.tp_runner import TPRunner
 from speculant.models.loader import load_config, load_model, load_tokenizer, resolve_model
 from speculant.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecMetrics
 from speculant.sampling_params import SamplingParams
@@ -62,16 +64,34 @@ class LLMEngine:
         self.dtype = config.torch_dtype(self.device, getattr(self.hf_config, "dtype", None)
                                         or vars(self.hf_config).get("torch_dtype"))
         self.max_model_len = self._max_model_len()
+        # tensor parallelism (docs/tensor_parallel.md): the other ranks start here (under
+        # torchrun a rank > 0 serves rank 0 and exits in this call); the model is this rank's shard
+        self.tp_group = start_tensor_parallel(WorkerSpec(
+            config, folder, self.hf_config, self.dtype, self.max_model_len, self.device.type),
+            self.device)
+        try:
+            self._build(config, folder)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, folder) -> None:
+        if self.tp_group is not None:
+            self.device = self.tp_group.device
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
-        self.model = load_model(folder, self.hf_config, self.dtype, self.device, self.max_model_len)
+        self.model = load_model(folder, self.hf_config, self.dtype, self.device, self.max_model_len,
+                                load_format=config.load_format, seed=config.seed)
         self.vocab_size = self.model.lm_head.weight.shape[0]
         self.eos_token_id = self._eos_id()
         self.block_size = config.block_size
-        num_blocks = self._num_blocks()
+        num_blocks = (self._num_blocks() if self.tp_group is None
+                      else self.tp_group.agree_num_blocks(self._num_blocks))
         self.block_manager = BlockManager(num_blocks, self.block_size)
         self.runner = ModelRunner(self.model, num_blocks, self.block_size, self.device, self.dtype,
                                   enforce_eager=config.enforce_eager,
                                   max_graph_prefill=config.max_prefill_graph_tokens)
+        if self.tp_group is not None:
+            self.runner = self.tp_group.runner = TPRunner(self.runner, self.tp_group.tp)
         batched = config.max_num_batched_tokens or max(self.max_model_len, 2048)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched)
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -81,12 +101,19 @@ class LLMEngine:
         self.failed: dict[str, str] = {}
         self.spec = None
         if config.speculative_config is not None:
-            self.spec = SpecDecoder(self, config.speculative_config)
+            with unsharded():  # drafters run whole, on rank 0 only
+                self.spec = SpecDecoder(self, config.speculative_config)
         self.async_decoder = AsyncDecoder(self) if self._async_scheduling() else None
         if config.cuda_graph_capture == "startup":
             self.capture_graphs()
         logger.info("speculant engine: %s on %s (%s), %d KV blocks of %d", folder, self.device,
                     self.dtype, num_blocks, self.block_size)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (``LLM.close()``); a no-op at size 1."""
+        group = getattr(self, "tp_group", None)
+        if group is not None:
+            group.close()
 
     # ----------------------------------------------------------------- set-up helpers
     def _max_model_len(self) -> int:
