@@ -74,6 +74,13 @@ class EngineConfig(BaseModel):
     async_scheduling: bool | None = Field(
         None, description="overlap plain decode steps (queue step N+1 on the device-side tokens "
         "of step N before reading them back); None: on for CUDA with CUDA graphs")
+    batch_invariant: bool = Field(
+        False, description="on CUDA, every sequence's logits bit for bit independent of the "
+        "batch: of the other sequences, of the step's row count (a decode step or k+1 "
+        "verification rows) and of CUDA-graph padding (fixed-shape GEMMs, no few-row GEMVs, "
+        "paged attention with fixed splits: models/batch_invariant.py), at a cost in "
+        "throughput; the CPU path (fp32, C kernels) is batch-invariant always, so there it only "
+        "checks that it runs on them")
     cpu_threads: int | None = Field(
         None, ge=1, description="torch's thread count for a CPU engine, set when it starts "
         "(torch.set_num_threads: process-wide, every engine and torch op of the process); "

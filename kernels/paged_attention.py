@@ -162,6 +162,7 @@ if tl is not None:
         HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,  # tokens per cache block
         SPLIT: tl.constexpr,  # num_splits > 1
+        SPLIT_CHUNKS: tl.constexpr,  # > 0: split i covers chunks [i, i + 1) * SPLIT_CHUNKS
         IEEE_DOT: tl.constexpr,  # fp32 inputs: exact fp32 dots instead of tf32
         UPCAST_DOT: tl.constexpr,  # interpreter + bf16: numpy has no bf16 dot, upcast operands
         PREFETCH: tl.constexpr,  # load chunk i+1 while computing chunk i
@@ -206,7 +207,10 @@ if tl is not None:
             prefix = ctx - q_len  # cached tokens before the first query token
             kv_end = prefix + tl.minimum(q_tile + BLOCK_Q, q_len)  # exclusive causal bound
             n_chunks = tl.cdiv(tl.maximum(kv_end, 0), BLOCK_N)
-            chunks_per_split = tl.cdiv(n_chunks, num_splits)
+            if SPLIT_CHUNKS > 0:  # fixed absolute ranges (batch-invariant launches)
+                chunks_per_split = n_chunks * 0 + SPLIT_CHUNKS
+            else:
+                chunks_per_split = tl.cdiv(n_chunks, num_splits)
             kv_lo = split * chunks_per_split * BLOCK_N
             kv_hi = tl.minimum(kv_lo + chunks_per_split * BLOCK_N, kv_end)
 
@@ -407,9 +411,14 @@ def choose_launch_config(
     sm_count: int,
     num_splits: int | None = None,
     prefetch: bool | None = None,
+    split_tokens: int | None = None,
 ) -> dict:
-    """Pick tile sizes and the number of KV splits from shapes only (no device reads)."""
+    """Pick tile sizes and the number of KV splits from shapes only (no device reads).
+    ``split_tokens``: a batch-invariant launch (``_invariant_config``)."""
     group = num_heads // num_kv_heads
+    if split_tokens is not None:
+        return _invariant_config(num_tokens, num_seqs, group, head_dim, dtype, num_splits,
+                                 split_tokens)
     max_rows = 128 if head_dim <= 128 and dtype != torch.float32 else 64
     block_q = 1
     while block_q < max_query_len and 2 * block_q * group <= max_rows:
@@ -456,6 +465,42 @@ def choose_launch_config(
         prefetch=bool(prefetch),
         heads_first=_HEADS_FIRST_DEFAULT,
         bt_ahead=_BT_AHEAD_DEFAULT,
+    )
+
+
+def _invariant_config(num_tokens: int, num_seqs: int, group: int, head_dim: int,
+                      dtype: torch.dtype, num_splits: int | None, split_tokens: int) -> dict:
+    """The launch of batch-invariant steps (``EngineConfig.batch_invariant``,
+    models/batch_invariant.py): one tile shape (64 rows: ``64 // group`` query tokens of a
+    sequence), chunk size, warp and stage count for every step, and ``num_splits`` splits of
+    ``split_tokens`` KV positions each at fixed absolute ranges (split i: positions
+    ``[i, i + 1) * split_tokens``; ranges past a row's position hold no key for it and merge as
+    exact zeros). A query row's arithmetic then depends on its own sequence's cache alone: not on
+    the batch, the other rows of its sequence's step (decode or k+1 verification), the block
+    table width or CUDA-graph padding. The caller keeps ``num_splits`` fixed (the merge's
+    reduction depends on it)."""
+    if not num_splits or num_splits < 1:
+        raise ValueError(f"a batch-invariant attention launch needs a fixed num_splits >= 1, got "
+                         f"{num_splits}")
+    half = dtype != torch.float32
+    block_n = 64 if head_dim <= 64 or (head_dim <= 128 and half) else 32
+    if split_tokens < block_n or split_tokens % block_n:
+        raise ValueError(f"split_tokens={split_tokens}: a batch-invariant split must be a "
+                         f"positive multiple of the {block_n}-token chunk; use a multiple of 128")
+    block_q = max(1, 64 // next_pow2(group))
+    block_m = max(16, next_pow2(block_q * group))
+    return dict(
+        block_q=block_q,
+        block_m=block_m,
+        block_n=block_n,
+        num_warps=8 if block_m >= 128 else 4,
+        num_stages=2,
+        num_tiles=num_tokens if block_q == 1 else num_tokens // block_q + num_seqs,
+        num_splits=int(num_splits),
+        split_chunks=split_tokens // block_n,
+        prefetch=False,
+        heads_first=False,
+        bt_ahead=False,
     )
 
 
@@ -521,6 +566,7 @@ def _paged_attention_triton(
     out,
     num_splits=None,
     overrides: dict | None = None,
+    split_tokens: int | None = None,
 ) -> torch.Tensor:
     """Launcher. ``overrides`` replaces entries of :func:`choose_launch_config` (benchmarks)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -544,6 +590,7 @@ def _paged_attention_triton(
         dtype=q.dtype,
         sm_count=num_sms(q.device),
         num_splits=num_splits,
+        split_tokens=split_tokens,
     )
     if overrides:
         cfg.update(overrides)
@@ -600,6 +647,7 @@ def _paged_attention_triton(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         SPLIT=split,
+        SPLIT_CHUNKS=int(cfg.get("split_chunks", 0)),
         IEEE_DOT=q.dtype == torch.float32,
         UPCAST_DOT=interpret_mode() and q.dtype == torch.bfloat16,
         PREFETCH=bool(cfg["prefetch"]),
@@ -641,6 +689,7 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     *,
     num_splits: int | None = None,
+    split_tokens: int | None = None,
     force_triton: bool = False,
 ) -> torch.Tensor:
     """Causal attention of a flat batch of query tokens over a paged KV cache.
@@ -652,8 +701,10 @@ def paged_attention(
     are not written.
 
     ``max_query_len`` is only a tiling hint (pass it when known; it is never read from the
-    device). ``num_splits`` overrides the split-K heuristic (benchmarks). ``force_triton`` runs
-    the Triton kernel under ``TRITON_INTERPRET=1`` on CPU tensors (tests).
+    device). ``num_splits`` overrides the split-K heuristic (benchmarks). ``split_tokens`` (with
+    a fixed ``num_splits``) makes the launch batch-invariant (``_invariant_config``: a row's
+    output bit for bit independent of the rest of the step). ``force_triton`` runs the Triton
+    kernel under ``TRITON_INTERPRET=1`` on CPU tensors (tests).
     """
     triton_path = use_triton(
         [q, k_cache, v_cache, block_tables, context_lens, query_start_loc], force_triton
@@ -675,6 +726,7 @@ def paged_attention(
             max_query_len,
             out,
             num_splits,
+            split_tokens=split_tokens,
         )
     return paged_attention_ref(
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out

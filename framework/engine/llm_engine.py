@@ -26,6 +26,7 @@ from speculant.engine.sequence import SeedStream, Sequence
 from speculant.engine.spec_decode import SpecDecoder
 from speculant.engine.target import DecodeStep
 from speculant.engine.tp_runner import TPRunner
+from speculant.models import batch_invariant
 from speculant.models.loader import load_config, load_model, load_tokenizer, resolve_model
 from speculant.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecMetrics
 from speculant.sampling_params import SamplingParams
@@ -81,6 +82,8 @@ class LLMEngine:
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
         self.model = load_model(folder, self.hf_config, self.dtype, self.device, self.max_model_len,
                                 load_format=config.load_format, seed=config.seed)
+        if config.batch_invariant:  # logits independent of the batch: models/batch_invariant.py
+            batch_invariant.enable(self.model, self.device, self.dtype, config.tensor_parallel_size)
         self.vocab_size = self.model.lm_head.weight.shape[0]
         self.eos_token_id = self._eos_id()
         self.block_size = config.block_size

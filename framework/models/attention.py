@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from speculant.kernels._triton_utils import triton_enabled
+from speculant.models import batch_invariant
 
 
 @dataclass
@@ -223,7 +224,9 @@ def attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Write this step's K/V into the cache (unless k and v are None: the caller did), then
-    attend causally over the whole context."""
+    attend causally over the whole context. Inside a batch-invariant forward
+    (models/batch_invariant.py) the Triton launch has one configuration and fixed KV splits."""
+    invariant = batch_invariant.active()
     if q.is_cuda and triton_enabled():
         from speculant.kernels.kv_cache import store_kv
         from speculant.kernels.paged_attention import paged_attention
@@ -240,7 +243,13 @@ def attention(
             meta.query_start_loc,
             scale,
             max_query_len=meta.max_query_len,
+            num_splits=invariant.num_splits if invariant is not None else None,
+            split_tokens=invariant.split_tokens if invariant is not None else None,
         )
+    if invariant is not None and q.is_cuda:
+        raise RuntimeError("a batch-invariant forward needs the Triton attention kernel, but "
+                           "SPECULANT_DISABLE_TRITON is set; unset it or use "
+                           "batch_invariant=False")
     if k is not None:
         _store_torch(k, v, k_cache, v_cache, meta)
     return paged_attention_torch(q, k_cache, v_cache, meta, scale)

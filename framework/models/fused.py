@@ -17,6 +17,7 @@ from speculant.kernels._triton_utils import (
     use_triton,
 )
 from speculant.kernels.gemv import gemv
+from speculant.models import batch_invariant
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -35,15 +36,19 @@ GEMV_FEW_ROWS = 16
 GEMV_IN_ROWS = 32
 
 
+# The GEMVs pick split-K from the row count: off in batch-invariant forwards
+# (models/batch_invariant.py), whose linears are fixed-shape cuBLAS GEMMs instead.
+
+
 def gemv_few_enabled(x: torch.Tensor) -> bool:
     """``forward_fused``'s o_proj / down_proj as GEMVs (see ``GEMV_FEW_ROWS``)."""
-    return x.shape[0] <= GEMV_FEW_ROWS and enabled(x)
+    return x.shape[0] <= GEMV_FEW_ROWS and enabled(x) and batch_invariant.active() is None
 
 
 def gemv_in_enabled(x: torch.Tensor) -> bool:
     """``forward_fused``'s qkv and gate/up, and the LM head of 3 or more rows, as GEMVs (see
     ``GEMV_IN_ROWS``)."""
-    return x.shape[0] <= GEMV_IN_ROWS and enabled(x)
+    return x.shape[0] <= GEMV_IN_ROWS and enabled(x) and batch_invariant.active() is None
 
 
 def gemv_enabled(x: torch.Tensor) -> bool:
@@ -51,7 +56,7 @@ def gemv_enabled(x: torch.Tensor) -> bool:
     fused prologues (kernels/gemv.py: RMSNorm and the residual add inside the QKV and gate/up
     products, SiLU * up inside the down product). The row count is a shape, so a CUDA graph
     takes one path."""
-    return x.shape[0] <= GEMV_MAX_ROWS and enabled(x)
+    return x.shape[0] <= GEMV_MAX_ROWS and enabled(x) and batch_invariant.active() is None
 
 
 def linear(
