@@ -5,20 +5,29 @@ Tiny random Hugging Face checkpoints: Llama with fewer KV heads than query heads
 2 ranks: one each), Llama with one KV head (fewer than the ranks: each keeps a copy) and o_proj /
 down_proj biases (added by rank 0 only), Qwen2 (qkv bias) and OPT. Each runs a batch of two
 prefills (one sequence's blocks not consecutive) and then a step of decode and verification rows
-over the paged KV cache, on every CPU path: the flat numpy / C loop, the flat torch loop and the
-module path; plus ``load_format="dummy"`` weights (the same model at either size)."""
+over the paged KV cache, then a one-row step, on every CPU path: the flat numpy / C loop, the flat
+torch loop and the module path; the Llama cases also on the CUDA layer paths (``forward_fused``,
+``forward_gemv``: the Triton kernels under the CPU interpreter, as tests/test_fused_models.py);
+plus ``load_format="dummy"`` weights (the same model at either size)."""
 
 from __future__ import annotations
 
+import os
 import types
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from checkpoints import make_tiny_checkpoint
 
-from speculant.distributed import (
+if not torch.cuda.is_available():  # before triton is imported (as tests/test_fused_models.py):
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the CUDA layer paths, interpreted; the
+    # spawned ranks inherit it
+
+import torch.multiprocessing as mp  # noqa: E402
+from checkpoints import make_tiny_checkpoint  # noqa: E402
+
+from speculant.distributed import (  # noqa: E402
     NO_TENSOR_PARALLEL,
     TensorParallel,
     init_tensor_parallel,
@@ -26,10 +35,10 @@ from speculant.distributed import (
     shutdown_tensor_parallel,
     tensor_parallel,
 )
-from speculant.engine.model_runner import ModelRunner
-from speculant.models.llama import LlamaForCausalLM
-from speculant.models.loader import check_tensor_parallel, load_config, load_model
-from speculant.models.opt import OPTForCausalLM
+from speculant.engine.model_runner import ModelRunner  # noqa: E402
+from speculant.models.llama import LlamaForCausalLM  # noqa: E402
+from speculant.models.loader import check_tensor_parallel, load_config, load_model  # noqa: E402
+from speculant.models.opt import OPTForCausalLM  # noqa: E402
 
 CASES = {  # name: (arch, checkpoint overrides)
     "llama_gqa": ("llama", {}),  # 4 heads, 2 KV heads
@@ -39,9 +48,12 @@ CASES = {  # name: (arch, checkpoint overrides)
     "opt": ("opt", {}),
 }
 MODES = ("flat", "torch", "module")  # the CPU paths of a Llama forward (OPT: module only)
-# two sequences: (prompt length, block table); the second's blocks are not consecutive
-SEQS = ((7, [0, 1, 2, 3]), (5, [9, 5, 6, 11]))
-STEP2 = (1, 3)  # then one decode row and a 3-row verification pass
+CUDA_PATHS = ("fused", "gemv")  # the CUDA layer paths, under the Triton interpreter
+CUDA_CASES = ("llama_gqa", "llama_kv1_bias")
+# two sequences: (prompt length, block table); the second's blocks are not consecutive; the
+# 20-row prefill takes forward_fused's cuBLAS o_proj / down_proj (> fused.GEMV_FEW_ROWS rows)
+SEQS = ((11, [0, 1, 2, 3]), (9, [9, 5, 6, 11]))
+STEP2 = (1, 3)  # then one decode row and a 3-row verification pass, then one row of the first
 
 
 def _plan_ready(model) -> None:
@@ -71,18 +83,52 @@ def _run_case(folder: Path, arch: str, load_format: str, tp, config=None
 
 
 def _forward(model) -> list[torch.Tensor]:
-    """Hidden states and logits of a prefill step of both sequences, then of STEP2, on a fresh
-    paged cache with block size 4: [prefill hidden, prefill logits, step-2 hidden, logits]."""
+    """Hidden states and logits of a prefill step of both sequences, of STEP2, then of one row
+    of the first sequence, on a fresh paged cache with block size 4: [hidden, logits] x 3."""
     runner = ModelRunner(model, num_blocks=12, block_size=4, device=torch.device("cpu"),
                          dtype=torch.float32)
     seqs = [types.SimpleNamespace(block_table=bt, num_cached_tokens=0) for _, bt in SEQS]
     g = torch.Generator().manual_seed(5)
     out = []
-    for lens in ([n for n, _ in SEQS], STEP2):
+    for lens in ([n for n, _ in SEQS], STEP2, (1,)):
         toks = [torch.randint(3, 250, (n,), generator=g).tolist() for n in lens]
-        hidden, _ = runner.forward(seqs, toks)
+        hidden, _ = runner.forward(seqs[: len(lens)], toks)
         out += [hidden.clone(), model.compute_logits(hidden)]
     return out
+
+
+@contextmanager
+def _cuda_layer_path(path: str):
+    """The CUDA layer code on CPU tensors: ``fused.enabled`` on (fused norms, RoPE + K/V store,
+    ``forward_fused``), one-row steps as ``forward_gemv`` for ``path`` "gemv", and the Llama
+    layers' GEMVs on the Triton kernel (``TRITON_INTERPRET=1``)."""
+    from speculant.kernels.gemv import gemv as gemv_fn
+    from speculant.models import fused, llama
+
+    saved = (fused.enabled, fused.gemv_enabled, llama.gemv, os.environ.get("TRITON_INTERPRET"))
+    os.environ["TRITON_INTERPRET"] = "1"
+    fused.enabled = lambda x: True
+    fused.gemv_enabled = lambda x: path == "gemv" and x.shape[0] == 1
+    llama.gemv = lambda *a, **kw: gemv_fn(*a, **kw, force_triton=True)
+    try:
+        yield
+    finally:
+        fused.enabled, fused.gemv_enabled, llama.gemv, env = saved
+        if env is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = env
+
+
+def _run_cuda_paths(folder: Path, tp, config=None) -> dict[str, list[torch.Tensor]]:
+    config = load_config(folder) if config is None else config
+    model = load_model(folder, config, torch.float32, torch.device("cpu"), 64, tp=tp)
+    model._cpu_plan = False  # the layer loop
+    results = {}
+    for path in CUDA_PATHS:
+        with _cuda_layer_path(path):
+            results[path] = _forward(model)
+    return results
 
 
 def _shapes(folder: Path, config, tp) -> dict[str, tuple]:
@@ -93,7 +139,7 @@ def _shapes(folder: Path, config, tp) -> dict[str, tuple]:
     o = getattr(a, "o_proj", None) or a.out_proj
     out["o"] = tuple(o.weight.shape)
     if o.bias is not None:
-        out["o_bias_abs"] = float(o.bias.abs().sum())
+        out["o_bias_abs"] = float(o.bias.detach().abs().sum())
     return out
 
 
@@ -109,6 +155,9 @@ def _rank_main(rank: int, size: int, init: str, folders: dict, out: str) -> None
         for name, case in (("dummy", "llama_gqa"), ("dummy_opt", "opt")):
             folder, arch, config = folders[case]
             res[name] = _run_case(Path(folder), arch, "dummy", None, config)
+        for case in CUDA_CASES:
+            folder, _, config = folders[case]
+            res[case + "_cuda"] = _run_cuda_paths(Path(folder), None, config)
         if rank == 0:
             torch.save(res, out)
     finally:
@@ -151,18 +200,21 @@ def tp2_run(tmp_path_factory):
     for name, case in (("dummy", "llama_gqa"), ("dummy_opt", "opt")):
         folder, arch, _ = folders[case]
         tp1[name] = _run_case(Path(folder), arch, "dummy", NO_TENSOR_PARALLEL)
+    for case in CUDA_CASES:
+        tp1[case + "_cuda"] = _run_cuda_paths(Path(folders[case][0]), NO_TENSOR_PARALLEL)
     return tp1, tp2
 
 
 @pytest.mark.slow  # two spawned ranks: 15-35 s on a busy 2-core machine
-@pytest.mark.parametrize("case", [*CASES, "dummy", "dummy_opt"])
+@pytest.mark.parametrize("case", [*CASES, "dummy", "dummy_opt", *(c + "_cuda" for c in CUDA_CASES)])
 def test_tp2_forward_equals_tp1(tp2_run, case):
     tp1, tp2 = tp2_run
     assert set(tp2[case]) == set(tp1[case])
     for mode, ref in tp1[case].items():
         got = tp2[case][mode]
-        for what, a, b in zip(("prefill hidden", "prefill logits", "step hidden", "step logits"),
-                              got, ref):
+        assert len(got) == len(ref) == 6
+        for what, a, b in zip([f"{s} {x}" for s in ("prefill", "step 2", "one-row step")
+                               for x in ("hidden", "logits")], got, ref):
             assert a.shape == b.shape
             torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5,
                                        msg=lambda m, w=what, mo=mode: f"{case} {mo} {w}: {m}")
