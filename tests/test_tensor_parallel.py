@@ -198,32 +198,44 @@ def test_workers_exit_when_the_parent_is_killed(tiny_llama, tmp_path):
 
 # -------------------------------------------------------------------------------- strategies
 @pytest.fixture(scope="module")
-def strategy_configs(tiny_llama, tiny_factory, tmp_path_factory) -> dict[str, dict]:
+def strategy_runs(tiny_llama, tiny_factory, tmp_path_factory, plain_ref) -> dict:
+    """name -> (target, speculative_config, max_tokens per prompt)."""
     d = tmp_path_factory.mktemp("tp_heads")
     draft = tiny_factory("llama", seed=1, num_hidden_layers=1)
+    deep = tiny_factory("llama", num_hidden_layers=4)  # EAGLE-3 reads 3 distinct layers
+    refs = [{"prompt_token_ids": p, "output_token_ids": t} for p, t in zip(PROMPTS, plain_ref)]
+    k = {"num_speculative_tokens": 3}
     return {
-        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
-        "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
-        "eagle": {"model": str(make_eagle1(d / "e1", tiny_llama, BIG_V, "safetensors",
-                                           copy=True)), "num_speculative_tokens": 3},
-        "eagle3": {"model": str(make_eagle3(d / "e3", BIG_V, 40, target=tiny_llama)),
-                   "num_speculative_tokens": 3},
-        "mlp_speculator": {"model": str(make_mlp(d / "mlp")), "num_speculative_tokens": 3},
-        "oracle": {"method": "oracle", "num_speculative_tokens": 3, "alpha": 0.7},
-        "batch_size_disable": {"method": "ngram", "num_speculative_tokens": 3,
-                               "disable_by_batch_size": 2},
+        "ngram": (tiny_llama, {"method": "ngram", "prompt_lookup_max": 3, **k}, 16),
+        "draft_model": (tiny_llama, {"method": "draft_model", "model": str(draft), **k}, 16),
+        "eagle": (tiny_llama, {"model": str(make_eagle1(d / "e1", tiny_llama, BIG_V,
+                                                        "safetensors", copy=True)), **k}, 16),
+        "eagle3": (deep, {"model": str(make_eagle3(d / "e3", BIG_V, 40, target=deep)),
+                          "aux_hidden_layers": [0, 1, 3], **k}, 16),
+        "mlp_speculator": (tiny_llama, {"model": str(make_mlp(d / "mlp")), **k}, 16),
+        "oracle": (tiny_llama, {"method": "oracle", "alpha": 0.7, "references": refs, **k}, 16),
+        # 4 sequences: off above 3; on once the two short ones finished
+        "batch_size_disable": (tiny_llama, {"method": "ngram", "disable_by_batch_size": 3, **k},
+                               [16, 16, 4, 4]),
     }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ngram", "draft_model", "eagle", "eagle3", "mlp_speculator",
                                   "oracle", "batch_size_disable"])
-def test_every_strategy_at_tp2_equals_plain(tiny_llama, plain_ref, strategy_configs, name):
-    with LLM(model=str(tiny_llama), max_num_seqs=8, tensor_parallel_size=2,
-             speculative_config=strategy_configs[name]) as llm:
-        assert _ids(llm, _greedy()) == plain_ref
+def test_every_strategy_at_tp2_equals_plain(strategy_runs, name):
+    target, spec, lens = strategy_runs[name]
+    lens = lens if isinstance(lens, list) else [lens] * len(PROMPTS)
+    params = [_greedy(n) for n in lens]
+    ref = _ids(LLM(model=str(target), max_num_seqs=8), params)
+    with LLM(model=str(target), max_num_seqs=8, tensor_parallel_size=2,
+             speculative_config=spec) as llm:
+        assert llm.engine.spec.name == ("ngram" if name == "batch_size_disable" else name)
+        assert _ids(llm, params) == ref
         m = llm.get_metrics()
         assert m.num_draft_tokens > 0, name  # it did speculate
+        if name == "batch_size_disable":
+            assert m.num_times_disabled >= 1 and m.num_plain_steps > 0
     assert _worker_pids() == []
 
 
