@@ -449,3 +449,49 @@ def test_a_request_disabled_mid_run_decodes_plain_beside_drafting_ones(tiny_fact
     assert done["1"].metrics.num_faults == 1 and done["0"].metrics.num_draft_tokens > 0
     assert not eng.spec.disabled and not eng.spec.pending  # forgotten once finished
     _no_leak(llm)
+
+
+# ----------------------------------------------------------------- /metrics: lossless
+@pytest.fixture
+def lossy_plugin():
+    from test_lossy_verifier import Top2Verifier
+
+    class _Lossy:
+        @hookimpl
+        def register_strategies(self, register):
+            register(Top2Verifier)
+
+    name = register(_Lossy(), name="test-faults-lossy")
+    yield name
+    unregister(name)
+
+
+@pytest.mark.parametrize("verifier", ["rejection_sampler", "top2"])
+def test_metrics_export_whether_the_output_is_lossless(tiny_llama, lossy_plugin, verifier):
+    """``speculant_spec_decode_lossless``: 1 with the built-in verifier (and without a strategy),
+    0 with a verifier that declares itself lossy (SpecMetrics.lossless)."""
+    pytest.importorskip("fastapi")
+    from starlette.testclient import TestClient
+
+    from speculant.server import build_server
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": verifier}
+    for llm, want in ((LLM(model=str(tiny_llama)), 1.0),
+                      (LLM(model=str(tiny_llama), speculative_config=spec),
+                       1.0 if verifier == "rejection_sampler" else 0.0)):
+        assert llm.get_metrics().lossless is (want == 1.0)
+        srv = build_server(llm, ["tiny"])
+        srv.a.start()
+        try:
+            with TestClient(srv.app) as client:
+                texts = [client.get("/metrics").text]  # before any step, and after one
+                r = client.post("/v1/completions", json={"model": "tiny", "prompt": HEALTHY[0],
+                                                         "max_tokens": 4, "temperature": 0})
+                assert r.status_code == 200
+                texts.append(client.get("/metrics").text)
+        finally:
+            srv.a.shutdown()
+        for text in texts:
+            lines = [ln for ln in text.splitlines()
+                     if ln.startswith("speculant_spec_decode_lossless")]
+            assert lines == [f'speculant_spec_decode_lossless{{model_name="tiny"}} {want}'], lines

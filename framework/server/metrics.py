@@ -119,6 +119,14 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(m, value)
             yield c
+        lossless = GaugeMetricFamily(
+            "speculant_spec_decode_lossless",
+            "1 while the output is the target's (the verifier and the strategy are lossless), "
+            "0 with a lossy one (docs/hooks.md Strategy.lossless; SpecMetrics.lossless)",
+            labels=["model_name"])
+        decoder = self.a.engine.spec  # fixed when the engine is built: right before any step
+        lossless.add_metric(m, 1 if decoder is None or decoder.lossless else 0)
+        yield lossless
         acc = CounterMetricFamily("speculant_spec_decode_num_accepted_tokens_per_pos",
                                   "Draft tokens accepted at each draft position",
                                   labels=["model_name", "position"])
