@@ -189,6 +189,51 @@ def test_unexpected_handler_error_is_500_in_openai_shape(served, monkeypatch):
     assert "secret detail" not in err["message"]
 
 
+# ----------------------------------------------------------------- one request's own failure
+def test_a_failing_logits_processor_fails_its_request_alone(served, monkeypatch):
+    """A request whose logits processor leaves nothing to sample (a server-side processor: the
+    API has no field for one) gets a 500 naming the request and the processor, streamed or not;
+    the requests running beside it answer exactly what they answer alone."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    srv, client, _ = served
+    eng = srv.a.engine
+    real_add = eng.add_request
+    mark = 7  # prompts starting with it get the processor
+
+    def ban_all_after_two(output_ids, logits):
+        return logits.fill_(float("-inf")) if len(output_ids) >= 2 else logits
+
+    def add_request(rid, prompt, ids, params):
+        if ids[0] == mark:
+            params = params.clone(logits_processors=[ban_all_after_two])
+        return real_add(rid, prompt, ids, params)
+
+    monkeypatch.setattr(eng, "add_request", add_request)
+    prompts = [[5, 6, 5, 6, 5], [9, 10, 11, 9], [mark, 12, 13, 12]]
+
+    def body(p, stream=False):
+        return {"model": "m", "prompt": p, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "stream": stream}
+
+    alone = [client.post("/v1/completions", json=body(p)).json()["choices"][0]["text"]
+             for p in prompts[:2]]
+    with ThreadPoolExecutor(3) as ex:
+        rs = list(ex.map(lambda p: client.post("/v1/completions", json=body(p)), prompts))
+    assert [r.status_code for r in rs] == [200, 200, 500], [r.text for r in rs]
+    assert [r.json()["choices"][0]["text"] for r in rs[:2]] == alone
+    err = rs[2].json()["error"]
+    assert err["type"] == "server_error" and "ban_all_after_two" in err["message"]
+    assert "no finite value" in err["message"] and "request " in err["message"]
+    r = client.post("/v1/completions", json=body(prompts[2], stream=True))  # streamed
+    events = [json.loads(ln[6:]) for ln in r.text.splitlines()
+              if ln.startswith("data: ") and ln != "data: [DONE]"]
+    assert "ban_all_after_two" in events[-1]["error"]["message"], events
+    _idle(srv)
+    assert srv.a.kv_blocks()[0] == 0  # no KV block left
+
+
 # ----------------------------------------------------------------- offline: ValueError by field
 @pytest.mark.parametrize("kw,field,text", [
     ({"logprobs": 100000}, "logprobs", f"[0, {V}]"),
