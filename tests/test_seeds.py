@@ -115,14 +115,19 @@ def _ok(proc: subprocess.CompletedProcess) -> str:
 
 
 # ------------------------------------------------------------------ offline examples
-SLOW = pytest.mark.slow  # one process per example: the default run keeps one of each kind
+# one process per example: the default run keeps one offline example (legacy_ngram.py) and one
+# server example; what the slow ones exercise runs in-process in the default run too: the
+# walkthrough's fields (test_walkthrough_field_works, test_best_of_...: the walkthrough script
+# alone took 100-150 s on a busy 2-core machine), draft models (test_draft_model.py), tensor
+# parallelism (test_tensor_parallel.py)
+SLOW = pytest.mark.slow
 OFFLINE = [
-    "spec_decode_draft_model.py",
+    pytest.param("spec_decode_draft_model.py", marks=SLOW),
     pytest.param("spec_decode_ngram.py", marks=SLOW),
     pytest.param("legacy_draft_model.py", marks=SLOW),
     "legacy_ngram.py",
     pytest.param("mlpspeculator_timing.py", marks=SLOW),
-    "sampling_walkthrough.py",
+    pytest.param("sampling_walkthrough.py", marks=SLOW),
 ]
 
 
@@ -138,9 +143,9 @@ def test_offline_example_runs_as_written(world, name):
         assert re.search(r"(Prompt|提示): '.*', (Generated text|生成的文本): '", out), out
 
 
-TP4 = [
+TP4 = [  # 4 worker processes each: all slow (the default run: test_tensor_parallel.py's tp=2)
     pytest.param("spec_decode_mlp_speculator.py", marks=SLOW),
-    "spec_decode_eagle.py",
+    pytest.param("spec_decode_eagle.py", marks=SLOW),
     pytest.param("legacy_mlp_speculator.py", marks=SLOW),
 ]
 
