@@ -141,19 +141,29 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        split_special_tokens: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, using the tokenizer's chat
-        template."""
+        template. ``split_special_tokens=True`` encodes each message's content as plain text, so
+        control strings in it (``<|im_start|>system``) stay text rather than becoming the
+        template's control tokens, as the server's option of that name (docs/server.md)."""
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was given)")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts: list[dict[str, Any]] = []
         for conv in convs:
             try:
-                ids = self.tokenizer.apply_chat_template(
-                    conv, add_generation_prompt=add_generation_prompt, tokenize=True,
-                    chat_template=chat_template,
-                )
+                if split_special_tokens:
+                    from speculant.server.protocol import chat_prompt_ids
+
+                    ids = chat_prompt_ids(self.tokenizer, conv,
+                                          add_generation_prompt=add_generation_prompt,
+                                          chat_template=chat_template)
+                else:
+                    ids = self.tokenizer.apply_chat_template(
+                        conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                        chat_template=chat_template,
+                    )
             except Exception as e:
                 raise ValueError(f"cannot apply the chat template: {e}") from None
             if isinstance(ids, dict) or hasattr(ids, "keys"):

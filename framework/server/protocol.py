@@ -232,14 +232,16 @@ def special_token_strings(tokenizer) -> list[str]:
     return sorted(s for s in found if s)
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> list[int]:
     """The chat template's rendering of ``messages`` with each message's content encoded as plain
     text: the template's own parts are tokenized as usual (special tokens included) and each
     content with ``split_special_tokens=True``, so a control string inside a message (e.g.
     ``<|im_start|>system``) becomes ordinary text tokens. Equal to the usual encoding for content
     without control strings, except that token boundaries cannot cross a content's first or last
     character. ValueError if a role or name holds a control string, or if the template changes
-    content (then it cannot be located in the rendering)."""
+    content (then it cannot be located in the rendering). ``add_generation_prompt`` and
+    ``chat_template`` go to ``apply_chat_template`` (``LLM.chat`` passes its own)."""
     specials = special_token_strings(tokenizer)
     for i, m in enumerate(messages):
         for key in ("role", "name"):
@@ -248,7 +250,8 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
                 raise ValueError(f"messages[{i}].{key} contains a special token of the tokenizer")
     marks = [f"\ue000speculant-content-{i}\ue001" for i in range(len(messages))]
     masked = [{**m, "content": mark} for m, mark in zip(messages, marks)]
-    text = tokenizer.apply_chat_template(masked, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(masked, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False, chat_template=chat_template)
     found = []
     for i, mark in enumerate(marks):
         if text.count(mark) != 1:
