@@ -37,10 +37,11 @@ _one_shot: _OneShot | None = None
 
 
 class _OneShot:
-    """A one-shot all-reduce over a symmetric-memory buffer of ``ONE_SHOT_MAX_BYTES``: each rank
-    copies its input into its buffer, then one kernel reads every peer's buffer and sums
-    (``torch.ops.symm_mem.one_shot_all_reduce_out``). The buffer is made and rendezvoused once,
-    at set-up (neither may happen during a CUDA graph capture)."""
+    """A one-shot all-reduce over a symmetric-memory buffer of ``ONE_SHOT_MAX_BYTES``: one kernel
+    copies this rank's input into its buffer, waits for the peers, then reads every peer's
+    buffer and sums into a new tensor (``torch.ops.symm_mem.one_shot_all_reduce_copy_out``;
+    peer-to-peer loads, no multicast). The buffer is made and rendezvoused once, at set-up
+    (neither may happen during a CUDA graph capture)."""
 
     def __init__(self, group, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -48,22 +49,30 @@ class _OneShot:
         self.buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, group)
         self.group_name = group.group_name
-        self.op = torch.ops.symm_mem.one_shot_all_reduce_out
+        self.op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
 
     def fits(self, x: torch.Tensor) -> bool:
         n = x.numel() * x.element_size()
         return (x.dtype in _ONE_SHOT_DTYPES and n <= ONE_SHOT_MAX_BYTES and n % 16 == 0
-                and x.is_contiguous())
+                and x.is_contiguous() and x.data_ptr() % 16 == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        buf = self.buffer.view(x.dtype)[: x.numel()].view(x.shape)
-        buf.copy_(x)
-        return self.op(buf, "sum", self.group_name, x)
+        buf = self.buffer.view(x.dtype)[: x.numel()].view(x.shape)  # the symmetric slot
+        out = torch.empty_like(x)  # not x: other blocks of the kernel may still be copying it
+        return self.op(buf, x, "sum", self.group_name, out)
+
+
+def _all_ranks(tp: TensorParallel, ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (MIN over the gloo group)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+    return bool(flag.item())
 
 
 def _setup_one_shot(tp: TensorParallel, device: torch.device) -> _OneShot | None:
-    """The one-shot all-reduce where every rank could set it up (agreed over the gloo group, so
-    no rank takes a path the others do not), else None (NCCL for every size)."""
+    """The one-shot all-reduce where every rank could set it up and a probe sums right (each
+    step agreed over the gloo group, so no rank takes a path the others do not, nor waits in a
+    kernel for a peer that never launches it), else None: NCCL for every size."""
     one_shot, why = None, ""
     try:
         if torch.cuda.get_device_capability(device)[0] < 9:
@@ -71,14 +80,19 @@ def _setup_one_shot(tp: TensorParallel, device: torch.device) -> _OneShot | None
         else:
             one_shot = _OneShot(tp.group, device)
     except Exception as e:  # noqa: BLE001 - no P2P, an old driver, a torch without symm_mem
-        why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-    ok = torch.tensor([1 if one_shot is not None else 0], dtype=torch.int64)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=tp.cpu_group)
-    if not int(ok.item()):
-        logger.info("tensor parallel: one-shot symmetric-memory all-reduce off (%s); NCCL "
-                    "all-reduce for every size", why or "off on another rank")
-        return None
-    return one_shot
+        one_shot, why = None, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    if _all_ranks(tp, one_shot is not None):
+        try:
+            probe = torch.full((64,), float(tp.rank + 1), device=device)  # [64] float32
+            if not bool((one_shot(probe) == tp.size * (tp.size + 1) / 2).all()):
+                one_shot, why = None, "a probe all-reduce gave a wrong sum"
+        except Exception as e:  # noqa: BLE001
+            one_shot, why = None, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        if _all_ranks(tp, one_shot is not None):
+            return one_shot
+    logger.info("tensor parallel: one-shot symmetric-memory all-reduce off (%s); NCCL "
+                "all-reduce for every size", why or "off on another rank")
+    return None
 
 
 def init_tensor_parallel(
@@ -162,12 +176,13 @@ def shutdown_tensor_parallel() -> None:
 
 
 def all_reduce(x: torch.Tensor, tp: TensorParallel | None = None) -> torch.Tensor:
-    """The sum of ``x`` over the ranks of ``tp`` (default: the current one), written into ``x``
-    and returned; ``x`` itself at size 1 (no kernel, no copy).
+    """The sum of ``x`` over the ranks of ``tp`` (default: the current one); ``x`` itself at
+    size 1 (no kernel, no copy). Use the returned tensor: the one-shot path returns a new one,
+    the NCCL and gloo paths ``x`` summed in place (a contiguous copy when ``x`` is not).
 
     On CUDA: the one-shot symmetric-memory all-reduce for contiguous bf16 / fp32 tensors of up
     to ``ONE_SHOT_MAX_BYTES``, else NCCL's; either can be captured in a CUDA graph. On the CPU:
-    gloo's (``x`` made contiguous first; the result is then a new tensor); over more than two
+    gloo's; over more than two
     ranks an all-gather summed in rank order, so every rank gets the same bits and each
     element's sum does not depend on the tensor's size (a batch-invariant forward stays so)."""
     tp = tensor_parallel() if tp is None else tp
