@@ -289,3 +289,17 @@ def test_under_torchrun(tiny_llama, plain_ref, tmp_path):
     import json
 
     assert json.loads(lines[0].split("TOKENS", 1)[1]) == plain_ref
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_is_a_clear_error(tiny_llama):
+    llm = LLM(model=str(tiny_llama), tensor_parallel_size=2, max_model_len=64)
+    p = llm.engine.tp_group.procs[0]
+    p.kill()
+    p.wait()
+    for _ in range(2):  # and again: the LLM stays failed, it does not hang
+        with pytest.raises(RuntimeError, match=r"a worker cannot be reached \(rank 1: exited with "
+                           r"code -9\).*close it and create a new one"):
+            llm.generate([[1, 2, 3]], _greedy(4), use_tqdm=False)
+    llm.close()
+    assert _worker_pids() == []

@@ -114,6 +114,17 @@ class TPGroup:
     def size(self) -> int:
         return self.tp.size
 
+    def describe_workers(self) -> str:
+        """Each worker's state, for an error message: ``rank 1: exited with code -9, ...``."""
+        if not self.procs:
+            return "launched by torchrun: see their output"
+        out = []
+        for rank, p in enumerate(self.procs, start=1):
+            code = p.poll()
+            out.append(f"rank {rank}: " + ("running" if code is None
+                                          else f"exited with code {code}"))
+        return ", ".join(out)
+
     def _read_status(self, want: str) -> dict[int, str]:
         """Wait until every worker wrote ``want`` (or an error) on its status pipe; returns the
         errors by rank. A worker that exits meanwhile is an error raised here."""

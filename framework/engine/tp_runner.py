@@ -150,10 +150,13 @@ class TPRunner:
     """Rank 0's runner: each call is sent to the workers, then run on ``local`` (this rank's
     ``ModelRunner``); everything else is ``local``'s."""
 
-    def __init__(self, local, tp: TensorParallel) -> None:
+    def __init__(self, local, tp: TensorParallel, why_failed=None) -> None:
         self.local = local
         self.tp = tp
         self.closed = False
+        self.failed: str | None = None  # why the workers cannot be reached any more
+        # () -> str: what became of the workers (exit codes), for the error when a send fails
+        self.why_failed = why_failed
 
     def __getattr__(self, name: str):  # graphs, kv_cache, model, block_size, device, ...
         return getattr(self.local, name)
@@ -163,11 +166,19 @@ class TPRunner:
         if self.closed:
             raise RuntimeError("this engine's tensor-parallel workers were shut down (LLM.close()"
                                "); create a new LLM")
+        if self.failed is not None:
+            raise RuntimeError(self.failed)
         if token_ids is not None:
             flags |= _TOKENS_ON_DEVICE
-        _broadcast_message(self.tp, pack_call(op, flags, aux_layers, seqs, new_tokens, **kw))
-        if token_ids is not None:
-            dist.broadcast(token_ids, src=0, group=self.tp.group)
+        try:
+            _broadcast_message(self.tp, pack_call(op, flags, aux_layers, seqs, new_tokens, **kw))
+            if token_ids is not None:
+                dist.broadcast(token_ids, src=0, group=self.tp.group)
+        except RuntimeError as e:  # a worker is gone: gloo's connection to it closed
+            why = self.why_failed() if self.why_failed is not None else str(e)
+            self.failed = (f"tensor parallelism: a worker cannot be reached ({why}); this LLM "
+                           "cannot run any more: close it and create a new one")
+            raise RuntimeError(self.failed) from e
 
     def forward(self, seqs, new_tokens, aux_layers=(), token_ids=None):
         self._send(FORWARD, seqs, new_tokens, aux_layers, token_ids=token_ids)
@@ -197,4 +208,5 @@ class TPRunner:
         """Tell the workers to leave their loop (they exit); later calls raise."""
         if not self.closed:
             self.closed = True
-            _broadcast_message(self.tp, pack_call(SHUTDOWN))
+            if self.failed is None:
+                _broadcast_message(self.tp, pack_call(SHUTDOWN))
