@@ -159,6 +159,9 @@ def test_tp4_examples_run_as_written(world, name):
     assert re.search(r"(Prompt|提示): '.*', (Generated text|生成的文本): '", out), out
 
 
+# slow (a subprocess, ~13 s busy): the default run infers methods from checkpoint paths
+# (test_distribution.py) and checks an uncached hub id offline (test_bad_input.py)
+@pytest.mark.slow
 def test_hub_ids_infer_their_method_from_the_local_cache(world):
     """A bare hub id in speculative_config: the method comes from the cached checkpoint."""
     code = (
