@@ -55,6 +55,9 @@ def test_greedy_matches_plain_decoding(tmp_path, llama, prompts, reference, layo
     assert llm.get_metrics().num_draft_tokens > 0
 
 
+# slow (~10 s busy): DraftSampler's greedy rows beside sampled ones run in the default run
+# through the draft model (test_draft_model.py test_mixed_greedy_and_seeded_sampling)
+@pytest.mark.slow
 def test_greedy_rows_beside_sampled_ones(tmp_path, llama, prompts, reference):
     """One batch of greedy and sampled requests: the greedy ones still give plain decoding's
     output (DraftSampler: argmax and a one-hot q for them, samples for the others)."""
