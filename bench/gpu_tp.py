@@ -193,12 +193,12 @@ def summarize(result: dict) -> dict:
         }
     per_tp = {}
     for name, ph in phases.items():
-        if "runs" not in ph or ph.get("init") == "dummy":
+        if "runs" not in ph:  # the collectives, the equality phases, a phase that failed early
             continue
         plain = _plain(ph["runs"])
         n = ph["tp"]
         g = ph["geometry"]
-        analytic = weight_bytes_per_gpu(g, n)
+        analytic = weight_bytes_per_gpu(g, n, ph.get("dtype_bytes", 2))
         wbytes = ph.get("weight_bytes_rank0") or analytic["rank0"]
         row = {
             "phase": name,
@@ -733,6 +733,7 @@ def engine_phase(args) -> None:
     part["startup_s"] = time.perf_counter() - t0
     part["device"] = device_name(engine.device)
     part["weight_bytes_rank0"] = weight_bytes_per_step(engine.model)
+    part["dtype_bytes"] = engine.dtype.itemsize
     print(f"[{args.phase_name}] TP {args.tp} up in {part['startup_s']:.0f}s, "
           f"{part['weight_bytes_rank0'] / 1e9:.2f} GB per step on rank 0", flush=True)
     prompts = random_prompts(n_seqs, args.prompt_len, engine.vocab_size, seed=0)

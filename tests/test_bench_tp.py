@@ -232,7 +232,11 @@ def test_whole_run_at_tp2_on_the_cpu(tmp_path):
     assert all(c["correct"] for c in result["phases"]["collectives"]["allreduce"].values())
     for key, eq in s["greedy_equality"].items():
         assert eq["equal_prompts"] == eq["prompts"] == 2, (key, eq)
+    for name in ("tp1", "tp2"):  # the weight bytes worked out = what rank 0's shard holds
+        row = s["per_phase"][name]
+        assert row["weight_bytes_per_gpu_analytic"]["rank0"] == row["weight_bytes_per_gpu_rank0"]
     tp2 = s["per_phase"]["tp2"]
+    assert tp2["weight_bytes_per_gpu_rank0"] < s["per_phase"]["tp1"]["weight_bytes_per_gpu_rank0"]
     assert [st["name"] for st in tp2["strategies"]] == ["ngram k=3"]
     assert {o["batch_size"] for o in tp2["oracle"]} == {1, 2}
     assert all(o["same_tokens_as_plain"] for o in tp2["oracle"])
