@@ -303,3 +303,32 @@ def test_a_worker_killed_mid_run_is_a_clear_error(tiny_llama):
             llm.generate([[1, 2, 3]], _greedy(4), use_tqdm=False)
     llm.close()
     assert _worker_pids() == []
+
+
+def test_start_up_status_of_the_workers():
+    """Rank 0's view of its workers while they start: an error they report is returned by rank,
+    a worker that exits is raised naming its exit code, one that never reports times out."""
+    from speculant.distributed.parallel import NO_TENSOR_PARALLEL
+    from speculant.distributed.worker import TPGroup
+
+    def group(code: str) -> TPGroup:
+        r, w = os.pipe()
+        p = subprocess.Popen([sys.executable, "-c", code, str(w)], pass_fds=(w,))
+        os.close(w)
+        return TPGroup(NO_TENSOR_PARALLEL, torch.device("cpu"), [p], [os.fdopen(r)])
+
+    say = "import os, sys; os.write(int(sys.argv[1]), b'{}\\n'); "
+    g = group(say.format('{"error": "OutOfMemoryError: boom"}'))
+    assert g._read_status("loaded", 30) == {1: "OutOfMemoryError: boom"}
+    g.close()
+    g = group(say.format('{"state": "joining"}') + "sys.exit(3)")
+    assert g._read_status("joining", 30) == {}
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 3 while starting"):
+        g._read_status("loaded", 30)
+    g.close()
+    g = group("import time; time.sleep(30)")
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not start in 1 s \(rank 1: "
+                       "running\\)"):
+        g._read_status("joining", 1)
+    g.procs[0].kill()
+    g.close()

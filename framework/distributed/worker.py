@@ -53,6 +53,7 @@ from speculant.distributed.parallel import (
 logger = logging.getLogger("speculant")
 
 JOIN_TIMEOUT_S = 10.0  # a worker's shutdown, before it is killed
+RENDEZVOUS_TIMEOUT_S = 600.0  # a worker's start (its imports), until it joins the rendezvous
 
 
 @dataclass(frozen=True)
@@ -125,12 +126,18 @@ class TPGroup:
                                           else f"exited with code {code}"))
         return ", ".join(out)
 
-    def _read_status(self, want: str) -> dict[int, str]:
+    def _read_status(self, want: str, timeout: float | None = None) -> dict[int, str]:
         """Wait until every worker wrote ``want`` (or an error) on its status pipe; returns the
-        errors by rank. A worker that exits meanwhile is an error raised here."""
+        errors by rank. A worker that exits meanwhile, or that is not there in ``timeout``
+        seconds, is an error raised here."""
         pending = dict(enumerate(self._status, start=1))
         errors: dict[int, str] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"tensor-parallel rank(s) {sorted(pending)} did not start in {timeout:.0f} s "
+                    f"({self.describe_workers()}); is the machine overloaded?")
             ready, _, _ = select.select(list(pending.values()), [], [], 0.5)
             for f in ready:
                 rank = next(r for r, g in pending.items() if g is f)
@@ -273,7 +280,7 @@ def start_tensor_parallel(spec: WorkerSpec, device: torch.device) -> TPGroup | N
             p.stdin.write(payload)
             p.stdin.close()
         group = TPGroup(NO_TENSOR_PARALLEL, device, procs, status)
-        errors = group._read_status("joining")
+        errors = group._read_status("joining", RENDEZVOUS_TIMEOUT_S)
         if errors:
             raise RuntimeError("tensor-parallel worker(s) failed to join: " + "; ".join(
                 f"rank {r}: {e}" for r, e in errors.items()))
