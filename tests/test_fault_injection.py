@@ -495,3 +495,58 @@ def test_metrics_export_whether_the_output_is_lossless(tiny_llama, lossy_plugin,
             lines = [ln for ln in text.splitlines()
                      if ln.startswith("speculant_spec_decode_lossless")]
             assert lines == [f'speculant_spec_decode_lossless{{model_name="tiny"}} {want}'], lines
+
+
+# ----------------------------------------------------------------- seeded requests that fault
+# the faulty request itself seeded and sampled (docs/architecture.md, Seeded requests)
+FAULTY_SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=23, max_tokens=12, ignore_eos=True)
+POINT_MASS_FAULTS = ["oov", "float_ids", "too_long", "rows", "raise_nth", "score_raises"]
+
+
+@pytest.fixture(scope="module")
+def plain_seeded(tiny_llama):
+    """The faulty prompt's plain seeded output (no strategy)."""
+    return _tokens(LLM(model=str(tiny_llama)).generate([FAULTY], FAULTY_SEEDED, use_tqdm=False))[0]
+
+
+@pytest.mark.parametrize("mode", [m if m == "oov" else pytest.param(m, marks=pytest.mark.slow)
+                                  for m in POINT_MASS_FAULTS])
+def test_a_seeded_request_whose_point_mass_strategy_faults_is_its_plain_seeded_run(
+        tiny_llama, faulty_plugin, plain_seeded, mode):
+    """Point-mass drafts: every step of the request, speculative, dropped or plain, samples each
+    position with that position's keyed number, so the fault changes nothing: token for token
+    the plain seeded output."""
+    llm = LLM(model=str(tiny_llama), speculative_config=_spec(mode))
+    out = llm.generate(HEALTHY + [FAULTY], PARAMS[:3] + [FAULTY_SEEDED], use_tqdm=False)
+    assert llm.get_metrics().num_faults == 1
+    assert out[3].outputs[0].token_ids == plain_seeded
+    _no_leak(llm)
+
+
+@pytest.mark.parametrize("mode", ["nan", pytest.param("negative", marks=pytest.mark.slow),
+                                  pytest.param("zero_at_draft", marks=pytest.mark.slow)])
+def test_a_seeded_request_whose_sampled_drafts_fault_depends_only_on_its_seed(
+        tiny_llama, faulty_plugin, plain_seeded, mode):
+    """Sampled drafts (``probs``): a step that verifies them keys its accept test and recovery
+    apart from the plain sample, so the output is not the plain seeded one; a fault pinned on
+    the request (its q, from its first step) keeps it a function of its seed and prompt alone:
+    the same alone or beside other requests, and the plain seeded run once it drafts no more."""
+    spec = _spec(mode, probs=True)
+    alone = _tokens(LLM(model=str(tiny_llama), speculative_config=spec).generate(
+        [FAULTY], FAULTY_SEEDED, use_tqdm=False))[0]
+    llm = LLM(model=str(tiny_llama), speculative_config=spec)
+    out = llm.generate(HEALTHY + [FAULTY], PARAMS[:3] + [FAULTY_SEEDED], use_tqdm=False)
+    assert out[3].metrics.num_faults == 1 and out[3].metrics.num_drafts == 1
+    assert out[3].outputs[0].token_ids == alone
+    _no_leak(llm)
+
+
+def test_a_seeded_request_whose_sampled_drafts_never_verified_is_its_plain_run(
+        tiny_llama, faulty_plugin, plain_seeded):
+    """Sampled drafts dropped before any was verified (out-of-vocabulary ids on its first
+    step): its steps are all plain, so its output is the plain seeded one."""
+    llm = LLM(model=str(tiny_llama), speculative_config=_spec("oov", probs=True))
+    out = llm.generate(HEALTHY + [FAULTY], PARAMS[:3] + [FAULTY_SEEDED], use_tqdm=False)
+    assert out[3].metrics.num_faults == 1 and out[3].metrics.num_draft_tokens == 0
+    assert out[3].outputs[0].token_ids == plain_seeded
+    _no_leak(llm)
