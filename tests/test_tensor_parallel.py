@@ -332,3 +332,65 @@ def test_start_up_status_of_the_workers():
         g._read_status("joining", 1)
     g.procs[0].kill()
     g.close()
+
+
+def _children(pid: int, name: bytes) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat, cmd = (d / "stat").read_text(), (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and name in cmd:
+                out.append(int(d.name))
+    return out
+
+
+@pytest.mark.slow
+def test_serve_with_tensor_parallel_size_2(tiny_llama, tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("prometheus_client")
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "speculant.cli", "serve", "--model", str(tiny_llama),
+           "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", "2",
+           "--max-model-len", "128"]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "SPECULANT_DEVICE": "cpu"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        workers = _children(proc.pid, b"speculant.distributed.worker")
+        assert len(workers) == 1
+        got = httpx.post(base + "/v1/completions", timeout=120, json={
+            "model": str(tiny_llama), "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}).json()
+        ref = _ids(LLM(model=str(tiny_llama), max_model_len=128), _greedy(8), PROMPTS[:1])[0]
+        text = LLM(model=str(tiny_llama), max_model_len=128).get_tokenizer().decode(ref)
+        assert got["choices"][0]["text"] == text
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        assert any(ln.startswith("speculant_tensor_parallel_size{") and ln.endswith(" 2.0")
+                   for ln in metrics.splitlines()), metrics
+        assert "tensor_parallel_size=2" in log.read_text()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    time.sleep(1)
+    assert all(not Path(f"/proc/{w}/cmdline").exists() or
+               not Path(f"/proc/{w}/cmdline").read_bytes() for w in workers)
