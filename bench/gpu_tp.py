@@ -511,6 +511,10 @@ def strategy_spec(name: str, tmp: Path, args) -> dict:
     if name == "ngram":
         return dict(name="ngram", method="ngram", num_speculative_tokens=3)
     if name == "draft":
+        if args.geometry == "tiny":  # the CPU smoke test: a one-layer draft of the tiny model
+            d = write_config(tmp / "draft-tiny", dict(TINY, num_hidden_layers=1), 1)
+            return dict(name="draft tiny", method="draft_model", model=str(d),
+                        num_speculative_tokens=3, kv_cache_memory=1 << 22)
         d = write_config(tmp / "draft-1b", LLAMA32_1B, 1)
         return dict(name="draft 1B", method="draft_model", model=str(d),
                     num_speculative_tokens=3, kv_cache_memory=2 << 30)

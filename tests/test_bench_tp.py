@@ -213,12 +213,12 @@ def test_argument_errors(capsys):
 def test_whole_run_at_tp2_on_the_cpu(tmp_path):
     """The bench's main path on the CPU: tiny Llama, 2 layers, TP 1 and TP 2 over gloo (ranks
     started as torchrun starts them): every phase ends, the greedy tokens of TP 2 equal TP 1's,
-    the oracle and the n-gram strategy ran at TP 2."""
+    the oracle, the n-gram strategy and a draft model (synthetic, on rank 0) ran at TP 2."""
     out = tmp_path / "run"
     cmd = [sys.executable, str(BENCH / "gpu_tp.py"), "--device", "cpu", "--geometry", "tiny",
            "--tp", "2", "--layers", "2", "--out", str(out), "--batch-sizes", "1,2",
            "--max-tokens", "12", "--prompt-len", "8", "--repeats", "1", "--warmup-tokens", "2",
-           "--strategies", "ngram", "--equality-prompts", "2", "--equality-tokens", "10",
+           "--strategies", "ngram,draft", "--equality-prompts", "2", "--equality-tokens", "10",
            "--kv-cache-gib", "0.01", "--allreduce-iters", "20", "--budget-s", "500"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -237,6 +237,7 @@ def test_whole_run_at_tp2_on_the_cpu(tmp_path):
         assert row["weight_bytes_per_gpu_analytic"]["rank0"] == row["weight_bytes_per_gpu_rank0"]
     tp2 = s["per_phase"]["tp2"]
     assert tp2["weight_bytes_per_gpu_rank0"] < s["per_phase"]["tp1"]["weight_bytes_per_gpu_rank0"]
-    assert [st["name"] for st in tp2["strategies"]] == ["ngram k=3"]
+    assert [st["name"] for st in tp2["strategies"]] == ["ngram k=3", "draft tiny k=3"]
+    assert all(st["same_tokens_as_plain"] for st in tp2["strategies"])
     assert {o["batch_size"] for o in tp2["oracle"]} == {1, 2}
     assert all(o["same_tokens_as_plain"] for o in tp2["oracle"])
