@@ -1,6 +1,7 @@
 """The cost of ``EngineConfig.batch_invariant`` on the Llama-3-8B synthetic target, and its check.
 
     python bench/gpu_batch_invariant.py --out bench/results [--layers 32] [--batch-sizes 1,8,64]
+                                        [--gemm cublas|triton]
 
 One engine per mode (off, on): bench/gpu_8b.py's synthetic target (Llama-3-8B geometry, bf16,
 random weights made on the GPU, nothing downloaded; CUDA graphs, captured at start-up). Per mode:
@@ -140,6 +141,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs at batch 1")
     ap.add_argument("--check-requests", type=int, default=8)
     ap.add_argument("--check-tokens", type=int, default=32)
+    ap.add_argument("--gemm", choices=("cublas", "triton"), default=None,
+                    help="the mode's GEMMs (models/batch_invariant.GEMM; default: the module's)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if not torch.cuda.is_available():
@@ -149,6 +152,10 @@ def main() -> int:
     import speculant.engine.llm_engine as llm_engine
     import speculant.models.loader as loader
     from speculant.bench import device_name, random_prompts
+    from speculant.models import batch_invariant
+
+    if args.gemm:
+        batch_invariant.GEMM = args.gemm
 
     loader.load_model = _loader(loader.load_model)
     llm_engine.load_model = loader.load_model
@@ -159,7 +166,8 @@ def main() -> int:
                           dict(LLAMA3_8B, num_hidden_layers=args.layers), 0)
     prompts = random_prompts(n_prompts, args.prompt_len, LLAMA3_8B["vocab_size"], seed=0)
     result: dict = {"device": device_name(torch.device("cuda")), "layers": args.layers,
-                    "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "modes": {}}
+                    "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                    "gemm": batch_invariant.GEMM, "modes": {}}
     ok = True
     for invariant in (False, True):
         mode = "batch_invariant" if invariant else "default"

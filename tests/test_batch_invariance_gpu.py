@@ -13,7 +13,8 @@ import torch
 
 from speculant import LLM, SamplingParams
 from speculant.engine.sequence import Sequence
-from speculant.models.batch_invariant import BatchInvariantLinear
+from speculant.models import batch_invariant
+from speculant.models.batch_invariant import BatchInvariantLinear, chunked_linear
 from speculant.outputs import RequestMetrics
 
 pytestmark = [
@@ -84,6 +85,23 @@ def test_logits_rows_do_not_depend_on_the_batch_or_query_length(llm):
     for n in (4, 16, 64):
         assert torch.equal(_rows(llm, n, 1), ref[:1]), n
         assert torch.equal(_rows(llm, n, 5), ref), n
+
+
+@pytest.mark.parametrize("gemm", ["cublas", "triton"])
+@pytest.mark.parametrize("k,n", [(4096, 6144), (14336, 4096), (4096, 128256)])
+def test_linear_rows_do_not_depend_on_the_row_count(monkeypatch, gemm, k, n):
+    """The mode's linear at Llama-3-8B shapes (QKV, down, LM head), bf16, with either GEMM
+    (``batch_invariant.GEMM``; the engine uses the module's choice): each row bit for bit the same
+    alone, among 7, 64 or 130 rows, at any place. If "cublas" fails here, cuBLAS's kernel for the
+    64-row shape splits the rows unevenly: set ``GEMM = "triton"``."""
+    monkeypatch.setattr(batch_invariant, "GEMM", gemm)
+    g = torch.Generator("cuda").manual_seed(k + n)
+    w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16()
+    x = torch.randn(130, k, generator=g, device="cuda").bfloat16()
+    full = chunked_linear(x, w)  # [130, n]
+    for rows in (slice(0, 1), slice(64, 65), slice(3, 10), slice(60, 124)):
+        assert torch.equal(chunked_linear(x[rows], w), full[rows]), rows
+    assert torch.equal(chunked_linear(x.flip(0), w).flip(0), full)
 
 
 def test_prefill_equals_token_by_token(llm):

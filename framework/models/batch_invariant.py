@@ -11,7 +11,11 @@ sequence's cache) alone:
 * every linear layer (QKV, o_proj, gate/up, down, the LM head; OPT's too) is
   ``chunked_linear``: the rows are cut into chunks of ``ROWS`` (the last one zero-padded) and
   each chunk is one cuBLAS GEMM of the same shape ``[ROWS, K] x [K, N]``, whatever the step's
-  row count: one shape per weight, so one kernel and one reduction order for every row;
+  row count: one shape per weight, so one kernel and one reduction order for every row. That
+  holds if cuBLAS's kernel for the shape treats the chunk's rows alike (one tile of >= ``ROWS``
+  rows, or the same K split in every row tile); ``GEMM = "triton"`` instead runs ``triton_linear``,
+  our own kernel whose one 64-row tile per chunk and whole-K loop guarantee it by construction
+  (tests/test_batch_invariance_gpu.py checks both on the device);
 * the GEMV paths (``fused.gemv_enabled`` / ``gemv_few_enabled`` / ``gemv_in_enabled``) are off;
 * paged attention launches with one configuration for every step and ``num_splits`` KV splits
   at fixed absolute position ranges (``kernels/paged_attention._invariant_config``);
@@ -37,10 +41,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speculant.kernels._triton_utils import cdiv, lazy_jit, tl, use_triton
+
 # rows of every GEMM of a batch-invariant linear: 64 keeps a decode step's GEMMs bandwidth-bound
 # (the weight read dominates up to a few hundred rows on an H100) and makes each chunk's offset
 # a multiple of 128 bytes for any width
 ROWS = 64
+# the GEMMs of ``chunked_linear`` on CUDA: "cublas" (torch.mm per chunk) or "triton"
+# (``triton_linear``)
+GEMM = "cublas"
 # attention: KV splits at fixed ranges of at least this many positions, at most MAX_SPLITS of
 # them, covering the model's positions (the rotary cache's length: no step goes past it)
 MIN_SPLIT_TOKENS = 256
@@ -94,6 +103,8 @@ def chunked_linear(
     lead = x.shape[:-1]
     K, N = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, K)  # [M, K]
+    if GEMM == "triton" and rows == ROWS and use_triton([x2, weight], False):
+        return triton_linear(x2, weight, bias).view(*lead, N)
     M = x2.shape[0]
     n = -(-M // rows)
     if n == 0:
@@ -108,6 +119,64 @@ def chunked_linear(
         else:
             torch.addmm(bias, a, wt, out=o)
     return out[:M].view(*lead, N)
+
+
+# one program: a 64-row tile of the input times a BLOCK_N-column tile of the weight over the whole
+# K (no split-K): every row of every tile is computed alike, whatever the row count
+_BLOCK_N = 32
+_BLOCK_K = 64
+
+if tl is not None:
+
+    @lazy_jit(do_not_specialize=("M",))
+    def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # x [M, K], w [N, K], b [N], y [M, N]
+        rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            kk = k + rk
+            a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
+                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)  # [BM, BK]
+            w = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None],
+                        mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BK, BN]
+            if IEEE:  # fp32 weights: exact fp32 products, as cuBLAS without TF32
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def triton_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    force_triton: bool = False,
+) -> torch.Tensor:  # [M, N]
+    """``F.linear`` as one Triton launch of ``ROWS``-row tiles over the whole K: a row's result
+    depends on that row alone, for any M (``force_triton``: under the CPU interpreter)."""
+    if not use_triton([x, weight], force_triton):
+        return chunked_linear(x, weight, bias)
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.stride(1) != 1 or weight.shape[1] != K:
+        raise ValueError(f"triton_linear: a weight [{N}, {K}] with a contiguous last dim, got "
+                         f"{tuple(weight.shape)} with strides {weight.stride()}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        _linear_kernel[(cdiv(M, ROWS), cdiv(N, _BLOCK_N))](
+            x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0),
+            weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+            IEEE=x.dtype == torch.float32, BLOCK_M=ROWS,
+            BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, num_warps=4, num_stages=4)
+    return y
 
 
 class BatchInvariantLinear(nn.Linear):

@@ -1,7 +1,8 @@
-"""Paged attention's batch-invariant launch (``split_tokens`` with a fixed ``num_splits``:
-``kernels/paged_attention._invariant_config``, used by ``EngineConfig.batch_invariant``): a query
-row's output bit for bit independent of the rest of the step. On CUDA when present, else under
-the Triton interpreter (tests/kernels/conftest.py)."""
+"""The Triton kernels of ``EngineConfig.batch_invariant`` (models/batch_invariant.py): paged
+attention's batch-invariant launch (``split_tokens`` with a fixed ``num_splits``:
+``kernels/paged_attention._invariant_config``) and ``triton_linear``: a row's output bit for bit
+independent of the rest of the step. On CUDA when present, else under the Triton interpreter
+(tests/kernels/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from speculant.kernels.paged_attention import paged_attention, paged_attention_ref
+from speculant.models.batch_invariant import triton_linear
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -65,3 +67,21 @@ def test_invariant_attention_checks_its_arguments():
         _invariant(*args, split_tokens=100)
     with pytest.raises(ValueError, match="fixed num_splits"):
         paged_attention(*args, 0.3, split_tokens=64, force_triton=True)
+
+
+# ------------------------------------------------------------------------------ GEMM
+@pytest.mark.parametrize("bias", [False, True])
+def test_triton_linear_is_linear_and_row_invariant(bias):
+    """``batch_invariant.triton_linear`` (the ``GEMM = "triton"`` choice): ``F.linear``, and each
+    row bit for bit the same alone, in any batch, at any place in it (70 x 45 by 100: a partial
+    second row tile, partial column and K tiles)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(70, 100, generator=g).to(DEVICE)
+    w = torch.randn(45, 100, generator=g).to(DEVICE)
+    b = torch.randn(45, generator=g).to(DEVICE) if bias else None
+    y = triton_linear(x, w, b, force_triton=True)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    for i in (0, 1, 63, 64, 69):
+        assert torch.equal(triton_linear(x[i : i + 1], w, b, force_triton=True), y[i : i + 1])
+    assert torch.equal(triton_linear(x.flip(0), w, b, force_triton=True).flip(0), y)
+    assert torch.equal(triton_linear(x[5:12], w, b, force_triton=True), y[5:12])
