@@ -108,6 +108,9 @@ def test_spec_token_acceptance_counts_is_vllm_v0s(ngram_run):
     assert any(sum(o.metrics.spec_token_acceptance_counts[1:]) > 0 for o in outs)
 
 
+# slow (its own SmolLM2 engine, ~12 s busy): the default run checks the same V0 semantics on
+# the shared n-gram run (test_spec_token_acceptance_counts_is_vllm_v0s)
+@pytest.mark.slow
 def test_spec_token_acceptance_counts_step_by_step(default_model_path):
     """The V0 counts against the engine watched step by step: [0] = the steps where the
     request's output grew, [i] = the steps where it grew by more than i tokens (the last step
