@@ -161,11 +161,29 @@ def test_tp2_greedy_equals_tp1_then_close(tiny_llama, plain_ref):
     assert _worker_pids() == []
 
 
+def _count_calls(monkeypatch, owner, name: str) -> list[int]:
+    """Count the calls of ``owner.name`` (the list grows by one per call)."""
+    seen, real = [], getattr(owner, name)
+
+    def counted(*a, **k):
+        seen.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(owner, name, counted)
+    return seen
+
+
 @pytest.mark.slow
-def test_create_close_create_again(tiny_llama, plain_ref):
+def test_create_close_create_again_one_broadcast_per_step(tiny_llama, plain_ref, monkeypatch):
+    import speculant.engine.tp_runner as tp_runner
+
     for _ in range(2):
         with LLM(model=str(tiny_llama), max_num_seqs=8, tensor_parallel_size=2) as llm:
+            sent = _count_calls(monkeypatch, tp_runner.dist, "broadcast")
+            calls = _count_calls(monkeypatch, llm.engine.runner.local, "forward")
             assert _ids(llm, _greedy()) == plain_ref
+            assert len(calls) >= 16 and len(sent) == len(calls)  # one broadcast per step
+            monkeypatch.undo()
         assert _worker_pids() == []
 
 
