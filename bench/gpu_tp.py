@@ -72,6 +72,7 @@ from gpu_8b import (  # noqa: E402
     EMBED_STD,
     LLAMA3_8B,
     LLAMA32_1B,
+    _batch_axis,
     _permutation_head,
     eagle1_checkpoint,
     eagle3_checkpoint,
@@ -306,9 +307,11 @@ def plot(result: dict, out_dir: str | Path, stem: str = "gpu_tp") -> Path:
         if row.get("roofline_tokens_per_s"):
             ax.axhline(row["roofline_tokens_per_s"], color=color, ls=":", lw=1,
                        label=f"{name}: batch-1 roofline {row['roofline_tokens_per_s']:.0f} tok/s")
-    ax.set_xscale("log", base=2)
+    batches = sorted({int(b) for row in s.get("per_phase", {}).values()
+                      for b in row["plain_tokens_per_s"]})
+    if batches:
+        _batch_axis(ax, batches)
     ax.set_yscale("log")
-    ax.set_xlabel("batch size")
     ax.set_ylabel("decode tokens/s (all sequences)")
     ax.set_title("plain decoding", fontsize=9)
     ax.grid(True, alpha=0.3, which="both")
@@ -324,8 +327,7 @@ def plot(result: dict, out_dir: str | Path, stem: str = "gpu_tp") -> Path:
         ax.axhline(GOALS["tp_speedup_b64"], color="tab:purple", ls=":", lw=1,
                    label=f"goal at batch 64: {GOALS['tp_speedup_b64']}")
         ax.axhline(tp, color="k", lw=0.8, label=f"ideal: {tp}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
+        _batch_axis(ax, [p[0] for p in pts])
         ax.set_ylabel("plain tokens/s, TP N over TP 1")
         ax.set_title("tensor-parallel scaling of plain decoding", fontsize=9)
         ax.legend(fontsize=7)
@@ -359,9 +361,9 @@ def plot(result: dict, out_dir: str | Path, stem: str = "gpu_tp") -> Path:
                         fontsize=6, xytext=(3, 2), textcoords="offset points")
             drawn = True
     if drawn:
+        _batch_axis(ax, sorted({int(x) for line in ax.get_lines() for x in line.get_xdata()}
+                               | {1}))
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
         ax.set_ylabel("speedup over plain at that TP size")
         ax.set_title("oracle (lines) and strategies (x: random drafters, acceptance ~0)",
                      fontsize=9)
@@ -381,12 +383,14 @@ def plot(result: dict, out_dir: str | Path, stem: str = "gpu_tp") -> Path:
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))],
                       [f"[{lab.split('_')[1]}, H]" for lab in labels])
         ax.set_ylabel("microseconds per all-reduce")
-        ax.set_title(f"all-reduce over {tp} GPUs (bf16)", fontsize=9)
+        ax.set_title(f"all-reduce over {tp} ranks ({result.get('dtype', 'bfloat16')})",
+                     fontsize=9)
         ax.legend(fontsize=7)
     layers = result["geometry"]["num_hidden_layers"]
     fig.suptitle(
         f"Tensor parallelism on {result.get('device', '?')}: {result.get('mode', '?')} geometry "
-        f"({layers} layers), bf16, synthetic weights ({result.get('init', '?')} init)",
+        f"({layers} layers), {result.get('dtype', 'bfloat16')}, synthetic weights "
+        f"({result.get('init', '?')} init)",
         fontsize=10,
     )
     fig.tight_layout()
@@ -929,6 +933,7 @@ def orchestrate(args) -> int:
         cfg["num_hidden_layers"] = args.layers
     result: dict = {
         "mode": args.geometry, "tp": args.tp, "geometry": cfg, "init": args.init,
+        "dtype": "bfloat16" if args.device == "cuda" else "float32",
         "device": args.device, "args": vars(args), "phases": {},
         "mlp_speculator_70b_assumed": dict(MLP_70B, inner_dim=args.mlp_inner_dim)
         if args.geometry == "70b" else None,
