@@ -222,7 +222,8 @@ def summarize(result: dict) -> dict:
         if oracle:
             row["oracle"] = [
                 {k: r.get(k) for k in ("name", "batch_size", "speedup", "theoretical_speedup",
-                                       "acceptance", "tokens_per_s", "same_tokens_as_plain")}
+                                       "speedup_vs_theoretical", "acceptance", "c",
+                                       "tokens_per_s", "same_tokens_as_plain")}
                 for r in oracle
             ]
         strat = ph.get("strategy_runs", [])
@@ -260,11 +261,30 @@ def summarize(result: dict) -> dict:
                              "within_goal": abs(r - 1) <= GOALS["oracle_ratio_tolerance"]})
         if rows:
             s["oracle_tp_vs_tp1"] = rows
+    # 70B mode: the 8B EAGLE example, TP N against TP 1 (plain and each strategy, batch 1)
+    one, many = phases.get("8b_tp1"), phases.get(f"8b_tp{tp}")
+    if tp > 1 and one and many and "runs" in one and "runs" in many:
+        p1, pn = _plain(one["runs"]), _plain(many["runs"])
+        s["8b_example_tp_speedup"] = {
+            "plain": {b: pn[b]["tokens_per_s"] / p1[b]["tokens_per_s"] for b in p1 if b in pn},
+        }
+        s1 = {(r["name"], r["batch_size"]): r for r in one.get("strategy_runs", [])
+              if r["method"] != "plain"}
+        for r in many.get("strategy_runs", []):
+            key = (r["name"], r["batch_size"])
+            if r["method"] != "plain" and key in s1:
+                s["8b_example_tp_speedup"][f"{key[0]} b{key[1]}"] = {
+                    "tokens_per_s_tp1": s1[key]["tokens_per_s"],
+                    f"tokens_per_s_tp{tp}": r["tokens_per_s"],
+                    "ratio": r["tokens_per_s"] / s1[key]["tokens_per_s"],
+                    "speedup_over_plain_tp1": s1[key]["speedup"],
+                    f"speedup_over_plain_tp{tp}": r["speedup"],
+                }
     # greedy equality: every pair of phases at TP 1 and TP N on the same model
     eq = {}
     for a_name, b_name in _equality_pairs(phases, tp):
         a, b = phases[a_name], phases[b_name]
-        for key in sorted(set(a.get("greedy", {})) & set(b.get("greedy", {}))):
+        for key in sorted(b.get("greedy", {})):
             eq[f"{b_name}:{key} vs {a_name}:plain"] = compare_greedy(a["greedy"]["plain"],
                                                                       b["greedy"][key])
     if eq:
@@ -912,7 +932,7 @@ def plan(args) -> list[tuple[str, str, int, list[str], float]]:
             phases.append((f"8b_tp{tp}", "engine", tp, eagle, 240))
         return [p for p in phases if p[0] not in skip]
     common = ["--oracle", args.oracle if args.oracle is not None else ORACLE_8B]
-    phases.append(("tp1", "engine", 1, ["--tp", "1", *common, "--strategies", ""], 200))
+    phases.append(("tp1", "engine", 1, ["--tp", "1", *common, "--strategies", ""], 300))
     phases.append((f"tp{n}", "engine", n, ["--tp", str(n), *common, "--strategies",
                                              args.strategies if args.strategies is not None
                                              else "ngram,draft,eagle,eagle3,mlp"], 330))

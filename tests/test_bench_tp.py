@@ -152,6 +152,54 @@ def test_write_result_and_replot(tmp_path):
     assert (tmp_path / "again" / "gpu_tp.png").read_bytes()[:8] == PNG
 
 
+def fake_70b_result() -> dict:
+    """A made-up 70B TP 4 run: plain sweep, two oracle cells, the 8B EAGLE example at TP 1 / 4
+    (EAGLE's greedy tokens at TP 4 differ from plain TP 1's at token 3 of prompt 0)."""
+    g70, g8 = dict(gpu_tp.LLAMA3_70B), dict(gpu_tp.LLAMA3_8B)
+    plain = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    runs70 = [_row("plain", 1, 60.0), _row("plain", 64, 3000.0),
+              _row("oracle", 1, 150.0, "oracle a=0.8 k=5", 2.5, theo=3.0, acceptance=0.8,
+                   speedup_vs_theoretical=2.5 / 3.0),
+              _row("oracle", 1, 100.0, "oracle a=0.6 k=3", 1.67, theo=2.0, acceptance=0.6)]
+
+    def eight(tp, b1, eagle, greedy):
+        return {"tp": tp, "geometry": g8, "runs": [_row("plain", 1, b1)],
+                "strategy_runs": [_row("plain", 1, b1), _row("eagle", 1, eagle, "eagle k=3", eagle / b1)],
+                "greedy": greedy, "errors": {}}
+
+    return {
+        "mode": "70b", "tp": 4, "geometry": g70, "init": "scaled", "device": "H100",
+        "phases": {
+            "collectives": {"ranks": [{"copy_bandwidth_Bps": 3.0e12}] * 4,
+                            "allreduce": {"rows_1": {"speculant_graph_us": 10.0}}},
+            "70b_tp4": {"tp": 4, "geometry": g70, "runs": runs70, "errors": {}},
+            "8b_tp1": eight(1, 176.0, 160.0, {"plain": plain, "eagle": plain}),
+            "8b_tp4": eight(4, 420.0, 380.0, {"plain": plain, "eagle": [[1, 2, 3, 0], [5, 6, 7, 8]]}),
+        },
+    }
+
+
+def test_summary_of_a_made_up_70b_run(tmp_path):
+    s = gpu_tp.summarize(fake_70b_result())
+    row = s["per_phase"]["70b_tp4"]
+    wb = gpu_tp.weight_bytes_per_gpu(gpu_tp.LLAMA3_70B, 4)["rank0"]
+    assert row["roofline_tokens_per_s"] == pytest.approx(3.0e12 / wb)
+    # 2 x 80 all-reduces of 10 us
+    assert row["roofline_with_allreduce_tokens_per_s"] == pytest.approx(1 / (wb / 3e12 + 1.6e-3))
+    assert [o["speedup_vs_theoretical"] for o in row["oracle"]] == [pytest.approx(2.5 / 3), None]
+    # the 8B example: all-reduces of 8192-wide rows say nothing of its 4096-wide ones
+    assert "roofline_with_allreduce_tokens_per_s" not in s["per_phase"]["8b_tp4"]
+    ex = s["8b_example_tp_speedup"]
+    assert ex["plain"] == {1: pytest.approx(420 / 176)}
+    assert ex["eagle k=3 b1"]["ratio"] == pytest.approx(380 / 160)
+    eq = s["greedy_equality"]
+    assert eq["8b_tp4:plain vs 8b_tp1:plain"]["equal_prompts"] == 2
+    assert eq["8b_tp4:eagle vs 8b_tp1:plain"]["first_divergence"] == [3, None]
+    assert "tp_speedup_plain" not in s
+    _, png = gpu_tp.write_result(fake_70b_result(), tmp_path)
+    assert png.read_bytes()[:8] == PNG
+
+
 def test_plan_of_both_modes():
     args = gpu_tp.parser().parse_args(["--tp", "2"])
     args.init, args.argv = "scaled", []
