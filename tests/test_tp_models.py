@@ -53,6 +53,7 @@ CUDA_CASES = ("llama_gqa", "llama_kv1_bias")
 # two sequences: (prompt length, block table); the second's blocks are not consecutive; the
 # 20-row prefill takes forward_fused's cuBLAS o_proj / down_proj (> fused.GEMV_FEW_ROWS rows)
 SEQS = ((11, [0, 1, 2, 3]), (9, [9, 5, 6, 11]))
+CPU = torch.device("cpu")
 STEP2 = (1, 3)  # then one decode row and a 3-row verification pass, then one row of the first
 
 
@@ -82,18 +83,19 @@ def _run_case(folder: Path, arch: str, load_format: str, tp, config=None
     return results
 
 
-def _forward(model) -> list[torch.Tensor]:
+def _forward(model, device: torch.device = CPU) -> list[torch.Tensor]:
     """Hidden states and logits of a prefill step of both sequences, of STEP2, then of one row
-    of the first sequence, on a fresh paged cache with block size 4: [hidden, logits] x 3."""
-    runner = ModelRunner(model, num_blocks=12, block_size=4, device=torch.device("cpu"),
-                         dtype=torch.float32)
+    of the first sequence, on a fresh paged cache with block size 4: [hidden, logits] x 3
+    (on CUDA: eager, the CUDA layer paths)."""
+    runner = ModelRunner(model, num_blocks=12, block_size=4, device=device,
+                         dtype=torch.float32, enforce_eager=True)
     seqs = [types.SimpleNamespace(block_table=bt, num_cached_tokens=0) for _, bt in SEQS]
     g = torch.Generator().manual_seed(5)
     out = []
     for lens in ([n for n, _ in SEQS], STEP2, (1,)):
         toks = [torch.randint(3, 250, (n,), generator=g).tolist() for n in lens]
         hidden, _ = runner.forward(seqs[: len(lens)], toks)
-        out += [hidden.clone(), model.compute_logits(hidden)]
+        out += [hidden.clone().cpu(), model.compute_logits(hidden).cpu()]
     return out
 
 
@@ -379,3 +381,37 @@ def test_gpu_all_reduce_eager_and_in_cuda_graphs(tmp_path):
     res = torch.load(out)
     assert res["bad"] == []
     print("one-shot symmetric-memory all-reduce:", "on" if res["one_shot"] else "off")
+
+
+def _gpu_model_rank(rank: int, size: int, init: str, folder: str, out: str) -> None:
+    dev = torch.device("cuda", rank)
+    init_tensor_parallel(rank, size, dev, init_method=init)
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        model = load_model(Path(folder), load_config(Path(folder)), torch.float32, dev, 64)
+        res = _forward(model, dev)
+        if rank == 0:
+            torch.save(res, out)
+    finally:
+        shutdown_tensor_parallel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("case", ["llama_gqa", "llama_kv1_bias"])
+def test_gpu_tp2_forward_equals_tp1(tmp_path, case):
+    """The CUDA layer paths (fused norms, few-row GEMVs, forward_fused / forward_gemv, Triton
+    paged attention) at 2 ranks on 2 GPUs against one GPU, fp32, eager."""
+    arch, over = CASES[case]
+    folder = make_tiny_checkpoint(tmp_path / case, arch, vocab_size=256, tokenizer=False, **over)
+    _random_biases(folder)
+    out = tmp_path / "rank0.pt"
+    mp.start_processes(_gpu_model_rank,
+                       args=(2, f"file://{tmp_path / 'init'}", str(folder), str(out)),
+                       nprocs=2, start_method="spawn")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda", 0)
+    ref = _forward(load_model(folder, load_config(folder), torch.float32, dev, 64,
+                              tp=NO_TENSOR_PARALLEL), dev)
+    for a, b in zip(torch.load(out), ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
