@@ -116,6 +116,11 @@ class EngineConfig(BaseModel):
     def _tp_devices(self) -> EngineConfig:
         tp = self.tensor_parallel_size
         if tp > 1 and self.torch_device().type == "cuda":
+            if self.torch_device().index not in (None, 0):
+                raise ValueError(
+                    f"device={self.device!r} with tensor_parallel_size={tp}: rank r runs on "
+                    "cuda:r, starting at cuda:0; use device='cuda' and pick the GPUs with "
+                    "CUDA_VISIBLE_DEVICES")
             have = torch.cuda.device_count()
             if tp > have:
                 raise ValueError(

@@ -87,6 +87,9 @@ def test_more_ranks_than_cuda_devices_is_refused(monkeypatch):
                        r"visible.*use tensor_parallel_size<=2"):
         EngineConfig(tensor_parallel_size=4, device="cuda")
     assert EngineConfig(tensor_parallel_size=2, device="cuda").tensor_parallel_size == 2
+    with pytest.raises(ValueError, match=r"device='cuda:1' with tensor_parallel_size=2: rank r "
+                       r"runs on cuda:r.*CUDA_VISIBLE_DEVICES"):
+        EngineConfig(tensor_parallel_size=2, device="cuda:1")
     assert EngineConfig(tensor_parallel_size=4, device="cpu").tensor_parallel_size == 4
 
 
