@@ -4,13 +4,17 @@
   (``TensorParallel(0, 1, None, None)`` until :func:`init_tensor_parallel`);
 * :func:`init_tensor_parallel` / :func:`shutdown_tensor_parallel`: join and leave the group;
 * :func:`all_reduce`: the sum over the ranks after a row-parallel layer (a no-op at size 1);
+* :func:`fused_all_reduce`: the same fused with the residual add and RMSNorm that follow (CUDA,
+  set up per model by :func:`setup_fused_all_reduce`);
 * :func:`shard_range`: a rank's [start, end) of an equal split.
 """
 
 from speculant.distributed.comm import (
     ONE_SHOT_MAX_BYTES,
     all_reduce,
+    fused_all_reduce,
     init_tensor_parallel,
+    setup_fused_all_reduce,
     shutdown_tensor_parallel,
 )
 from speculant.distributed.parallel import (
@@ -25,7 +29,9 @@ __all__ = [
     "ONE_SHOT_MAX_BYTES",
     "TensorParallel",
     "all_reduce",
+    "fused_all_reduce",
     "init_tensor_parallel",
+    "setup_fused_all_reduce",
     "shard_range",
     "shutdown_tensor_parallel",
     "tensor_parallel",

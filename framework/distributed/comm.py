@@ -34,6 +34,10 @@ _ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)
 
 _owns_process_group = False  # init_tensor_parallel called init_process_group
 _one_shot: _OneShot | None = None
+# the fused all-reduce + residual add + RMSNorm of the target's layers (kernels/tp_allreduce.py)
+_fused = None
+# the most rows it takes (decode and verification steps; larger prefills take all_reduce)
+FUSED_MAX_ROWS = 512
 
 
 class _OneShot:
@@ -161,10 +165,10 @@ def init_tensor_parallel(
 def shutdown_tensor_parallel() -> None:
     """Destroy the groups (and the process group, when :func:`init_tensor_parallel` made it)
     and return to size 1, so an ``LLM`` can be made again in this process. A no-op at size 1."""
-    global _owns_process_group, _one_shot
+    global _owns_process_group, _one_shot, _fused
     tp = tensor_parallel()
     set_tensor_parallel(NO_TENSOR_PARALLEL)
-    _one_shot = None
+    _one_shot = _fused = None
     if not tp.enabled or not dist.is_initialized():
         return
     for g in (tp.group, tp.cpu_group):
@@ -201,3 +205,51 @@ def all_reduce(x: torch.Tensor, tp: TensorParallel | None = None) -> torch.Tenso
         return x
     dist.all_reduce(x, group=tp.group)
     return x
+
+
+def setup_fused_all_reduce(hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Set up the fused one-shot all-reduce (``kernels/tp_allreduce.py``) for rows of ``hidden``
+    ``dtype`` elements: collective, every rank of the current group calls it at the same point
+    (``ModelRunner`` does, for the sharded target, after every rank loaded). On CUDA with
+    symmetric memory on every rank (agreed over the gloo group, as the one-shot path); False
+    (and :func:`fused_all_reduce` returns None) elsewhere."""
+    global _fused
+    tp = tensor_parallel()
+    _fused = None
+    if not tp.enabled or torch.device(device).type != "cuda":
+        return False
+    from speculant.kernels.tp_allreduce import SymmetricAllReduce
+
+    made, why = None, ""
+    try:
+        if _one_shot is None:
+            why = "no symmetric memory"
+        else:
+            made = SymmetricAllReduce(tp.group, torch.device(device), FUSED_MAX_ROWS, hidden, dtype)
+    except Exception as e:  # noqa: BLE001 - an old torch or driver: all_reduce + RMSNorm then
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    ok = torch.tensor([1 if made is not None else 0], dtype=torch.int64)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+    if not int(ok.item()):
+        logger.info("tensor parallel: fused all-reduce + RMSNorm off (%s)",
+                    why or "off on another rank")
+        return False
+    _fused = made
+    return True
+
+
+def fused_all_reduce(
+    x: torch.Tensor,  # [rows, hidden]: this rank's partial sum
+    slot: int,  # 0 or 1: a layer's first (o_proj) or second (down_proj) all-reduce
+    residual: torch.Tensor | None = None,  # [rows, hidden]
+    weight: torch.Tensor | None = None,  # [hidden]: the RMSNorm that follows, or None
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The sum of ``x`` over the ranks plus ``residual``, normalised with ``weight`` when given,
+    in one kernel: ``(normed or sum, sum + residual)``; None where the fused path is not set up
+    or ``x`` does not fit it (the caller then runs :func:`all_reduce` and its RMSNorm). Two
+    consecutive calls must pass different ``slot`` values unless another collective runs
+    between them (the kernel's two buffers: kernels/tp_allreduce.py)."""
+    if _fused is None or not x.is_cuda or not _fused.fits(x):
+        return None
+    return _fused(x, slot, residual, weight, eps)

@@ -20,7 +20,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from speculant.distributed import NO_TENSOR_PARALLEL, TensorParallel, all_reduce, tensor_parallel
+from speculant.distributed import (
+    NO_TENSOR_PARALLEL,
+    TensorParallel,
+    all_reduce,
+    fused_all_reduce,
+    tensor_parallel,
+)
 from speculant.kernels.gemv import gemv, gemv_partials, gemv_split
 from speculant.models import cpu_forward, fused
 from speculant.models.attention import ForwardContext
@@ -160,6 +166,28 @@ class LlamaMLP(nn.Module):
         return all_reduce(self.down_proj(self.act(gate) * up), self.tp)
 
 
+def reduce_sum(a: torch.Tensor, tp: TensorParallel, slot: int) -> torch.Tensor:
+    """``all_reduce(a)``: as one fused kernel (``slot``: 0 after o_proj, 1 after down_proj) where
+    set up (CUDA), else ``all_reduce``. [rows, hidden] -> [rows, hidden]"""
+    got = fused_all_reduce(a, slot) if tp.enabled else None
+    return got[0] if got is not None else all_reduce(a, tp)
+
+
+def reduce_add_norm(
+    a: torch.Tensor,  # [rows, hidden]: this rank's partial of a row-parallel product
+    residual: torch.Tensor,  # [rows, hidden]
+    norm: RMSNorm,
+    tp: TensorParallel,
+    slot: int,  # 0 after o_proj, 1 after down_proj
+) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(sum + residual), sum + residual)
+    """The all-reduce, residual add and RMSNorm after a row-parallel product: one kernel
+    (kernels/tp_allreduce.py) where set up, else ``all_reduce`` + ``fused.rms_norm``."""
+    got = fused_all_reduce(a, slot, residual, norm.weight, norm.eps) if tp.enabled else None
+    if got is not None:
+        return got
+    return fused.rms_norm(all_reduce(a, tp), norm.weight, norm.eps, residual=residual)
+
+
 def mlp_gemv(
     mlp: LlamaMLP,  # SiLU-gated
     norm: RMSNorm,
@@ -170,8 +198,8 @@ def mlp_gemv(
     inside the gate/up product, SiLU * up inside the down product."""
     gu, x = gemv(a, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, prologue="rmsnorm",
                  norm_weight=norm.weight, residual=residual, eps=norm.eps)
-    return all_reduce(gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul"),
-                      mlp.tp), x
+    return reduce_sum(gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul"),
+                      mlp.tp, 1), x
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -240,19 +268,31 @@ class LlamaDecoderLayer(nn.Module):
                                out_residual=residual, out_eps=ln2.eps)
         else:
             a = gemv(o, attn.o_proj.weight, attn.o_proj.bias) if few else attn.o_proj(o)
-            x, residual = fused.rms_norm(all_reduce(a, tp), ln2.weight, ln2.eps, residual=residual)
+            x, residual = reduce_add_norm(a, residual, ln2, tp, 0)
         if mlp.fused_act and (few or few_in):
             gu = (gemv(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias) if few_in
                   else mlp.gate_up_proj(x))  # [num_tokens, 2 * inter]
             if not few:
-                return all_reduce(mlp.down_proj(fused.silu_mul(gu)), tp), residual, False
-            wd, bd = mlp.down_proj.weight, mlp.down_proj.bias
-            if next_norm is not None and not tp.enabled:
-                x, residual = gemv(gu, wd, bd, prologue="silu_mul", out_norm_weight=next_norm.weight,
-                                   out_residual=residual, out_eps=next_norm.eps)
-                return x, residual, True
-            return all_reduce(gemv(gu, wd, bd, prologue="silu_mul"), tp), residual, False
-        return mlp(x), residual, False
+                d = mlp.down_proj(fused.silu_mul(gu))  # [num_tokens, hidden]
+            else:
+                wd, bd = mlp.down_proj.weight, mlp.down_proj.bias
+                if next_norm is not None and not tp.enabled:
+                    x, residual = gemv(gu, wd, bd, prologue="silu_mul",
+                                       out_norm_weight=next_norm.weight, out_residual=residual,
+                                       out_eps=next_norm.eps)
+                    return x, residual, True
+                d = gemv(gu, wd, bd, prologue="silu_mul")
+        elif tp.enabled and mlp.fused_act:
+            d = mlp.down_proj(fused.silu_mul(mlp.gate_up_proj(x)))  # [num_tokens, hidden]: partial
+        else:
+            return mlp(x), residual, False
+        if not tp.enabled:
+            return d, residual, False
+        if next_norm is not None:  # the all-reduce, residual add and next norm in one kernel
+            got = fused_all_reduce(d, 1, residual, next_norm.weight, next_norm.eps)
+            if got is not None:
+                return got[0], got[1], True
+        return all_reduce(d, tp), residual, False
 
     def forward_gemv(
         self,
@@ -275,7 +315,7 @@ class LlamaDecoderLayer(nn.Module):
             qkv, residual = gemv(h, qkv_w, qkv_b, prologue="rmsnorm", norm_weight=ln1.weight,
                                  residual=residual, eps=ln1.eps)
         o = gemv(attn.attend_qkv(positions, qkv, ctx), attn.o_proj.weight, attn.o_proj.bias)
-        return mlp_gemv(mlp, ln2, all_reduce(o, attn.tp), residual)
+        return mlp_gemv(mlp, ln2, reduce_sum(o, attn.tp, 0), residual)
 
 
 class LlamaForCausalLM(nn.Module):
