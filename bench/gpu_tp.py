@@ -873,8 +873,10 @@ def run_phase(name: str, kind: str, ranks: int, extra: list[str], args, timeout_
             for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
                 env.pop(key, None)
         # one process group for the phase (rank 0 leads it), killed whole on a time-out
+        # (setpgid in the child: Popen's process_group argument needs Python 3.11)
         group = 0 if rank == 0 else procs[0].pid
-        procs.append(subprocess.Popen(argv, env=env, process_group=group))
+        procs.append(subprocess.Popen(argv, env=env,
+                                      preexec_fn=lambda g=group: os.setpgid(0, g)))
     rc: int | None = None
     timed_out = False
     try:
