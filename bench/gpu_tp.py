@@ -444,16 +444,17 @@ def replot(json_path: str | Path, out_dir: str | Path) -> Path:
 
 
 # ------------------------------------------------------------------------ synthetic weights
-def scaled_init(model, n_layers: int, seed: int = 0) -> None:
+def scaled_init(model, n_layers: int, seed: int = 0, allow_cpu: bool = False) -> None:
     """gpu_8b.py's SCALED init made from a dummy-loaded model in place (on this rank's shard):
     o_proj / down_proj times 1 / sqrt(2 layers), the embedding to std EMBED_STD, the LM head
-    row pi(t) = c x embedding(t) (a seeded permutation, the same on every rank)."""
+    row pi(t) = c x embedding(t) (a seeded permutation, the same on every rank). On the CPU
+    only for tests (``allow_cpu``): the CPU path's packed weight copies keep the old values."""
     import torch
 
     from speculant.models.loader import DUMMY_STD
 
     device = model.embed_tokens.weight.device
-    if device.type != "cuda":
+    if device.type != "cuda" and not allow_cpu:
         raise ValueError("--init scaled needs CUDA (the CPU path packs its weights at load time); "
                          "use --init dummy on the CPU")
     with torch.no_grad():

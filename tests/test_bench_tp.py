@@ -245,6 +245,48 @@ def test_install_loader_wraps_every_binding(monkeypatch):
         gpu_tp.scaled_init(cpu_model, 2)
 
 
+def test_scaled_init_is_the_same_rescaling_at_every_tp_size(tmp_path):
+    """The dummy weights of a rank's shard, rescaled: o_proj / down_proj by 1 / sqrt(2 layers),
+    the embedding to std EMBED_STD, the LM head a permutation of the embeddings, the rest
+    untouched; the replicated embedding and LM head come out the same at TP 1 and each rank of
+    TP 2 (so the sharded layers, scaled elementwise, are TP 1's shards)."""
+    import math
+
+    from speculant.distributed import TensorParallel
+    from speculant.models.loader import load_config, load_model
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    cfg = dict(gpu_tp.TINY, num_hidden_layers=2, torch_dtype="float32")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    config = load_config(folder)
+
+    def load(rank, size):
+        return load_model(folder, config, torch.float32, torch.device("cpu"), 64,
+                          load_format="dummy", tp=TensorParallel(rank, size, None, None))
+
+    heads = {}
+    for rank, size in ((0, 1), (0, 2), (1, 2)):
+        raw, scaled = load(rank, size), load(rank, size)
+        gpu_tp.scaled_init(scaled, 2, allow_cpu=True)
+        raw_p = dict(raw.named_parameters())
+        for name, p in scaled.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                torch.testing.assert_close(p, raw_p[name] / math.sqrt(4))
+            elif name.endswith("embed_tokens.weight"):
+                torch.testing.assert_close(p, raw_p[name] * gpu_tp.EMBED_STD / 0.02)
+            elif name != "lm_head.weight":
+                assert torch.equal(p, raw_p[name]), name
+        emb, head = scaled.embed_tokens.weight, scaled.lm_head.weight  # [vocab, hidden]
+        # every LM head row is a multiple of one embedding row, each used once
+        best = (head @ emb.T).argmax(dim=1)
+        assert best.unique().numel() == emb.shape[0]
+        heads[(rank, size)] = (emb.clone(), head.clone())
+    for key in ((0, 2), (1, 2)):
+        assert torch.equal(heads[key][0], heads[(0, 1)][0])
+        assert torch.equal(heads[key][1], heads[(0, 1)][1])
+
+
 def test_argument_errors(capsys):
     with pytest.raises(SystemExit) as e:
         gpu_tp.main(["--device", "cpu", "--init", "scaled"])
