@@ -865,7 +865,8 @@ def run_phase(name: str, kind: str, ranks: int, extra: list[str], args, timeout_
     procs: list[subprocess.Popen] = []
     t0 = time.perf_counter()
     for rank in range(ranks):
-        env = dict(os.environ)
+        # never NVLink multicast (NVLS) on a lent machine (speculant.distributed sets the same)
+        env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
         if ranks > 1:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
                        LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
