@@ -12,9 +12,10 @@ after every cell it measures):
 
 * ``collectives``: one process per GPU: each GPU's copy bandwidth (bytes read + written per second
   of a large device-to-device copy, gpu_8b.copy_bandwidth), then ``speculant.distributed``'s
-  ``all_reduce`` (and NCCL's ``dist.all_reduce`` beside it) on [1, H] and [64, H] bf16 rows,
-  eager and replayed from a CUDA graph: microseconds per call, and the per-step cost of the
-  2 x layers all-reduces of a decode step;
+  ``all_reduce`` (and NCCL's ``dist.all_reduce`` beside it, and the fused all-reduce + residual
+  add + RMSNorm of kernels/tp_allreduce.py) on [1, H] and [64, H] bf16 rows, eager and replayed
+  from a CUDA graph: microseconds per call, and the per-step cost of the 2 x layers all-reduces
+  of a decode step;
 * engine phases (8B: ``tp1``, ``tpN``): an ``LLM(load_format="dummy", tensor_parallel_size=...)``
   on a folder holding only config.json: plain decoding over the batch sweep, the oracle (a = 0.8,
   k = 5) over it, and at TP N each strategy (n-gram, a Llama-3.2-1B-geometry draft model, EAGLE-1,
@@ -101,6 +102,8 @@ TINY = dict(
     num_key_value_heads=2,
     vocab_size=512,
     max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
     torch_dtype="float32",
 )
 GEOMETRIES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B, "tiny": TINY}
