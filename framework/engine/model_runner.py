@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from speculant.distributed import setup_fused_all_reduce, tensor_parallel
+from speculant.distributed import setup_fused_all_reduce
 from speculant.engine.sampler import greedy_pack
 from speculant.engine.sequence import Sequence
 from speculant.models.attention import AttentionMetadata, ForwardContext
@@ -33,7 +33,9 @@ class ModelRunner:
         self.kv_cache = torch.zeros(model.num_layers, 2, num_blocks, block_size, nkv, d,
                                     dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model.num_layers)]
-        if tensor_parallel().enabled and device.type == "cuda":  # the sharded target, every rank
+        # the sharded target, on every rank (a collective); never a drafter: it is whole
+        # (model.tp size 1) and runs on rank 0 alone
+        if getattr(getattr(model, "tp", None), "enabled", False) and device.type == "cuda":
             setup_fused_all_reduce(model.config.hidden_size, dtype, device)
         self.graphs = None
         if device.type == "cuda" and not enforce_eager:
