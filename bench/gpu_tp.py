@@ -1,5 +1,6 @@
-"""Tensor parallelism on lent GPUs, synthetic weights: Llama-3-8B at TP 1 vs TP N (issue 35) and
-Llama-3-70B at TP 4 (issue 38).
+"""Tensor parallelism on lent GPUs with synthetic weights (issues 35 and 38).
+
+Llama-3-8B at TP 1 against TP N (issue 35), Llama-3-70B at TP 4 (issue 38):
 
     python bench/gpu_tp.py --out OUT [--tp 2] [--layers N] [--max-tokens T] [--batch-sizes 1,4,16,64]
     python bench/gpu_tp.py --out OUT --geometry 70b --tp 4 [--layers N]
@@ -111,6 +112,7 @@ GEOMETRIES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B, "tiny": TINY}
 # inner_dim and n_predict are assumed as the published ibm-fms/llama2-70b-accelerator config
 # (inner_dim 8192, n_predict 4): --mlp-inner-dim changes it
 MLP_70B = dict(emb_dim=8192, inner_dim=8192, n_predict=4)
+STRATEGIES = ("ngram", "draft", "eagle", "eagle3", "mlp")
 ORACLE_8B = "0.8:5"
 ORACLE_70B = "0.6:3,0.6:5,0.8:3,0.8:5"
 GOALS = {"tp_speedup_b1": 1.7, "tp_speedup_b64": 1.8, "oracle_ratio_tolerance": 0.10}
@@ -1058,6 +1060,9 @@ def main(argv: list[str] | None = None) -> int:
         parse_oracle_grid(args.oracle or "")
     except ValueError as e:
         ap.error(str(e))
+    unknown = set(filter(None, (args.strategies or "").split(","))) - set(STRATEGIES)
+    if unknown:
+        ap.error(f"--strategies: unknown {sorted(unknown)}; use {','.join(STRATEGIES)}")
     logging.basicConfig(level=logging.WARNING)
     if args.phase is None:
         return orchestrate(args)

@@ -295,6 +295,9 @@ def test_argument_errors(capsys):
         gpu_tp.main(["--oracle", "0.8"])
     assert e.value.code == 2 and "ALPHA:K" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
+        gpu_tp.main(["--strategies", "ngram,medusa"])
+    assert e.value.code == 2 and "medusa" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
         gpu_tp.main(["--tp", "0"])
     assert e.value.code == 2 and "at least 1" in capsys.readouterr().err
 
