@@ -415,3 +415,79 @@ def test_gpu_tp2_forward_equals_tp1(tmp_path, case):
                               tp=NO_TENSOR_PARALLEL), dev)
     for a, b in zip(torch.load(out), ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
+
+
+def test_shards_are_slices_of_the_whole_model(tmp_path):
+    """Each rank's parameters (loaded in-process: a shard's load needs no process group) are the
+    slices of the whole model's: qkv packed as [q shard; k shard; v shard] with the one KV head
+    copied on both ranks, o_proj / down_proj columns, gate and up rows, row-parallel biases on
+    rank 0 only (zeros elsewhere), embedding and norms whole."""
+    folder = make_tiny_checkpoint(tmp_path / "m", "llama", vocab_size=256, tokenizer=False,
+                                  num_key_value_heads=1, attention_bias=True, mlp_bias=True)
+    _random_biases(folder)
+    config = load_config(folder)
+
+    def params(tp):
+        m = load_model(folder, config, torch.float32, CPU, 32, tp=tp)
+        return {k: v.detach() for k, v in m.named_parameters()}
+
+    full, d, q, inter = params(NO_TENSOR_PARALLEL), 16, 64, 128  # head_dim, q rows, MLP width
+    for r in range(2):
+        got = params(TensorParallel(r, 2, None, None))
+        for kind in ("weight", "bias"):
+            w = full[f"layers.1.self_attn.qkv_proj.{kind}"]
+            k, v = w[q : q + d], w[q + d :]  # the one KV head
+            assert torch.equal(got[f"layers.1.self_attn.qkv_proj.{kind}"],
+                               torch.cat([w[r * 32 : (r + 1) * 32], k, v]))
+            gu = full[f"layers.1.mlp.gate_up_proj.{kind}"]
+            assert torch.equal(got[f"layers.1.mlp.gate_up_proj.{kind}"],
+                               torch.cat([gu[r * 64 : (r + 1) * 64],
+                                          gu[inter + r * 64 : inter + (r + 1) * 64]]))
+        assert torch.equal(got["layers.1.self_attn.o_proj.weight"],
+                           full["layers.1.self_attn.o_proj.weight"][:, r * 32 : (r + 1) * 32])
+        assert torch.equal(got["layers.1.mlp.down_proj.weight"],
+                           full["layers.1.mlp.down_proj.weight"][:, r * 64 : (r + 1) * 64])
+        for bias in ("layers.1.self_attn.o_proj.bias", "layers.1.mlp.down_proj.bias"):
+            want = full[bias] if r == 0 else torch.zeros_like(full[bias])
+            assert torch.equal(got[bias], want) and full[bias].abs().sum() > 0
+        for name in ("embed_tokens.weight", "lm_head.weight", "layers.1.input_layernorm.weight"):
+            assert torch.equal(got[name], full[name])
+
+
+def test_shard_of_a_mismatched_checkpoint_names_the_tensor(tmp_path):
+    import json
+
+    from speculant.models.weights import WeightLoadError
+
+    folder = make_tiny_checkpoint(tmp_path / "m", "llama", vocab_size=256, tokenizer=False)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["intermediate_size"] = 64  # the tensors are 128 wide
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WeightLoadError, match=r"m: tensor 'layers\.0\.mlp\.\w+_proj\.weight' has "
+                       r"shape \((128, 64|64, 128)\) but the config implies 64 along dim [01]"):
+        load_model(folder, load_config(folder), torch.float32, CPU, 32,
+                   tp=TensorParallel(1, 2, None, None))
+
+
+def _cpu_all_reduce_rank(rank: int, size: int, init: str, out: str) -> None:
+    from speculant.distributed import all_reduce
+
+    init_tensor_parallel(rank, size, "cpu", init_method=init)
+    try:
+        x = torch.randn(6, 40, generator=torch.Generator().manual_seed(rank))
+        got = all_reduce(x.t())  # [40, 6], not contiguous: summed in a contiguous copy
+        torch.save(got, f"{out}{rank}.pt")
+    finally:
+        shutdown_tensor_parallel()
+
+
+@pytest.mark.slow  # three spawned processes
+def test_cpu_all_reduce_of_three_ranks_is_in_rank_order(tmp_path):
+    """Over more than two ranks the CPU sum is (x0 + x1) + x2, the same bits on every rank."""
+    out = str(tmp_path / "sum")
+    mp.start_processes(_cpu_all_reduce_rank, args=(3, f"file://{tmp_path / 'init'}", out),
+                       nprocs=3, start_method="spawn")
+    xs = [torch.randn(6, 40, generator=torch.Generator().manual_seed(r)).t() for r in range(3)]
+    want = (xs[0] + xs[1]) + xs[2]
+    for r in range(3):
+        assert torch.equal(torch.load(f"{out}{r}.pt"), want)
