@@ -246,7 +246,10 @@ class LlamaDecoderLayer(nn.Module):
         ``next_norm``. The layer then returns ``next_norm``'s output (``normed`` True) and the
         next layer starts from it. Bit-identical to the separate kernels; two kernels fewer per
         layer. Under tensor parallelism the norm needs the sum over the ranks, so those two
-        products stay plain GEMVs, followed by the all-reduce and the RMSNorm kernel."""
+        products stay plain GEMVs; the sum, the residual add and the norm then run as one kernel
+        (``fused_all_reduce``, kernels/tp_allreduce.py: slot 0 after o_proj, 1 after down_proj,
+        so its two buffers alternate) where it is set up and the step fits it, else
+        ``all_reduce`` and the RMSNorm kernel."""
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         attn, mlp = self.self_attn, self.mlp
         if normed:
