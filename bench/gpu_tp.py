@@ -297,6 +297,62 @@ def summarize(result: dict) -> dict:
     return s
 
 
+def report(result: dict) -> str:
+    """The summary as a few lines of text (the run's log: the JSON holds everything)."""
+    s = result.get("summary") or summarize(result)
+    lines = [f"== gpu_tp: {result.get('mode')} geometry, TP {result['tp']}, {result.get('device')}"]
+    if s.get("copy_bandwidth_Bps_per_gpu"):
+        bws = ", ".join(f"{b / 1e12:.3f}" for b in s["copy_bandwidth_Bps_per_gpu"])
+        lines.append(f"copy bandwidth per GPU: {bws} TB/s")
+    for rows, row in s.get("allreduce_us", {}).items():
+        per_step = s.get("allreduce_per_step_ms", {}).get(rows, {})
+        cells = [f"{k[:-3]} {v:.1f} us ({per_step.get(k[:-3] + '_ms', 0):.2f} ms/step)"
+                 for k, v in row.items() if v is not None]
+        lines.append(f"all-reduce {rows}: " + "; ".join(cells))
+    for name, row in s.get("per_phase", {}).items():
+        plain = ", ".join(f"b{b} {v:.1f}" for b, v in row["plain_tokens_per_s"].items())
+        roof = row.get("roofline_tokens_per_s")
+        lines.append(
+            f"{name}: {row['weight_bytes_per_gpu_rank0'] / 1e9:.2f} GB/step on rank 0"
+            + (f", roofline {roof:.1f} tok/s" if roof else "")
+            + (f" ({row['roofline_with_allreduce_tokens_per_s']:.1f} with all-reduces)"
+               if row.get("roofline_with_allreduce_tokens_per_s") else "")
+            + (f", b1 at {row['plain_b1_fraction_of_roofline']:.1%} of it"
+               if row.get("plain_b1_fraction_of_roofline") else "")
+            + f"; plain tok/s {plain}")
+        for o in row.get("oracle", []):
+            theo = o.get("theoretical_speedup")
+            lines.append(f"  {o['name']} b{o['batch_size']}: speedup {o['speedup']:.3f}"
+                         + (f" (theoretical {theo:.3f})" if theo else "")
+                         + f", acceptance {o.get('acceptance')}, same tokens "
+                         f"{o.get('same_tokens_as_plain')}")
+        for st in row.get("strategies", []):
+            acc = st.get("acceptance")
+            lines.append(f"  {st['name']} b{st['batch_size']}: {st['tokens_per_s']:.1f} tok/s, "
+                         f"speedup {st['speedup']:.3f}, acceptance "
+                         f"{'-' if acc is None else f'{acc:.3f}'}, same tokens "
+                         f"{st.get('same_tokens_as_plain')}")
+    if s.get("tp_speedup_plain"):
+        ratio = ", ".join(f"b{b} {v:.3f}" for b, v in s["tp_speedup_plain"].items())
+        lines.append(f"plain TP {result['tp']} / TP 1: {ratio} (goals: b1 >= "
+                     f"{GOALS['tp_speedup_b1']}: {s.get('goal_tp_speedup_b1_met')}, b64 >= "
+                     f"{GOALS['tp_speedup_b64']}: {s.get('goal_tp_speedup_b64_met')})")
+    for o in s.get("oracle_tp_vs_tp1", []):
+        lines.append(f"oracle {o['name']} b{o['batch_size']}: TP {result['tp']} / TP 1 speedup "
+                     f"ratio {o['ratio']:.3f} (within 10%: {o['within_goal']})")
+    for key, v in s.get("8b_example_tp_speedup", {}).items():
+        lines.append(f"8B example {key}: TP {result['tp']} / TP 1 "
+                     + (", ".join(f"b{b} {r:.3f}" for b, r in v.items()) if key == "plain"
+                        else f"{v['ratio']:.3f}"))
+    for key, eq in s.get("greedy_equality", {}).items():
+        lines.append(f"greedy {key}: {eq['equal_prompts']}/{eq['prompts']} prompts equal over "
+                     f"{eq['tokens_per_prompt']} tokens; first divergence {eq['first_divergence']}")
+    for name, ph in result.get("phases", {}).items():
+        if ph.get("errors"):
+            lines.append(f"errors in {name}: {ph['errors']}")
+    return "\n".join(lines)
+
+
 def _equality_pairs(phases: dict, tp: int) -> list[tuple[str, str]]:
     pairs = []
     for base in ("", "equality_", "8b_"):
@@ -982,7 +1038,7 @@ def orchestrate(args) -> int:
         write_result(result, out)
     result["wall_s"] = time.perf_counter() - t_start
     json_path, png = write_result(result, out)
-    print(json.dumps(result["summary"], indent=1, default=str))
+    print(report(result), flush=True)
     print(f"wrote {json_path} {png} in {result['wall_s']:.0f}s")
     return 0
 

@@ -132,6 +132,20 @@ def test_summary_of_a_made_up_run():
     assert bad["equal_prompts"] == 1 and bad["first_divergence"] == [None, 2]
 
 
+def test_report_lines():
+    r = fake_result()
+    r["summary"] = gpu_tp.summarize(r)
+    text = gpu_tp.report(r)
+    assert "copy bandwidth per GPU: 3.000, 2.900 TB/s" in text
+    assert "plain TP 2 / TP 1: b1 1.705, b64 1.850 (goals: b1 >= 1.7: True, b64 >= 1.8: True)" in text
+    assert "oracle oracle a=0.8 k=5 b1: TP 2 / TP 1 speedup ratio 0.943 (within 10%: True)" in text
+    assert "ngram k=3 b1: 280.0 tok/s, speedup 0.970, acceptance 0.000" in text
+    assert "equality_tp2:plain vs equality_tp1:plain: 1/2 prompts equal" in text
+    assert "errors in tp2: {'eagle': 'RuntimeError: boom'}" in text
+    r70 = fake_70b_result()
+    assert "8B example eagle k=3 b1: TP 4 / TP 1 2.375" in gpu_tp.report(r70)
+
+
 def test_a_failed_phase_still_summarises_and_plots(tmp_path):
     r = fake_result()
     r["phases"]["tp2"] = {"errors": {"phase": "killed after 300s (time limit)"}, "timed_out": True}
