@@ -301,6 +301,17 @@ def test_scaled_init_is_the_same_rescaling_at_every_tp_size(tmp_path):
         assert torch.equal(heads[key][1], heads[(0, 1)][1])
 
 
+def test_the_documented_commands_parse():
+    """Every ``python bench/gpu_tp.py ...`` line of docs/perf.md uses options the script has."""
+    import shlex
+
+    text = (BENCH.parent / "docs" / "perf.md").read_text()
+    lines = [ln.split("#")[0] for ln in text.splitlines() if ln.startswith("python bench/gpu_tp.py")]
+    assert len(lines) >= 4
+    for line in lines:
+        gpu_tp.parser().parse_args(shlex.split(line)[2:])  # exits 2 on an unknown option
+
+
 def test_argument_errors(capsys):
     with pytest.raises(SystemExit) as e:
         gpu_tp.main(["--device", "cpu", "--init", "scaled"])
