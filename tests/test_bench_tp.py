@@ -226,6 +226,19 @@ def test_plan_of_both_modes():
     assert extra[extra.index("--oracle") + 1] == gpu_tp.ORACLE_70B
     assert extra[extra.index("--strategies") + 1] == "mlp"
     assert phases["8b_tp4"][2] == 4 and "eagle" in phases["8b_tp4"][3]
+    # a phase's process parses the run's own arguments, then its phase's: the latter win
+    run_argv = ["--geometry", "70b", "--tp", "4", "--out", "X"]
+    child = gpu_tp.parser().parse_args([*run_argv, *phases["8b_tp4"][3]])
+    assert (child.geometry, child.tp, child.layers, child.oracle) == ("8b", 4, 32, "")
+    assert (child.strategies, child.greedy_strategies, child.batch_sizes) == ("eagle", "eagle", "1")
+    child = gpu_tp.parser().parse_args([*run_argv, *phases["70b_tp4"][3]])
+    assert (child.geometry, child.oracle_batch_sizes, child.strategies) == ("70b", "1", "mlp")
+    assert child.layers is None  # the geometry's 80
+    # --layers shrinks both models of the 70B mode
+    args = gpu_tp.parser().parse_args(["--geometry", "70b", "--layers", "8"])
+    args.tp = 4
+    extra = {p[0]: p[3] for p in gpu_tp.plan(args)}["8b_tp1"]
+    assert gpu_tp.parser().parse_args(["--layers", "8", *extra]).layers == 8
 
 
 def test_install_loader_wraps_every_binding(monkeypatch):
