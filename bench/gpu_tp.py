@@ -24,7 +24,7 @@ after every cell it measures):
   each in a ``speculant.bench.run_bench`` call of its own (a failing one is recorded, the rest
   still run); the greedy tokens of a few prompts;
 * ``equality_tp1`` / ``equality_tpN``: greedy tokens of the same prompts on the raw dummy weights
-  (below), eager: where TP 1 and TP N first differ. One process each: ``LLM(...)`` starts the
+  (below), eager, in float32 (``--equality-dtype``): where TP 1 and TP N first differ. One process each: ``LLM(...)`` starts the
   other ranks itself, as it does for a user.
 
 70B mode (``--geometry 70b --tp 4``): ``collectives``; ``70b_tp4``: plain sweep, the oracle at
@@ -290,8 +290,9 @@ def summarize(result: dict) -> dict:
     for a_name, b_name in _equality_pairs(phases, tp):
         a, b = phases[a_name], phases[b_name]
         for key in sorted(b.get("greedy", {})):
-            eq[f"{b_name}:{key} vs {a_name}:plain"] = compare_greedy(a["greedy"]["plain"],
-                                                                      b["greedy"][key])
+            eq[f"{b_name}:{key} vs {a_name}:plain"] = dict(
+                compare_greedy(a["greedy"]["plain"], b["greedy"][key]),
+                dtype=b.get("dtype"), init=b.get("init"))
     if eq:
         s["greedy_equality"] = eq
     return s
@@ -345,7 +346,8 @@ def report(result: dict) -> str:
                      + (", ".join(f"b{b} {r:.3f}" for b, r in v.items()) if key == "plain"
                         else f"{v['ratio']:.3f}"))
     for key, eq in s.get("greedy_equality", {}).items():
-        lines.append(f"greedy {key}: {eq['equal_prompts']}/{eq['prompts']} prompts equal over "
+        lines.append(f"greedy {key} ({eq.get('init')} init, {eq.get('dtype')}): "
+                     f"{eq['equal_prompts']}/{eq['prompts']} prompts equal over "
                      f"{eq['tokens_per_prompt']} tokens; first divergence {eq['first_divergence']}")
     for name, ph in result.get("phases", {}).items():
         if ph.get("errors"):
@@ -810,7 +812,7 @@ def engine_phase(args) -> None:
         model=str(target),
         load_format="dummy",
         tensor_parallel_size=args.tp,
-        dtype="bfloat16" if cuda else "float32",
+        dtype=args.dtype,
         device=args.device,
         skip_tokenizer_init=True,
         max_num_seqs=n_seqs,
@@ -824,6 +826,7 @@ def engine_phase(args) -> None:
     part["device"] = device_name(engine.device)
     part["weight_bytes_rank0"] = weight_bytes_per_step(engine.model)
     part["dtype_bytes"] = engine.dtype.itemsize
+    part["dtype"] = str(engine.dtype).replace("torch.", "")
     print(f"[{args.phase_name}] TP {args.tp} up in {part['startup_s']:.0f}s, "
           f"{part['weight_bytes_rank0'] / 1e9:.2f} GB per step on rank 0", flush=True)
     prompts = random_prompts(n_seqs, args.prompt_len, engine.vocab_size, seed=0)
@@ -1006,7 +1009,8 @@ def plan(args) -> list[tuple[str, str, int, list[str], float]]:
         # the raw dummy weights need no loader wrapper on the other ranks)
         for tp in (1, n):
             phases.append((f"equality_tp{tp}", "engine", 1,
-                           ["--tp", str(tp), "--init", "dummy", "--eager", "--no-perf"], 150))
+                           ["--tp", str(tp), "--init", "dummy", "--eager", "--no-perf",
+                            "--dtype", args.equality_dtype], 150))
     return [p for p in phases if p[0] not in skip]
 
 
@@ -1018,7 +1022,7 @@ def orchestrate(args) -> int:
         cfg["num_hidden_layers"] = args.layers
     result: dict = {
         "mode": args.geometry, "tp": args.tp, "geometry": cfg, "init": args.init,
-        "dtype": "bfloat16" if args.device == "cuda" else "float32",
+        "dtype": args.dtype,
         "device": args.device, "args": vars(args), "phases": {},
         "mlp_speculator_70b_assumed": dict(MLP_70B, inner_dim=args.mlp_inner_dim)
         if args.geometry == "70b" else None,
@@ -1073,6 +1077,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--strategy-batch-sizes", default="1")
     ap.add_argument("--greedy-strategies", default="",
                     help="strategies whose greedy tokens are recorded too (70b: eagle)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                    help="the target's dtype (default bfloat16 on CUDA, float32 on the CPU)")
+    ap.add_argument("--equality-dtype", choices=("bfloat16", "float32"), default="float32",
+                    help="the equality phases' dtype: in float32 the different summation "
+                    "order of TP N (all-reduce) rarely flips a greedy token of the raw weights; "
+                    "in bfloat16 it does within some tokens even when the sharding is right")
     ap.add_argument("--equality-prompts", type=int, default=4)
     ap.add_argument("--equality-tokens", type=int, default=48)
     ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache per rank")
@@ -1109,6 +1119,7 @@ def main(argv: list[str] | None = None) -> int:
     args.init = args.init or ("scaled" if args.device == "cuda" else "dummy")
     if args.tp < 1:
         ap.error(f"--tp {args.tp}: the tensor-parallel size is at least 1")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.init == "scaled" and args.device == "cpu":
         ap.error("--init scaled needs CUDA (the CPU path packs its weights at load time); use "
                  "--init dummy on the CPU")

@@ -100,8 +100,8 @@ def fake_result() -> dict:
             "tp1": engine(1, 176.0, 8000.0, 3.5),
             "tp2": engine(2, 300.0, 14800.0, 3.3, strategy_runs=strat,
                           errors={"eagle": "RuntimeError: boom"}),
-            "equality_tp1": {"tp": 1, "init": "dummy", "greedy": {"plain": tokens}},
-            "equality_tp2": {"tp": 2, "init": "dummy",
+            "equality_tp1": {"tp": 1, "init": "dummy", "dtype": "float32", "greedy": {"plain": tokens}},
+            "equality_tp2": {"tp": 2, "init": "dummy", "dtype": "float32",
                              "greedy": {"plain": [[5, 6, 7, 8], [9, 10, 0, 12]]}},
         },
     }
@@ -140,7 +140,7 @@ def test_report_lines():
     assert "plain TP 2 / TP 1: b1 1.705, b64 1.850 (goals: b1 >= 1.7: True, b64 >= 1.8: True)" in text
     assert "oracle oracle a=0.8 k=5 b1: TP 2 / TP 1 speedup ratio 0.943 (within 10%: True)" in text
     assert "ngram k=3 b1: 280.0 tok/s, speedup 0.970, acceptance 0.000" in text
-    assert "equality_tp2:plain vs equality_tp1:plain: 1/2 prompts equal" in text
+    assert "equality_tp2:plain vs equality_tp1:plain (dummy init, float32): 1/2 prompts equal" in text
     assert "errors in tp2: {'eagle': 'RuntimeError: boom'}" in text
     r70 = fake_70b_result()
     assert "8B example eagle k=3 b1: TP 4 / TP 1 2.375" in gpu_tp.report(r70)
