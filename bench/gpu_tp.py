@@ -1132,6 +1132,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--strategies: unknown {sorted(unknown)}; use {','.join(STRATEGIES)}")
     logging.basicConfig(level=logging.WARNING)
     if args.phase is None:
+        if args.device == "cuda":
+            import torch
+
+            have = torch.cuda.device_count()
+            if have < args.tp:
+                ap.error(f"--tp {args.tp} needs {args.tp} CUDA devices, {have} visible; use a "
+                         "smaller --tp, a machine with more GPUs, or --device cpu")
         return orchestrate(args)
     install_loader()
     try:

@@ -335,6 +335,10 @@ def test_argument_errors(capsys):
     with pytest.raises(SystemExit) as e:
         gpu_tp.main(["--strategies", "ngram,medusa"])
     assert e.value.code == 2 and "medusa" in capsys.readouterr().err
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(SystemExit) as e:
+            gpu_tp.main(["--tp", "2"])
+        assert e.value.code == 2 and "needs 2 CUDA devices" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         gpu_tp.main(["--tp", "0"])
     assert e.value.code == 2 and "at least 1" in capsys.readouterr().err
