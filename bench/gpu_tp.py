@@ -918,19 +918,22 @@ def run_phase(name: str, kind: str, ranks: int, extra: list[str], args, timeout_
     """Start ``ranks`` processes of this script for one phase, as torchrun would (its
     environment variables; rank r on cuda:r), wait up to ``timeout_s`` (then kill the phase's
     process group), and return rank 0's part (plus the other ranks' for ``collectives``) with
-    the phase's exit status and wall time."""
+    the phase's exit status and wall time. Each rank's output goes to ``parts/NAME.rankR.log``;
+    the run's own output gets the progress lines, and each log's tail when the phase failed."""
     part_dir = Path(args.out) / "parts"
     part_dir.mkdir(parents=True, exist_ok=True)
-    for old in part_dir.glob(f"{name}*.json"):
+    for old in [*part_dir.glob(f"{name}.*json"), *part_dir.glob(f"{name}.rank*.log")]:
         old.unlink()
     argv = [sys.executable, str(Path(__file__).resolve()), *args.argv, *extra,
             "--phase", kind, "--phase-name", name, "--part-dir", str(part_dir)]
     port = _free_port()
     procs: list[subprocess.Popen] = []
+    logs = [part_dir / f"{name}.rank{rank}.log" for rank in range(ranks)]
     t0 = time.perf_counter()
     for rank in range(ranks):
         # never NVLink multicast (NVLS) on a lent machine (speculant.distributed sets the same)
-        env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+        env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                   PYTHONUNBUFFERED="1")  # a killed phase still leaves its last lines
         if ranks > 1:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
                        LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
@@ -941,8 +944,9 @@ def run_phase(name: str, kind: str, ranks: int, extra: list[str], args, timeout_
         # one process group for the phase (rank 0 leads it), killed whole on a time-out
         # (setpgid in the child: Popen's process_group argument needs Python 3.11)
         group = 0 if rank == 0 else procs[0].pid
-        procs.append(subprocess.Popen(argv, env=env,
-                                      preexec_fn=lambda g=group: os.setpgid(0, g)))
+        with open(logs[rank], "w") as log:
+            procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          preexec_fn=lambda g=group: os.setpgid(0, g)))
     rc: int | None = None
     timed_out = False
     try:
@@ -960,6 +964,7 @@ def run_phase(name: str, kind: str, ranks: int, extra: list[str], args, timeout_
             for p in procs:
                 p.wait()
     wall = time.perf_counter() - t0
+    _echo_logs(logs, failed=timed_out or rc != 0)
     path = part_dir / f"{name}.json"
     part = json.loads(path.read_text()) if path.exists() else {}
     if kind == "collectives":
@@ -972,12 +977,32 @@ def run_phase(name: str, kind: str, ranks: int, extra: list[str], args, timeout_
                 "errors": part.get("errors", {})}
     part.update(rc=rc if not timed_out else None, timed_out=timed_out, phase_wall_s=wall)
     if timed_out:
-        part.setdefault("errors", {})["phase"] = f"killed after {timeout_s:.0f}s (time limit)"
+        part.setdefault("errors", {})["timeout"] = f"killed after {timeout_s:.0f}s (time limit)"
     elif rc != 0:
-        part.setdefault("errors", {})["phase"] = f"exit status {rc} (see the log above)"
+        part.setdefault("errors", {})["exit"] = f"exit status {rc} (log: {logs[0]})"
     print(f"=== phase {name}: {'timed out' if timed_out else f'rc {rc}'} in {wall:.0f}s",
           flush=True)
     return part
+
+
+PROGRESS = ("[", "rank ", "all-reduce ")  # the lines of a phase's log worth echoing
+
+
+def _echo_logs(logs: list[Path], failed: bool, tail: int = 30) -> None:
+    """Rank 0's progress lines; after a failure, the last lines of every rank's log too."""
+    for rank, log in enumerate(logs):
+        if not log.exists():
+            continue
+        lines = log.read_text(errors="replace").splitlines()
+        if rank == 0 or failed:
+            for line in lines:
+                if line.startswith(PROGRESS) and not line.startswith("[transformers]"):
+                    print(line[:300])
+        if failed:
+            print(f"--- {log.name}: last {tail} lines")
+            for line in lines[-tail:]:
+                print(line[-300:])
+    sys.stdout.flush()
 
 
 def plan(args) -> list[tuple[str, str, int, list[str], float]]:
