@@ -115,11 +115,12 @@ def _ok(proc: subprocess.CompletedProcess) -> str:
 
 
 # ------------------------------------------------------------------ offline examples
-# one process per example: the default run keeps one offline example (legacy_ngram.py) and one
-# server example; what the slow ones exercise runs in-process in the default run too: the
-# walkthrough's fields (test_walkthrough_field_works, test_best_of_...: the walkthrough script
-# alone took 100-150 s on a busy 2-core machine), draft models (test_draft_model.py), tensor
-# parallelism (test_tensor_parallel.py)
+# one process per example: the default run keeps one offline example (legacy_ngram.py); what the
+# slow ones exercise runs in-process in the default run too: the walkthrough's fields
+# (test_walkthrough_field_works, test_best_of_...: the walkthrough script alone took 100-150 s on
+# a busy 2-core machine), draft models (test_draft_model.py), tensor parallelism
+# (test_tensor_parallel.py), the OpenAI server (test_server.py; started from the command line by
+# tests/test_docs.py's client blocks)
 SLOW = pytest.mark.slow
 OFFLINE = [
     pytest.param("spec_decode_draft_model.py", marks=SLOW),
@@ -234,7 +235,8 @@ def _client(name: str, world, port: int) -> str:
     return _ok(_run_python(_adapt((EXAMPLES / name).read_text(), world, port), world, 120))
 
 
-@pytest.mark.parametrize("launcher", ["python -m", pytest.param("speculant serve", marks=SLOW)])
+@pytest.mark.slow  # ~15 s busy per launcher (see SLOW above)
+@pytest.mark.parametrize("launcher", ["python -m", "speculant serve"])
 def test_server_example_and_its_client(world, launcher):
     script = (EXAMPLES / "spec_decode_server.sh").read_text()
     if launcher == "speculant serve":
