@@ -1,7 +1,7 @@
 """The cost of ``EngineConfig.batch_invariant`` on the Llama-3-8B synthetic target, and its check.
 
-    python bench/gpu_batch_invariant.py --out bench/results [--layers 32] [--batch-sizes 1,8,64]
-                                        [--gemm cublas|triton]
+    python bench/gpu_batch_invariant.py --out bench/results --stem gpu_batch_invariant_h100
+        [--layers 32] [--batch-sizes 1,8,64] [--gemm cublas|triton]
 
 One engine per mode (off, on): bench/gpu_8b.py's synthetic target (Llama-3-8B geometry, bf16,
 random weights made on the GPU, nothing downloaded; CUDA graphs, captured at start-up). Per mode:
@@ -19,7 +19,7 @@ random weights made on the GPU, nothing downloaded; CUDA graphs, captured at sta
 
 The synthetic target's LM head makes greedy choices win by a wide margin (bench/gpu_8b.py
 ``_permutation_head``): the tokens agree in either mode, the log-probabilities tell. Writes
-gpu_batch_invariant.json to ``--out``; exits 1 if a check with the mode fails. About 2 minutes on
+``--stem``.json to ``--out``; exits 1 if a check with the mode fails. About 2 minutes on
 an H100.
 """
 
@@ -133,6 +133,8 @@ def _ngram_check(llm, prompts, n: int, tokens: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--stem", default="gpu_batch_invariant",
+                    help="output file name without .json (README cites gpu_batch_invariant_h100)")
     ap.add_argument("--layers", type=int, default=32, help="target layers (32: Llama-3-8B)")
     ap.add_argument("--batch-sizes", default="1,8,64")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -201,7 +203,7 @@ def main() -> int:
     result["wall_s"] = time.perf_counter() - t_start
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "gpu_batch_invariant.json"
+    path = out / f"{args.stem}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path} after {result['wall_s']:.0f}s; checks with the mode "
           f"{'pass' if ok else 'FAIL'}", flush=True)
