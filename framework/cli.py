@@ -448,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_serve_parser(sub)
     _add_token_map_parser(sub)
+    from speculant.training.cli import add_parsers as add_training_parsers
+
+    add_training_parsers(sub)  # train, eval-acceptance (docs/training.md)
     return parser
 
 

@@ -1,0 +1,44 @@
+"""``train(method, ...)``: self-distillation data, a head of ``method``, the training loop and
+its checkpoint, in one call (what ``speculant train`` runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from speculant.training.data import build_dataset
+from speculant.training.heads import HEADS, TargetInfo, Trainable
+from speculant.training.loop import TrainConfig, TrainResult, train_head
+
+
+def make_head(method: str, target: TargetInfo, **options: Any) -> Trainable:
+    """A fresh trainable head of ``method`` (``HEADS``' keys) for ``target``; ``options`` go to
+    its constructor (e.g. ``steps=4`` for eagle, ``n_predict=3`` for mlp_speculator)."""
+    if method not in HEADS:
+        raise ValueError(f"no trainable head for method {method!r}; trainable: {sorted(HEADS)} "
+                         "(a third-party head: pass it to speculant.training.train_head)")
+    return HEADS[method](target, **options)
+
+
+def train(method: str, out: str | Path, model: str | None = None, *, num_prompts: int | None = None,
+          max_new_tokens: int = 128, cache_dir: str | Path | None = None,
+          head_options: dict[str, Any] | None = None, resume: bool = False,
+          progress: bool = True, device: str | None = None, stop_at: int | None = None,
+          **train_options: Any) -> TrainResult:
+    """Train a ``method`` head for ``model`` (default: the embedded SmolLM2-135M-Instruct) on
+    the target's own greedy replies to the training prompts; write it into ``out`` in the
+    layout ``speculative_config={"method": method, "model": out}`` loads. ``train_options``
+    are :class:`TrainConfig` fields (steps, lr, batch_size, ...); ``cache_dir`` (default
+    ``out/data``) keeps the distilled data for later runs; ``stop_at``: see ``train_head``."""
+    from speculant.models.loader import resolve_model
+
+    config = TrainConfig(**train_options)
+    folder = resolve_model(model)
+    target = TargetInfo.load(folder)
+    head = make_head(method, target, **(head_options or {}))
+    data = build_dataset(str(folder), "train", num_prompts, max_new_tokens,
+                         aux_layers=tuple(head.aux_layers),
+                         cache_dir=cache_dir if cache_dir is not None else Path(out) / "data",
+                         progress=progress)
+    return train_head(head, data, out, config, resume=resume, progress=progress, device=device,
+                      stop_at=stop_at)

@@ -1,0 +1,92 @@
+"""``speculant train`` and ``speculant eval-acceptance`` (docs/training.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _json_object(text: str, flag: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"{flag} must be a JSON object")
+    return value
+
+
+def add_parsers(sub) -> None:
+    t = sub.add_parser("train", help="train a speculation head on the target's own greedy "
+                       "replies (self-distillation; docs/training.md)")
+    t.add_argument("method", help="eagle, mlp_speculator or medusa")
+    t.add_argument("--model", default=None, help="the target: HF folder, .gguf file, hub id; "
+                   "default: the embedded SmolLM2-135M-Instruct")
+    t.add_argument("--out", required=True, help="folder of the trained head (and its trainer "
+                   "state, history.json, loss.png)")
+    t.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
+    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: 1e-3)")
+    t.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
+    t.add_argument("--warmup", type=int, default=20, help="warmup steps (default: 20)")
+    t.add_argument("--checkpoint-every", type=int, default=100,
+                   help="save the trainer state every N steps (default: 100)")
+    t.add_argument("--stop-at", type=int, default=None,
+                   help="stop after this step (state saved; --resume continues) (default: none)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the trainer state in --out")
+    t.add_argument("--num-prompts", type=int, default=None,
+                   help="training prompts used (default: all of the train split)")
+    t.add_argument("--max-new-tokens", type=int, default=128,
+                   help="length of the target's reply to each prompt (default: 128)")
+    t.add_argument("--cache-dir", default=None,
+                   help="where the distilled data is kept (default: OUT/data)")
+    t.add_argument("--head-options", default="{}",
+                   help='JSON of the head\'s options, e.g. \'{"steps": 4}\' for eagle, '
+                   '\'{"n_predict": 3}\' for mlp_speculator, \'{"num_heads": 4}\' for medusa')
+    t.add_argument("--save-dtype", default="float16", choices=["float16", "bfloat16", "float32"],
+                   help="dtype of the written checkpoint (default: float16)")
+    t.add_argument("--device", default=None, help="training device (default: cuda if "
+                   "available, else cpu)")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval-acceptance", help="acceptance by position, tokens per target "
+                       "forward and speedup of a strategy on held-out prompts (JSON + PNG)")
+    e.add_argument("--model", default=None, help="the target (default: the embedded "
+                   "SmolLM2-135M-Instruct)")
+    e.add_argument("--spec", required=True,
+                   help='the speculative_config as JSON, e.g. \'{"method": "eagle", "model": '
+                   '"heads/eagle"}\'')
+    e.add_argument("--prompts", default="held-out", choices=["held-out", "train"],
+                   help="prompt split (default: held-out)")
+    e.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts per category (default: all)")
+    e.add_argument("--max-tokens", type=int, default=128, help="reply length (default: 128)")
+    e.add_argument("--out", default="acceptance",
+                   help="folder of acceptance.json and acceptance.png (default: ./acceptance)")
+    e.add_argument("--device", default="auto", help="cpu, cuda or auto (default: auto)")
+    e.set_defaults(func=cmd_eval_acceptance)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from speculant.training.api import train
+
+    res = train(args.method, args.out, args.model, num_prompts=args.num_prompts,
+                max_new_tokens=args.max_new_tokens, cache_dir=args.cache_dir,
+                head_options=_json_object(args.head_options, "--head-options"),
+                resume=args.resume, device=args.device, stop_at=args.stop_at,
+                steps=args.steps, lr=args.lr, batch_size=args.batch_size, warmup=args.warmup,
+                checkpoint_every=args.checkpoint_every, save_dtype=args.save_dtype)
+    last = res.history[-1] if res.history else {}
+    print(f"wrote {res.out} after {res.steps} steps ({res.wall_s:.0f} s training): loss "
+          f"{last.get('loss', float('nan')):.3f}, top-1 by position {last.get('acc')}; load it "
+          f"with speculative_config={{\"method\": \"{args.method}\", \"model\": \"{res.out}\"}}")
+    return 0
+
+
+def cmd_eval_acceptance(args: argparse.Namespace) -> int:
+    from speculant.training.evaluate import eval_acceptance
+
+    eval_acceptance(_json_object(args.spec, "--spec"), args.model, args.prompts,
+                    args.num_prompts, args.max_tokens, args.out, args.device)
+    print(f"wrote {args.out}/acceptance.json and {args.out}/acceptance.png")
+    return 0

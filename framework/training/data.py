@@ -1,0 +1,150 @@
+"""Self-distillation data: the target's own greedy replies to a prompt set, and the hidden states
+a head trains on, cached on disk.
+
+For every prompt the target (speculant's engine, greedy) writes a reply of up to
+``max_new_tokens`` tokens; then one Hugging Face ``transformers`` forward of the whole sequence
+(prompt + reply, fp32 on the CPU) records the target's final-norm hidden state at every position
+(the LM head's input: what EAGLE-1, MLPSpeculator and Medusa read) and, when asked, the residual
+stream entering given decoder layers (EAGLE-3's features). A head then learns to predict the
+reply's tokens, which are exactly what the target emits under greedy decoding."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from speculant.training.prompts import Prompt, prompt_set
+
+
+@dataclass
+class Example:
+    tokens: torch.Tensor  # [T] int64: prompt + the target's greedy reply
+    start: int  # index of the reply's first token (tokens[start:] are the target's own)
+    final: torch.Tensor  # [T, H] float16: final-norm hidden state at each position
+    aux: torch.Tensor | None = None  # [T, len(aux_layers) * H] float16: layer inputs
+    category: str = ""
+
+
+@dataclass
+class Dataset:
+    model: str  # the target's folder
+    hidden_size: int
+    vocab_size: int
+    aux_layers: tuple[int, ...] = ()
+    examples: list[Example] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:  # reply tokens: the ones a head learns to predict
+        return sum(len(e.tokens) - e.start for e in self.examples)
+
+    def token_counts(self) -> torch.Tensor:  # [vocab] int64: how often each reply token occurs
+        counts = torch.zeros(self.vocab_size, dtype=torch.long)
+        for e in self.examples:
+            counts += torch.bincount(e.tokens[e.start:], minlength=self.vocab_size)
+        return counts
+
+
+def generate_replies(model: str | None, prompts: list[Prompt], max_new_tokens: int,
+                     device: str = "auto") -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy reply ids) of every prompt, as a chat turn, by speculant's engine."""
+    from speculant import LLM, SamplingParams
+
+    llm = LLM(model=model, device=device, max_num_seqs=32)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    outs = llm.chat([[{"role": "user", "content": p.text}] for p in prompts], params,
+                    use_tqdm=True)
+    return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+
+
+@torch.inference_mode()
+def hidden_states(folder: Path, sequences: list[list[int]], aux_layers: tuple[int, ...] = (),
+                  progress: bool = True) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(final-norm hidden [T, H], inputs of ``aux_layers`` concatenated [T, 3H] or None) of each
+    token sequence, fp16, from one fp32 ``transformers`` forward per sequence on the CPU."""
+    import transformers
+    from tqdm import tqdm
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    hf.eval()
+    base = hf.model
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [base.norm.register_forward_hook(lambda m, a, out: seen.__setitem__("final", out))]
+    for i in aux_layers:
+        def pre(m, args, kwargs, i=i):
+            seen[f"aux{i}"] = args[0] if args else kwargs["hidden_states"]
+        hooks.append(base.layers[i].register_forward_pre_hook(pre, with_kwargs=True))
+    out = []
+    try:
+        for ids in tqdm(sequences, desc="target hidden states", disable=not progress):
+            seen.clear()
+            base(input_ids=torch.tensor([ids]))
+            final = seen["final"][0].to(torch.float16)  # [T, H]
+            aux = (torch.cat([seen[f"aux{i}"][0] for i in aux_layers], -1).to(torch.float16)
+                   if aux_layers else None)  # [T, 3H]
+            out.append((final, aux))
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def build_dataset(model: str | None = None, split: str = "train", num_prompts: int | None = None,
+                  max_new_tokens: int = 128, aux_layers: tuple[int, ...] = (),
+                  cache_dir: str | Path | None = None, device: str = "auto",
+                  progress: bool = True) -> Dataset:
+    """The self-distillation data of the first ``num_prompts`` prompts of ``split`` (all when
+    None). With ``cache_dir`` the dataset is saved there and reused by later calls of the same
+    arguments (the file name is a hash of them)."""
+    from speculant.models.loader import resolve_model
+
+    folder = resolve_model(model)
+    prompts = prompt_set(split)[:num_prompts]
+    key = json.dumps([str(folder), split, len(prompts), max_new_tokens, list(aux_layers)])
+    cache = None
+    if cache_dir is not None:
+        name = f"distill-{split}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
+        cache = Path(cache_dir) / name
+        if cache.exists():
+            return torch.load(cache, weights_only=False)
+    replies = generate_replies(str(folder), prompts, max_new_tokens, device)
+    seqs = [p + r for p, r in replies]
+    feats = hidden_states(folder, seqs, aux_layers, progress)
+    cfg = json.loads((folder / "config.json").read_text())
+    ds = Dataset(str(folder), int(cfg["hidden_size"]), int(cfg["vocab_size"]), tuple(aux_layers))
+    for prompt, (p, _), seq, (final, aux) in zip(prompts, replies, seqs, feats):
+        ds.examples.append(Example(torch.tensor(seq), len(p), final, aux, prompt.category))
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(ds, cache)
+    return ds
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, T] int64 (0 after a sequence's end)
+    target: torch.Tensor  # [B, T] bool: tokens[b, t] is the target's own (a reply token)
+    final: torch.Tensor  # [B, T, H] float32
+    aux: torch.Tensor | None  # [B, T, F] float32
+
+
+def collate(examples: list[Example], device: torch.device | str = "cpu") -> Batch:
+    """Pad ``examples`` to the longest; padding is never a target token."""
+    B, T = len(examples), max(len(e.tokens) for e in examples)
+    H = examples[0].final.shape[-1]
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    target = torch.zeros(B, T, dtype=torch.bool)
+    final = torch.zeros(B, T, H)
+    aux = None if examples[0].aux is None else torch.zeros(B, T, examples[0].aux.shape[-1])
+    for b, e in enumerate(examples):
+        n = len(e.tokens)
+        tokens[b, :n], target[b, e.start:n] = e.tokens, True
+        final[b, :n] = e.final.float()
+        if aux is not None:
+            aux[b, :n] = e.aux.float()
+    dev = torch.device(device)
+    return Batch(tokens.to(dev), target.to(dev), final.to(dev),
+                 None if aux is None else aux.to(dev))

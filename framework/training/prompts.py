@@ -1,0 +1,150 @@
+"""The prompt sets that training and acceptance evaluation read: original short prompts in four
+categories (chat, code, math, summarization), built deterministically from templates and topic
+lists written for this repository (no downloads, nothing read from outside the package).
+
+``prompt_set("train")`` and ``prompt_set("held-out")`` never share a topic: every category's
+topic list is split by index (every fifth topic is held out), so acceptance measured on the
+held-out set is not measured on anything the head was trained on."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+CATEGORIES = ("chat", "code", "math", "summarization")
+SPLITS = ("train", "held-out")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    category: str  # one of CATEGORIES
+    text: str  # the user message
+
+
+_CHAT_TOPICS = [
+    "how rainbows form", "why the sky is blue", "how vaccines train the immune system",
+    "what a black hole is", "how bees make honey", "why leaves change color in autumn",
+    "how a bicycle stays upright", "what causes tides", "how airplanes fly",
+    "why we dream", "how a refrigerator keeps food cold", "what inflation means",
+    "how the internet sends a message", "why cats purr", "how volcanoes erupt",
+    "what photosynthesis does", "how a compass works", "why the moon has phases",
+    "how batteries store energy", "what a credit score is", "how to start a vegetable garden",
+    "how to prepare for a job interview", "how to keep a houseplant alive",
+    "how to learn a new language", "how to save money on groceries", "how to sleep better",
+    "how to make a good cup of tea", "how to write a thank-you note", "how to plan a road trip",
+    "how to stay focused while studying", "how earthquakes are measured",
+    "what the water cycle is", "how a microwave heats food", "why salt melts ice",
+    "how glaciers move", "what a solar eclipse is", "how a camera captures light",
+    "why exercise improves mood", "how recycling plastic works", "what an atom is made of",
+    "how birds migrate", "why bread rises", "how a thermostat works", "what a budget is for",
+    "how to train a puppy", "how to run a first five kilometres", "how to organise a closet",
+    "how to cook rice on a stove", "how clouds form", "why the ocean is salty",
+]
+_CHAT_TEMPLATES = [
+    "Explain {t} in simple terms.", "Can you tell me {t}?", "Give me a short overview of {t}.",
+    "I'm curious about {t}. What should I know?",
+]
+
+_CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "returns the factorial of n",
+    "counts the vowels in a string", "finds the largest element of a list",
+    "removes duplicates from a list while keeping order", "computes the nth Fibonacci number",
+    "checks whether a string is a palindrome", "merges two sorted lists",
+    "returns the sum of the digits of an integer", "converts Celsius to Fahrenheit",
+    "flattens a nested list", "counts how often each word appears in a text",
+    "returns the second smallest number in a list", "checks whether two strings are anagrams",
+    "computes the greatest common divisor of two numbers", "transposes a matrix",
+    "finds the index of a value with binary search", "rotates a list by k positions",
+    "returns all even numbers from a list", "capitalises the first letter of every word",
+    "computes the mean and median of a list", "checks whether brackets are balanced",
+    "converts a decimal number to binary", "returns the longest word in a sentence",
+    "sorts a list of tuples by their second element", "chunks a list into pieces of size n",
+    "computes the running total of a list", "checks whether a year is a leap year",
+    "finds the common elements of two lists", "counts the lines in a text file",
+    "returns the n largest values of a list", "validates a simple email address",
+    "computes the dot product of two vectors", "removes all whitespace from a string",
+    "groups words by their first letter", "returns the prime factors of a number",
+    "implements a stack with push and pop", "reads a CSV file into a list of dictionaries",
+    "computes the power set of a list",
+]
+_CODE_LANGS = ["Python", "Python", "JavaScript", "C"]
+_CODE_TEMPLATES = [
+    "Write a {lang} function that {t}.", "Show me {lang} code that {t}, with a short explanation.",
+]
+
+_MATH_ITEMS = [
+    "apples", "pencils", "books", "marbles", "stickers", "cookies", "coins", "cards", "shells",
+    "stamps", "balloons", "oranges", "tickets", "flowers", "candles", "buttons", "eggs", "bottles",
+    "blocks", "beads",
+]
+_MATH_NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jo"]
+_MATH_TEMPLATES = [
+    "{n} has {a} {i}. They buy {b} more and then give away {c}. How many {i} are left? "
+    "Explain step by step.",
+    "A box holds {a} {i}. How many {i} are in {b} boxes? Show your work.",
+    "{n} shares {a} {i} equally among {b} friends. How many does each friend get, and how many "
+    "are left over?",
+    "What is {a} plus {b} times {c}? Explain the order of operations.",
+    "A shop sells {i} at {b} dollars each. How much do {a} of them cost?",
+]
+
+_SUMMARY_SUBJECTS = [
+    ("a small town library", "opened a reading room for teenagers", "visits doubled"),
+    ("a city council", "added protected bike lanes downtown", "cycling trips rose sharply"),
+    ("a local bakery", "switched to solar panels", "its power bill fell by a third"),
+    ("a high school", "started a weekly coding club", "forty students joined"),
+    ("a hospital", "introduced online appointment booking", "waiting times dropped"),
+    ("a farm cooperative", "planted drought-tolerant wheat", "harvests stayed stable"),
+    ("a museum", "offered free entry on Sundays", "families visited more often"),
+    ("a tech startup", "moved to a four-day work week", "staff turnover fell"),
+    ("a river park", "removed invasive plants", "native birds returned"),
+    ("a bus company", "bought electric buses", "noise complaints decreased"),
+    ("a community garden", "shared tools among members", "more vegetables were grown"),
+    ("a university", "recorded all its lectures", "exam pass rates improved slightly"),
+    ("a zoo", "built a larger elephant enclosure", "the animals became more active"),
+    ("a coffee chain", "stopped using plastic straws", "customers mostly approved"),
+    ("a fishing village", "limited catches for two years", "fish stocks recovered"),
+    ("a hotel", "trained staff in first aid", "guests felt safer"),
+    ("a football club", "opened a youth academy", "three players reached the first team"),
+    ("a newspaper", "launched a daily podcast", "younger readers subscribed"),
+    ("a primary school", "served free breakfasts", "attendance went up"),
+    ("a car factory", "installed new safety sensors", "accidents fell to zero"),
+]
+_SUMMARY_TEMPLATES = [
+    "Summarize in one sentence: Last year {s} {a}. The change was debated at first, and some "
+    "people worried about the cost. After twelve months, {r}, and most residents said they "
+    "wanted the program to continue.",
+    "Give a two-line summary of this note: {S} {a} after a long planning process. Early "
+    "reports show that {r}. Organisers say they will publish a full review next spring.",
+]
+
+
+def _split(items: list, split: str) -> list:
+    if split not in SPLITS:
+        raise ValueError(f"unknown prompt split {split!r}; use one of {SPLITS}")
+    held = split == "held-out"
+    return [x for i, x in enumerate(items) if (i % 5 == 4) == held]
+
+
+def prompt_set(split: str = "train") -> list[Prompt]:
+    """Every prompt of ``split`` ("train" or "held-out"), in a fixed order (categories
+    interleaved, so any prefix of the list covers all four)."""
+    by_cat: dict[str, list[str]] = {c: [] for c in CATEGORIES}
+    for t in _split(_CHAT_TOPICS, split):
+        by_cat["chat"] += [tpl.format(t=t) for tpl in _CHAT_TEMPLATES]
+    for i, t in enumerate(_split(_CODE_TASKS, split)):
+        for j, tpl in enumerate(_CODE_TEMPLATES):
+            by_cat["code"].append(tpl.format(t=t, lang=_CODE_LANGS[(i + j) % len(_CODE_LANGS)]))
+    rng = random.Random(1234 if split == "train" else 4321)
+    for item in _split(_MATH_ITEMS, split):
+        for tpl in _MATH_TEMPLATES:
+            a, b = rng.randint(12, 60), rng.randint(3, 11)
+            by_cat["math"].append(tpl.format(n=rng.choice(_MATH_NAMES), i=item, a=a, b=b,
+                                             c=rng.randint(2, a // 2)))
+    for s, a, r in _split(_SUMMARY_SUBJECTS, split):
+        for tpl in _SUMMARY_TEMPLATES:
+            by_cat["summarization"].append(tpl.format(s=s, S=s[0].upper() + s[1:], a=a, r=r))
+    out: list[Prompt] = []
+    for i in range(max(len(v) for v in by_cat.values())):
+        out += [Prompt(c, by_cat[c][i]) for c in CATEGORIES if i < len(by_cat[c])]
+    return out

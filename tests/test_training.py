@@ -1,0 +1,203 @@
+"""speculant.training (docs/training.md): every trainable method learns on self-distillation data
+of a tiny random Llama (its loss falls), writes a checkpoint that ``speculative_config={"method":
+..., "model": out}`` loads unchanged and whose greedy output equals plain decoding; training
+resumes where its saved state left off; eval-acceptance writes its table, JSON and plot; the
+``speculant train`` / ``eval-acceptance`` commands run the same code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from speculant import LLM, SamplingParams
+from speculant.training import (
+    TargetInfo,
+    Trainable,
+    TrainConfig,
+    build_dataset,
+    eval_acceptance,
+    make_head,
+    prompt_set,
+    train_head,
+)
+from speculant.training.prompts import CATEGORIES, SPLITS
+
+HEAD_OPTIONS = {"eagle": {"steps": 3}, "mlp_speculator": {"n_predict": 3},
+                "medusa": {"num_heads": 3}}
+
+
+@pytest.fixture(scope="module")
+def target(tiny_factory) -> Path:
+    return tiny_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def data(target, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("distill")
+    ds = build_dataset(str(target), "train", num_prompts=8, max_new_tokens=24, cache_dir=cache,
+                       progress=False)
+    again = build_dataset(str(target), "train", num_prompts=8, max_new_tokens=24,
+                          cache_dir=cache, progress=False)  # from the cache file
+    assert len(list(cache.iterdir())) == 1
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(ds.examples, again.examples))
+    return ds
+
+
+def test_prompt_sets_cover_every_category_and_never_share_a_prompt():
+    sets = {s: prompt_set(s) for s in SPLITS}
+    for s in SPLITS:
+        assert {p.category for p in sets[s]} == set(CATEGORIES)
+        assert {p.category for p in sets[s][:4]} == set(CATEGORIES)  # interleaved
+    assert len(sets["train"]) >= 300 and len(sets["held-out"]) >= 60
+    assert not {p.text for p in sets["train"]} & {p.text for p in sets["held-out"]}
+    with pytest.raises(ValueError, match="unknown prompt split"):
+        prompt_set("test")
+
+
+def test_dataset_holds_the_targets_greedy_replies_and_their_features(target, data):
+    """The reply tokens are the target's greedy continuation, and the final hidden state at each
+    position gives (through the target's LM head) the next token of the reply."""
+    info = TargetInfo.load(target)
+    assert data.num_tokens > 0 and data.hidden_size == info.hidden_size
+    e = data.examples[0]
+    logits = e.final.float() @ info.lm_head.T  # [T, V]
+    pred = logits.argmax(-1)[e.start - 1:-1]  # the token each position produced
+    assert (pred == e.tokens[e.start:]).float().mean() > 0.95  # fp16 features: near ties aside
+
+
+def replies(llm: LLM) -> list[list[int]]:
+    """Greedy replies of ``llm`` to three held-out prompts."""
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    prompts = [[{"role": "user", "content": p.text}] for p in prompt_set("held-out")[:3]]
+    return [o.outputs[0].token_ids for o in llm.chat(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def plain(target) -> list[list[int]]:
+    return replies(LLM(model=str(target)))
+
+
+@pytest.mark.parametrize("method", ["eagle", "mlp_speculator", "medusa"])
+def test_each_method_learns_and_its_checkpoint_runs_losslessly(method, target, data, plain,
+                                                              tmp_path):
+    from speculant.spec_registry import available_strategies
+
+    if method not in available_strategies():
+        pytest.skip(f"strategy {method!r} not installed (examples/speculant-medusa)")
+    torch.manual_seed(0)
+    head = make_head(method, TargetInfo.load(target), **HEAD_OPTIONS[method])
+    assert isinstance(head, Trainable)
+    out = tmp_path / method
+    cfg = TrainConfig(steps=20, batch_size=4, lr=3e-3, warmup=3, save_dtype="float32")
+    res = train_head(head, data, out, cfg, progress=False, device="cpu")
+    losses = [h["loss"] for h in res.history]
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < 0.9 * first, (method, losses)
+    assert len(res.history[-1]["acc"]) == head.num_positions
+    assert (out / "loss.png").stat().st_size > 0 and (out / "trainer_state.pt").exists()
+    assert len(json.loads((out / "history.json").read_text())) == 20
+
+    llm = LLM(model=str(target), speculative_config={"method": method, "model": str(out)})
+    assert replies(llm) == plain
+    m = llm.get_metrics()
+    assert m.num_draft_tokens > 0
+
+
+def test_resume_continues_exactly(target, data, tmp_path):
+    def run(out: Path, resume: bool, stop_at: int | None = None) -> dict:
+        torch.manual_seed(0)
+        head = make_head("mlp_speculator", TargetInfo.load(target), n_predict=2)
+        cfg = TrainConfig(steps=6, batch_size=2, lr=1e-3, warmup=2, checkpoint_every=2)
+        res = train_head(head, data, out, cfg, resume=resume, progress=False, device="cpu",
+                         stop_at=stop_at)
+        return {"head": head.state_dict(), "history": res.history}
+
+    whole = run(tmp_path / "whole", False)
+    assert len(run(tmp_path / "parts", False, stop_at=3)["history"]) == 3
+    resumed = run(tmp_path / "parts", True)
+    assert [h["step"] for h in resumed["history"]] == list(range(1, 7))
+    for a, b in zip(whole["history"], resumed["history"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    for k, v in whole["head"].items():
+        torch.testing.assert_close(resumed["head"][k], v)
+    torch.manual_seed(0)
+    head = make_head("mlp_speculator", TargetInfo.load(target), n_predict=2)
+    with pytest.raises(ValueError, match="other training settings"):
+        train_head(head, data, tmp_path / "parts", TrainConfig(steps=8, batch_size=3),
+                   resume=True, progress=False, device="cpu")
+
+
+def test_unknown_method_names_the_trainable_ones(target):
+    with pytest.raises(ValueError, match="trainable: .*eagle"):
+        make_head("ngram", TargetInfo.load(target))
+
+
+def test_eval_acceptance_writes_table_json_and_plot(target, tmp_path, capsys):
+    res = eval_acceptance({"method": "ngram", "num_speculative_tokens": 3}, model=str(target),
+                          num_prompts=1, max_tokens=16, out=tmp_path)
+    table = capsys.readouterr().out
+    assert set(res["categories"]) == set(CATEGORIES)
+    assert res["all"]["identical"] is True
+    assert res["all"]["tokens_per_forward"] >= 1.0
+    saved = json.loads((tmp_path / "acceptance.json").read_text())
+    assert saved["all"] == res["all"]
+    assert (tmp_path / "acceptance.png").stat().st_size > 0
+    for c in (*CATEGORIES, "all"):
+        assert c in table
+
+
+class SkipOneHead(torch.nn.Module):
+    """A third-party head: one linear map from h_p to the token after next, t_{p+2}."""
+
+    method = "skip_one"
+    num_positions = 1
+    aux_layers = ()
+
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.out = torch.nn.Linear(hidden, vocab, bias=False)
+        self.saved: Path | None = None
+
+    def loss(self, batch):
+        from speculant.training.heads import HeadLoss, shifted, token_loss
+
+        ce, hits, n = token_loss(batch.final, self.out.weight, shifted(batch.tokens, 2),
+                                 shifted(batch.target, 2, False))
+        return HeadLoss(ce, hits[None], n[None])
+
+    def save_pretrained(self, out: Path, dtype=torch.float16) -> None:
+        from safetensors.torch import save_file
+
+        save_file({"out.weight": self.out.weight.detach().to(dtype)}, str(out / "head.safetensors"))
+        self.saved = out
+
+
+def test_a_third_party_head_trains_through_the_same_loop(data, tmp_path):
+    torch.manual_seed(0)
+    head = SkipOneHead(data.hidden_size, data.vocab_size)
+    assert isinstance(head, Trainable)
+    res = train_head(head, data, tmp_path, TrainConfig(steps=15, batch_size=4, lr=1e-2, warmup=0),
+                     progress=False, device="cpu")
+    assert res.history[-1]["loss"] < 0.8 * res.history[0]["loss"]
+    assert head.saved == tmp_path and (tmp_path / "head.safetensors").exists()
+
+
+def test_cli_train_then_eval_acceptance(target, tmp_path, capsys):
+    from speculant.cli import main
+
+    out = tmp_path / "mlp"
+    assert main(["train", "mlp_speculator", "--model", str(target), "--out", str(out),
+                 "--steps", "4", "--batch-size", "2", "--num-prompts", "4",
+                 "--max-new-tokens", "8", "--head-options", '{"n_predict": 2}']) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["n_predict"] == 2
+    assert len(list((out / "data").glob("distill-train-*.pt"))) == 1
+    spec = json.dumps({"method": "mlp_speculator", "model": str(out)})
+    assert main(["eval-acceptance", "--model", str(target), "--spec", spec, "--num-prompts", "1",
+                 "--max-tokens", "8", "--out", str(tmp_path / "acc")]) == 0
+    assert "tok/fwd" in capsys.readouterr().out
+    assert json.loads((tmp_path / "acc" / "acceptance.json").read_text())["all"]["identical"]
+    assert main(["train", "ngram", "--model", str(target), "--out", str(tmp_path / "x")]) == 2
