@@ -22,10 +22,12 @@ from checkpoints import BIG_V, make_eagle1, make_eagle3, make_mlp
 from speculant import LLM, SamplingParams
 from speculant.config import EngineConfig
 from speculant.engine.tp_runner import (
-    CAPACITY,
     FORWARD,
+    MAX_CAPACITY,
+    MIN_CAPACITY,
     SCORE,
     RemoteSeq,
+    next_capacity,
     pack_call,
     unpack_call,
 )
@@ -138,9 +140,13 @@ def test_call_message_round_trip():
     # tokens still on the device: only their count travels
     call = unpack_call(pack_call(FORWARD, 1, (), seqs, toks))
     assert [len(t) for t in call.new_tokens] == [1, 3, 40] and call.seqs == seqs
-    # a decode step of 32 sequences with tables of 8 blocks fits the one fixed broadcast
+    # a decode step of 32 sequences with tables of 8 blocks fits the smallest buffer
     small = pack_call(FORWARD, 0, (), [RemoteSeq(100, list(range(8)))] * 32, [[1]] * 32)
-    assert len(small) <= CAPACITY
+    assert len(small) <= MIN_CAPACITY
+    # the next buffer: a power of two with room for a quarter more, within the bounds
+    assert next_capacity(len(small)) == MIN_CAPACITY
+    assert [next_capacity(n) for n in (600, 900, 1000)] == [1024, 2048, 2048]
+    assert next_capacity(10**6) == MAX_CAPACITY
 
 
 # -------------------------------------------------------------------------------- runtime
@@ -152,6 +158,11 @@ def test_tp2_greedy_equals_tp1_then_close(tiny_llama, plain_ref):
     assert len(procs) == 1 and _worker_pids() == [procs[0].pid]
     assert llm.engine.async_decoder is not None
     assert _ids(llm, _greedy()) == plain_ref
+    # a 600-token prefill outgrows the broadcast buffer: its rest follows in a second one; the
+    # size-1 LLM of the reference, made beside the TP2 one, holds the whole model
+    long = [list(range(3, 303)), list(range(400, 700))]
+    ref = _ids(LLM(model=str(tiny_llama), max_num_seqs=8), _greedy(8), long)
+    assert _ids(llm, _greedy(8), long) == ref
     llm.close()
     assert procs[0].poll() == 0 and _worker_pids() == []
     with pytest.raises(RuntimeError, match="shut down"):

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import json
 import logging
 import os
 import pickle
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -317,14 +319,14 @@ def serve(spec: WorkerSpec, tp: TensorParallel, device: torch.device, status=Non
     """A worker's life after the rendezvous: load its shard, agree on the KV blocks, then run
     rank 0's calls on its own runner until shutdown."""
     from speculant.engine.model_runner import ModelRunner
-    from speculant.engine.tp_runner import apply_call, receive_call
+    from speculant.engine.tp_runner import Channel, apply_call, receive_call
     from speculant.models.loader import load_model
 
     cfg = spec.config
     model = None
     try:
         model = load_model(spec.folder, spec.hf_config, spec.dtype, device, spec.max_model_len,
-                           load_format=cfg.load_format, seed=cfg.seed)
+                           load_format=cfg.load_format, seed=cfg.seed, tp=tp)
         fit = _fit_blocks(spec, model, device)
         _report(status, state="loaded")
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
@@ -337,7 +339,8 @@ def serve(spec: WorkerSpec, tp: TensorParallel, device: torch.device, status=Non
     runner = ModelRunner(model, min(fits), cfg.block_size, device, spec.dtype,
                          enforce_eager=cfg.enforce_eager,
                          max_graph_prefill=cfg.max_prefill_graph_tokens)
-    while apply_call(runner, receive_call(tp, device)):
+    channel = Channel(tp)
+    while apply_call(runner, receive_call(channel, device)):
         pass
 
 
@@ -361,6 +364,7 @@ def _watch_parent(parent: int) -> None:
 def main(argv: list[str]) -> None:
     rank, size, init, status_fd, parent = argv
     _watch_parent(int(parent))
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: where a stuck worker is
     status = os.fdopen(int(status_fd), "w")
     spec: WorkerSpec = pickle.load(sys.stdin.buffer)
     if spec.device_type == "cuda":

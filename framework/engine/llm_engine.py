@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speculant.config import EngineConfig
+from speculant.distributed.parallel import NO_TENSOR_PARALLEL
 from speculant.distributed.worker import WorkerSpec, start_tensor_parallel, unsharded
 from speculant.engine.async_decode import AsyncDecoder
 from speculant.engine.block_manager import BlockManager
@@ -80,8 +81,10 @@ class LLMEngine:
         if self.tp_group is not None:
             self.device = self.tp_group.device
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
+        # this rank's shard; whole at size 1, even beside a tensor-parallel LLM of this process
+        tp = NO_TENSOR_PARALLEL if self.tp_group is None else self.tp_group.tp
         self.model = load_model(folder, self.hf_config, self.dtype, self.device, self.max_model_len,
-                                load_format=config.load_format, seed=config.seed)
+                                load_format=config.load_format, seed=config.seed, tp=tp)
         if config.batch_invariant:  # logits independent of the batch: models/batch_invariant.py
             batch_invariant.enable(self.model, self.device, self.dtype, config.tensor_parallel_size)
         self.vocab_size = self.model.lm_head.weight.shape[0]

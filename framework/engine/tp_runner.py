@@ -11,13 +11,16 @@ replays or captures the same CUDA graphs and issues the same all-reduces in the 
 hidden states after each row-parallel layer are all-reduced, so rank 0's ``forward`` returns
 what one device would. ``logits`` (the replicated LM head) runs on rank 0 only.
 
-The message of one call is one int64 vector (layout below); it is broadcast in a fixed buffer of
-``CAPACITY`` entries, with a second broadcast of the rest only when it is longer (a prefill's
-tokens, long block tables). Tokens still on the device (``token_ids``: the overlapped decode
-steps of engine/async_decode.py) follow on the device group (NCCL on CUDA).
+The message of one call is one int64 vector (layout below), sent with one broadcast of a buffer
+whose size both sides know in advance (:class:`Channel`): each message names the size of the
+next one's buffer, the power of two above its own length (at least ``MIN_CAPACITY``), so steps of
+a steady batch take one broadcast each, a batch-1 decode step a small one, and only a message
+that outgrew its buffer (a long prompt's prefill) a second broadcast with the rest. Tokens still
+on the device (``token_ids``: the overlapped decode steps of engine/async_decode.py) follow on
+the device group (NCCL on CUDA).
 
-Layout: ``[length, op, flags, n_seqs, n_aux, max_seqs, max_query, max_prefill, aux...,
-per sequence (query_len, num_cached_tokens, table_len)..., tokens..., block tables...]``;
+Layout: ``[length, next capacity, op, flags, n_seqs, n_aux, max_seqs, max_query, max_prefill,
+aux..., per sequence (query_len, num_cached_tokens, table_len)..., tokens..., block tables...]``;
 ``tokens`` is left out when they come on the device.
 """
 
@@ -30,10 +33,11 @@ import torch.distributed as dist
 
 from speculant.distributed.parallel import TensorParallel
 
-CAPACITY = 1024  # int64 entries of the fixed broadcast: 8 KiB
+MIN_CAPACITY = 512  # int64 entries of the smallest broadcast buffer: 4 KiB
+MAX_CAPACITY = 1 << 16  # and of the largest (512 KiB); a longer message takes two broadcasts
 FORWARD, SCORE, CAPTURE, SHUTDOWN = 1, 2, 3, 4
 _TOKENS_ON_DEVICE, _GREEDY, _KEEP_HIDDEN, _HEAD = 1, 2, 4, 8
-_HEADER = 8  # length, op, flags, n_seqs, n_aux, max_seqs, max_query, max_prefill
+_HEADER = 9  # length, next capacity, op, flags, n_seqs, n_aux, max_seqs, max_query, max_prefill
 
 
 @dataclass(slots=True)
@@ -63,7 +67,7 @@ def pack_call(op: int, flags: int = 0, aux_layers=(), seqs=(), new_tokens=(), ma
               max_query: int = 0, max_prefill: int | None = None) -> list[int]:
     """The message of one call (module docstring's layout) as a list of ints."""
     aux = [int(a) for a in aux_layers]
-    msg = [0, op, flags, len(seqs), len(aux), max_seqs, max_query,
+    msg = [0, 0, op, flags, len(seqs), len(aux), max_seqs, max_query,
            -1 if max_prefill is None else max_prefill, *aux]
     for s, toks in zip(seqs, new_tokens):
         msg += (len(toks), s.num_cached_tokens, len(s.block_table))
@@ -78,7 +82,7 @@ def pack_call(op: int, flags: int = 0, aux_layers=(), seqs=(), new_tokens=(), ma
 
 def unpack_call(msg: list[int]) -> Call:
     """The inverse of :func:`pack_call` (``token_ids`` left None)."""
-    _, op, flags, n, n_aux, max_seqs, max_query, max_prefill = msg[:_HEADER]
+    _, _, op, flags, n, n_aux, max_seqs, max_query, max_prefill = msg[:_HEADER]
     i = _HEADER
     aux = tuple(msg[i : i + n_aux])
     i += n_aux
@@ -99,31 +103,54 @@ def unpack_call(msg: list[int]) -> Call:
                 None if max_prefill < 0 else max_prefill)
 
 
-def _broadcast_message(tp: TensorParallel, msg: list[int] | None) -> list[int]:
-    """Rank 0 sends ``msg``, the others receive it: one broadcast of ``CAPACITY`` entries, a
-    second one only for what does not fit."""
-    buf = torch.zeros(CAPACITY, dtype=torch.int64)
-    if msg is not None:
-        head = msg[:CAPACITY]
-        buf[: len(head)] = torch.tensor(head, dtype=torch.int64)
-    dist.broadcast(buf, src=0, group=tp.cpu_group)
-    length = int(buf[0])
-    if length <= CAPACITY:
-        return buf[:length].tolist()
-    rest = torch.empty(length - CAPACITY, dtype=torch.int64)
-    if msg is not None:
-        rest.copy_(torch.tensor(msg[CAPACITY:], dtype=torch.int64))
-    dist.broadcast(rest, src=0, group=tp.cpu_group)
-    return buf.tolist() + rest.tolist()
+def next_capacity(length: int) -> int:
+    """The buffer of the message after one of ``length`` entries: the power of two above it and
+    a quarter more (room for growing block tables), within [MIN_CAPACITY, MAX_CAPACITY]."""
+    return min(MAX_CAPACITY, max(MIN_CAPACITY, 1 << (length + length // 4).bit_length()))
 
 
-def receive_call(tp: TensorParallel, device: torch.device) -> Call:
+class Channel:
+    """Rank 0's messages to the workers over the gloo CPU group: one broadcast of ``capacity``
+    entries per message, both sides holding the same ``capacity`` (every message sets the next
+    one's), a second broadcast only for what did not fit."""
+
+    def __init__(self, tp: TensorParallel) -> None:
+        self.tp = tp
+        self.capacity = MIN_CAPACITY
+
+    def _broadcast(self, msg: list[int] | None) -> list[int]:
+        cap = self.capacity
+        buf = torch.zeros(cap, dtype=torch.int64)  # [cap]
+        if msg is not None:
+            head = msg[:cap]
+            buf[: len(head)] = torch.tensor(head, dtype=torch.int64)
+        dist.broadcast(buf, src=0, group=self.tp.cpu_group)
+        length, self.capacity = int(buf[0]), int(buf[1])
+        if length <= cap:
+            return buf[:length].tolist()
+        rest = torch.empty(length - cap, dtype=torch.int64)  # [length - cap]
+        if msg is not None:
+            rest.copy_(torch.tensor(msg[cap:], dtype=torch.int64))
+        dist.broadcast(rest, src=0, group=self.tp.cpu_group)
+        return buf.tolist() + rest.tolist()
+
+    def send(self, msg: list[int]) -> None:
+        """Rank 0: broadcast ``msg`` (a :func:`pack_call` message)."""
+        msg[1] = next_capacity(len(msg))
+        self._broadcast(msg)
+
+    def receive(self) -> list[int]:
+        """A worker: the next message rank 0 sends."""
+        return self._broadcast(None)
+
+
+def receive_call(channel: Channel, device: torch.device) -> Call:
     """A worker's side of :meth:`TPRunner._send`: the next call rank 0 makes."""
-    call = unpack_call(_broadcast_message(tp, None))
+    call = unpack_call(channel.receive())
     if call.flags & _TOKENS_ON_DEVICE:
         n = sum(len(t) for t in call.new_tokens)
         call.token_ids = torch.empty(n, dtype=torch.int64, device=device)  # [num_tokens]
-        dist.broadcast(call.token_ids, src=0, group=tp.group)
+        dist.broadcast(call.token_ids, src=0, group=channel.tp.group)
     return call
 
 
@@ -153,6 +180,7 @@ class TPRunner:
     def __init__(self, local, tp: TensorParallel, why_failed=None) -> None:
         self.local = local
         self.tp = tp
+        self.channel = Channel(tp)
         self.closed = False
         self.failed: str | None = None  # why the workers cannot be reached any more
         # () -> str: what became of the workers (exit codes), for the error when a send fails
@@ -171,7 +199,7 @@ class TPRunner:
         if token_ids is not None:
             flags |= _TOKENS_ON_DEVICE
         try:
-            _broadcast_message(self.tp, pack_call(op, flags, aux_layers, seqs, new_tokens, **kw))
+            self.channel.send(pack_call(op, flags, aux_layers, seqs, new_tokens, **kw))
             if token_ids is not None:
                 dist.broadcast(token_ids, src=0, group=self.tp.group)
         except RuntimeError as e:  # a worker is gone: gloo's connection to it closed
@@ -209,4 +237,4 @@ class TPRunner:
         if not self.closed:
             self.closed = True
             if self.failed is None:
-                _broadcast_message(self.tp, pack_call(SHUTDOWN))
+                self.channel.send(pack_call(SHUTDOWN))
