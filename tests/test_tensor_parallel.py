@@ -157,6 +157,14 @@ def test_tp2_greedy_equals_tp1_then_close(tiny_llama, plain_ref):
     procs = llm.engine.tp_group.procs
     assert len(procs) == 1 and _worker_pids() == [procs[0].pid]
     assert llm.engine.async_decoder is not None
+    # the control group never times out: a worker waits there while rank 0 idles (a server
+    # without requests for hours), the default 30 minutes would end it
+    from datetime import timedelta
+
+    from speculant.distributed import tensor_parallel
+
+    control = tensor_parallel().cpu_group._get_backend(torch.device("cpu"))
+    assert control.options._timeout >= timedelta(days=30)
     assert _ids(llm, _greedy()) == plain_ref
     # a 600-token prefill outgrows the broadcast buffer: its rest follows in a second one; the
     # size-1 LLM of the reference, made beside the TP2 one, holds the whole model

@@ -31,6 +31,8 @@ logger = logging.getLogger("speculant")
 # verification step's hidden rows (a 70B model's 32 rows of 8192 bf16 are 512 KiB)
 ONE_SHOT_MAX_BYTES = 1 << 20
 _ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)
+# the timeout of the control group (cpu_group): a worker waits there for rank 0's next call
+CONTROL_TIMEOUT = timedelta(days=365)
 
 _owns_process_group = False  # init_tensor_parallel called init_process_group
 _one_shot: _OneShot | None = None
@@ -151,7 +153,9 @@ def init_tensor_parallel(
         _owns_process_group = True
     ranks = list(range(size))
     group = dist.new_group(ranks, backend=backend)
-    cpu_group = dist.new_group(ranks, backend="gloo")
+    # the runner's control broadcasts wait for rank 0's next call however long it idles (a
+    # server without requests): no timeout ends them (a dead peer is noticed by gloo at once)
+    cpu_group = dist.new_group(ranks, backend="gloo", timeout=CONTROL_TIMEOUT)
     tp = TensorParallel(rank, size, group, cpu_group)
     if cuda:
         warm = torch.ones(1, device=device)
