@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import functools
 import json
 import logging
 import os
@@ -111,11 +112,8 @@ class TPGroup:
         self.runner = None  # the TPRunner, once built: it sends the shutdown
         self.agreed = False  # the KV block counts were exchanged (the workers passed start-up)
         self.closed = False
-        atexit.register(_close_at_exit, weakref.ref(self))
-
-    @property
-    def size(self) -> int:
-        return self.tp.size
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
 
     def describe_workers(self) -> str:
         """Each worker's state, for an error message: ``rank 1: exited with code -9, ...``."""
@@ -194,6 +192,7 @@ class TPGroup:
         ``JOIN_TIMEOUT_S`` is killed) and leave the process group, so a new LLM can start."""
         if self.closed:
             return
+        atexit.unregister(self._at_exit)
         if not self.agreed and tensor_parallel().enabled:
             # rank 0 failed before the exchange of the KV block counts, where the workers wait
             # once their shard is loaded: a count of -1 tells them to leave
@@ -217,6 +216,7 @@ class TPGroup:
         shutdown_tensor_parallel()
 
     def _kill(self) -> None:
+        atexit.unregister(self._at_exit)
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
