@@ -266,12 +266,12 @@ def _config(**kw):
 
 
 @pytest.mark.parametrize("kw, size, match", [
-    ({}, 3, r"does not divide num_attention_heads=4.*\(2, 4\)"),
+    ({}, 3, r"num_attention_heads=4 is not a multiple of it.*\(2, 4\)"),
     ({"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96}, 2,
-     r"num_key_value_heads=3"),
+     r"num_key_value_heads=3 is not a multiple of it"),
     ({"num_attention_heads": 8, "num_key_value_heads": 3, "hidden_size": 64}, 4,
-     r"num_key_value_heads=3 \(fewer KV heads than ranks"),
-    ({"intermediate_size": 130}, 4, r"intermediate_size=130"),
+     r"not a multiple of num_key_value_heads=3 \(with fewer KV heads than ranks"),
+    ({"intermediate_size": 130}, 4, r"intermediate_size=130 is not a multiple of it"),
     ({}, 0, r"must be at least 1"),
 ])
 def test_split_errors_name_the_dimension_and_the_fix(kw, size, match):

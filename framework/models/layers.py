@@ -408,17 +408,17 @@ def check_tensor_parallel(
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
     if size == 1:
         return
-    bad = [f"{k}={v}" for k, v in widths.items() if v % size]
+    bad = [f"{k}={v} is not a multiple of it" for k, v in widths.items() if v % size]
     if kv_heads is not None:
         nkv = kv_heads[1]
         if nkv >= size and nkv % size:
-            bad.append(f"num_key_value_heads={nkv}")
+            bad.append(f"num_key_value_heads={nkv} is not a multiple of it")
         elif nkv < size and size % nkv:
-            bad.append(f"num_key_value_heads={nkv} (fewer KV heads than ranks: the size must be "
-                       "a multiple of them, each rank keeping a copy of one)")
+            bad.append(f"it is not a multiple of num_key_value_heads={nkv} (with fewer KV heads "
+                       "than ranks each rank keeps a copy of one)")
     if bad:
         ok = [n for n in tensor_parallel_sizes(kv_heads, widths, limit=max(8, size)) if n > 1]
         raise ValueError(
-            f"tensor_parallel_size={size} cannot split this {model_type} model: it does not "
-            f"divide {', '.join(bad)}; use a tensor_parallel_size that does"
+            f"tensor_parallel_size={size} cannot split this {model_type} model: "
+            f"{'; '.join(bad)}; use a tensor_parallel_size that fits"
             + (f" ({', '.join(map(str, ok))})" if ok else " (only 1 fits this model)"))
