@@ -25,8 +25,8 @@ from speculant.training import (
 )
 from speculant.training.prompts import CATEGORIES, SPLITS
 
-HEAD_OPTIONS = {"eagle": {"steps": 3}, "mlp_speculator": {"n_predict": 3},
-                "medusa": {"num_heads": 3}}
+HEAD_OPTIONS = {"eagle": {"steps": 3}, "mlp_speculator": {"n_predict": 2},
+                "medusa": {"num_heads": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +201,20 @@ def test_cli_train_then_eval_acceptance(target, tmp_path, capsys):
     assert "tok/fwd" in capsys.readouterr().out
     assert json.loads((tmp_path / "acc" / "acceptance.json").read_text())["all"]["identical"]
     assert main(["train", "ngram", "--model", str(target), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_eagle_hot_vocab_writes_a_token_map_that_loads(target, plain, tmp_path):
+    from speculant.training import train
+
+    out = tmp_path / "eagle-hot"
+    res = train("eagle", out, str(target), num_prompts=8, max_new_tokens=24,
+                head_options={"steps": 2, "hot_vocab": 64}, steps=4, batch_size=4,
+                progress=False, device="cpu", cache_dir=tmp_path / "data")
+    assert len(res.history) == 4
+    ids = json.loads((out / "token_map.json").read_text())
+    assert len(ids) == 64 and ids == sorted(ids)
+    llm = LLM(model=str(target), speculative_config={
+        "method": "eagle", "model": str(out), "token_map": str(out / "token_map.json")})
+    assert replies(llm) == plain
+    with pytest.raises(ValueError, match="hot_vocab is for method 'eagle' only"):
+        train("medusa", tmp_path / "m", str(target), head_options={"hot_vocab": 8})

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from speculant.training.data import build_dataset
 from speculant.training.heads import HEADS, TargetInfo, Trainable
 from speculant.training.loop import TrainConfig, TrainResult, train_head
@@ -20,6 +22,15 @@ def make_head(method: str, target: TargetInfo, **options: Any) -> Trainable:
     return HEADS[method](target, **options)
 
 
+def hot_token_ids(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] int64 ascending: the ``n`` most frequent token ids of ``counts`` [vocab] (ties by
+    lower id)."""
+    if not 0 < n <= len(counts):
+        raise ValueError(f"hot_vocab={n} must be in [1, {len(counts)}] (the vocabulary size)")
+    order = torch.argsort(-counts, stable=True)[:n]
+    return order.sort().values
+
+
 def train(method: str, out: str | Path, model: str | None = None, *, num_prompts: int | None = None,
           max_new_tokens: int = 128, cache_dir: str | Path | None = None,
           head_options: dict[str, Any] | None = None, resume: bool = False,
@@ -27,7 +38,10 @@ def train(method: str, out: str | Path, model: str | None = None, *, num_prompts
           **train_options: Any) -> TrainResult:
     """Train a ``method`` head for ``model`` (default: the embedded SmolLM2-135M-Instruct) on
     the target's own greedy replies to the training prompts; write it into ``out`` in the
-    layout ``speculative_config={"method": method, "model": out}`` loads. ``train_options``
+    layout ``speculative_config={"method": method, "model": out}`` loads. The eagle head option
+    ``hot_vocab`` (N) trains its token loss over the N most frequent reply tokens only and writes
+    them as ``out/token_map.json`` (pass ``"token_map": ".../token_map.json"`` to load it so,
+    which also makes drafting cheaper). ``train_options``
     are :class:`TrainConfig` fields (steps, lr, batch_size, ...); ``cache_dir`` (default
     ``out/data``) keeps the distilled data for later runs; ``stop_at``: see ``train_head``."""
     from speculant.models.loader import resolve_model
@@ -35,10 +49,18 @@ def train(method: str, out: str | Path, model: str | None = None, *, num_prompts
     config = TrainConfig(**train_options)
     folder = resolve_model(model)
     target = TargetInfo.load(folder)
-    head = make_head(method, target, **(head_options or {}))
+    options = dict(head_options or {})
+    hot_vocab = options.pop("hot_vocab", None)
+    if hot_vocab is not None and method != "eagle":
+        raise ValueError(f"head option hot_vocab is for method 'eagle' only (got {method!r}); "
+                         "remove it")
+    head = make_head(method, target, **options)  # fails early on a bad method or option
     data = build_dataset(str(folder), "train", num_prompts, max_new_tokens,
                          aux_layers=tuple(head.aux_layers),
                          cache_dir=cache_dir if cache_dir is not None else Path(out) / "data",
                          progress=progress)
+    if hot_vocab is not None:  # the N most frequent reply tokens: a token map (FR-Spec)
+        hot_ids = hot_token_ids(data.token_counts(), int(hot_vocab))
+        head = make_head(method, target, hot_ids=hot_ids, **options)
     return train_head(head, data, out, config, resume=resume, progress=progress, device=device,
                       stop_at=stop_at)
