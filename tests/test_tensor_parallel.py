@@ -7,6 +7,7 @@ start-up failure, and when their parent is killed; bad sizes are clear errors. d
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -150,10 +151,12 @@ def test_call_message_round_trip():
 
 
 # -------------------------------------------------------------------------------- runtime
-def test_tp2_greedy_equals_tp1_then_close(tiny_llama, plain_ref):
+def test_tp2_greedy_equals_tp1_then_close(tiny_llama, plain_ref, caplog):
     # overlapped decode steps: their tokens still on the device travel on the device group
-    llm = LLM(model=str(tiny_llama), max_num_seqs=8, tensor_parallel_size=2,
-              async_scheduling=True)
+    with caplog.at_level(logging.INFO, logger="speculant"):
+        llm = LLM(model=str(tiny_llama), max_num_seqs=8, tensor_parallel_size=2,
+                  async_scheduling=True)
+    assert "tensor_parallel_size 2" in caplog.text  # the engine's start-up line
     procs = llm.engine.tp_group.procs
     assert len(procs) == 1 and _worker_pids() == [procs[0].pid]
     assert llm.engine.async_decoder is not None

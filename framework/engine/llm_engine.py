@@ -113,8 +113,9 @@ class LLMEngine:
         self.async_decoder = AsyncDecoder(self) if self._async_scheduling() else None
         if config.cuda_graph_capture == "startup":
             self.capture_graphs()
-        logger.info("speculant engine: %s on %s (%s), %d KV blocks of %d", folder, self.device,
-                    self.dtype, num_blocks, self.block_size)
+        logger.info("speculant engine: %s on %s (%s), %d KV blocks of %d, tensor_parallel_size "
+                    "%d", folder, self.device, self.dtype, num_blocks, self.block_size,
+                    config.tensor_parallel_size)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (``LLM.close()``); a no-op at size 1."""
