@@ -1,6 +1,6 @@
 """The cost of ``EngineConfig.batch_invariant`` on the Llama-3-8B synthetic target, and its check.
 
-    python bench/gpu_batch_invariant.py --out bench/results --stem gpu_batch_invariant_h100
+    python bench/gpu_batch_invariant.py --out bench/results --stem gpu_batch_invariant_h200
         [--layers 32] [--batch-sizes 1,8,64] [--gemm cublas|triton]
 
 One engine per mode (off, on): bench/gpu_8b.py's synthetic target (Llama-3-8B geometry, bf16,
@@ -134,7 +134,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--stem", default="gpu_batch_invariant",
-                    help="output file name without .json (README cites gpu_batch_invariant_h100)")
+                    help="output file name without .json (README cites gpu_batch_invariant_h200: the card of the run)")
     ap.add_argument("--layers", type=int, default=32, help="target layers (32: Llama-3-8B)")
     ap.add_argument("--batch-sizes", default="1,8,64")
     ap.add_argument("--prompt-len", type=int, default=128)
