@@ -179,9 +179,13 @@ def test_a_third_party_head_trains_through_the_same_loop(data, tmp_path):
     torch.manual_seed(0)
     head = SkipOneHead(data.hidden_size, data.vocab_size)
     assert isinstance(head, Trainable)
-    res = train_head(head, data, tmp_path, TrainConfig(steps=15, batch_size=4, lr=1e-2, warmup=0),
-                     progress=False, device="cpu")
+    res = train_head(head, data, tmp_path, TrainConfig(steps=15, batch_size=4, lr=1e-2, warmup=0,
+                                                       eval_every=5),
+                     progress=False, device="cpu", val_data=data)
     assert res.history[-1]["loss"] < 0.8 * res.history[0]["loss"]
+    val = [h for h in res.history if "val_loss" in h]
+    assert [h["step"] for h in val] == [5, 10, 15] and len(val[0]["val_acc"]) == 1
+    assert val[-1]["val_loss"] < val[0]["val_loss"]  # evaluated on the training data itself
     assert head.saved == tmp_path and (tmp_path / "head.safetensors").exists()
 
 
@@ -191,10 +195,14 @@ def test_cli_train_then_eval_acceptance(target, tmp_path, capsys):
     out = tmp_path / "mlp"
     assert main(["train", "mlp_speculator", "--model", str(target), "--out", str(out),
                  "--steps", "4", "--batch-size", "2", "--num-prompts", "4",
-                 "--max-new-tokens", "8", "--head-options", '{"n_predict": 2}']) == 0
+                 "--max-new-tokens", "8", "--head-options", '{"n_predict": 2}',
+                 "--val-prompts", "1", "--eval-every", "2"]) == 0
     assert "wrote" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["n_predict"] == 2
     assert len(list((out / "data").glob("distill-train-*.pt"))) == 1
+    assert len(list((out / "data").glob("distill-held-out-*.pt"))) == 1
+    history = json.loads((out / "history.json").read_text())
+    assert [h["step"] for h in history if "val_loss" in h] == [2, 4]
     spec = json.dumps({"method": "mlp_speculator", "model": str(out)})
     assert main(["eval-acceptance", "--model", str(target), "--spec", spec, "--num-prompts", "1",
                  "--max-tokens", "8", "--out", str(tmp_path / "acc")]) == 0

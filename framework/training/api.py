@@ -35,7 +35,7 @@ def train(method: str, out: str | Path, model: str | None = None, *, num_prompts
           max_new_tokens: int = 128, cache_dir: str | Path | None = None,
           head_options: dict[str, Any] | None = None, resume: bool = False,
           progress: bool = True, device: str | None = None, stop_at: int | None = None,
-          **train_options: Any) -> TrainResult:
+          val_prompts: int | None = None, **train_options: Any) -> TrainResult:
     """Train a ``method`` head for ``model`` (default: the embedded SmolLM2-135M-Instruct) on
     the target's own greedy replies to the training prompts; write it into ``out`` in the
     layout ``speculative_config={"method": method, "model": out}`` loads. The eagle head option
@@ -43,7 +43,9 @@ def train(method: str, out: str | Path, model: str | None = None, *, num_prompts
     them as ``out/token_map.json`` (pass ``"token_map": ".../token_map.json"`` to load it so,
     which also makes drafting cheaper). ``train_options``
     are :class:`TrainConfig` fields (steps, lr, batch_size, ...); ``cache_dir`` (default
-    ``out/data``) keeps the distilled data for later runs; ``stop_at``: see ``train_head``."""
+    ``out/data``) keeps the distilled data for later runs; ``stop_at``: see ``train_head``;
+    ``val_prompts``: that many held-out prompts (distilled the same way) are evaluated every
+    ``eval_every`` steps."""
     from speculant.models.loader import resolve_model
 
     config = TrainConfig(**train_options)
@@ -59,8 +61,14 @@ def train(method: str, out: str | Path, model: str | None = None, *, num_prompts
                          aux_layers=tuple(head.aux_layers),
                          cache_dir=cache_dir if cache_dir is not None else Path(out) / "data",
                          progress=progress)
+    val = None
+    if val_prompts:
+        val = build_dataset(str(folder), "held-out", val_prompts, max_new_tokens,
+                            aux_layers=tuple(head.aux_layers),
+                            cache_dir=cache_dir if cache_dir is not None else Path(out) / "data",
+                            progress=progress)
     if hot_vocab is not None:  # the N most frequent reply tokens: a token map (FR-Spec)
         hot_ids = hot_token_ids(data.token_counts(), int(hot_vocab))
         head = make_head(method, target, hot_ids=hot_ids, **options)
     return train_head(head, data, out, config, resume=resume, progress=progress, device=device,
-                      stop_at=stop_at)
+                      stop_at=stop_at, val_data=val)

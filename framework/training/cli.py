@@ -38,6 +38,10 @@ def add_parsers(sub) -> None:
                    help="training prompts used (default: all of the train split)")
     t.add_argument("--max-new-tokens", type=int, default=128,
                    help="length of the target's reply to each prompt (default: 128)")
+    t.add_argument("--val-prompts", type=int, default=None,
+                   help="held-out prompts evaluated every --eval-every steps (default: none)")
+    t.add_argument("--eval-every", type=int, default=50,
+                   help="steps between held-out evaluations (default: 50)")
     t.add_argument("--cache-dir", default=None,
                    help="where the distilled data is kept (default: OUT/data)")
     t.add_argument("--head-options", default="{}",
@@ -74,6 +78,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 max_new_tokens=args.max_new_tokens, cache_dir=args.cache_dir,
                 head_options=_json_object(args.head_options, "--head-options"),
                 resume=args.resume, device=args.device, stop_at=args.stop_at,
+                val_prompts=args.val_prompts, eval_every=args.eval_every,
                 steps=args.steps, lr=args.lr, batch_size=args.batch_size, warmup=args.warmup,
                 checkpoint_every=args.checkpoint_every, save_dtype=args.save_dtype)
     last = res.history[-1] if res.history else {}

@@ -19,6 +19,7 @@ from speculant.training.data import Dataset, collate
 from speculant.training.heads import Trainable
 
 STATE_FILE = "trainer_state.pt"
+_FREE = {"steps", "checkpoint_every", "eval_every"}  # settings a resumed run may change
 
 
 class TrainConfig(BaseModel):
@@ -31,6 +32,8 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
     checkpoint_every: int = Field(100, ge=1, description="trainer state saved every N steps")
+    eval_every: int = Field(50, ge=1, description="held-out loss and accuracy every N steps "
+                            "(with validation data)")
     seed: int = 0
     save_dtype: str = Field("float16", pattern="^(float16|bfloat16|float32)$")
 
@@ -62,6 +65,24 @@ def batch_indices(step: int, n: int, cfg: TrainConfig) -> list[int]:
     return out
 
 
+@torch.no_grad()
+def evaluate(head: Trainable, data: Dataset, batch_size: int, dev: torch.device) -> dict:
+    """Mean loss (weighted by labels) and top-1 accuracy per position of ``head`` on ``data``."""
+    was = head.training
+    head.eval()
+    loss = weight = 0.0
+    correct = total = None
+    for i in range(0, len(data.examples), batch_size):
+        res = head.loss(collate(data.examples[i:i + batch_size], dev))
+        n = float(res.total.sum())
+        loss, weight = loss + float(res.loss) * n, weight + n
+        correct = res.correct if correct is None else correct + res.correct
+        total = res.total if total is None else total + res.total
+    head.train(was)
+    acc = (correct.float() / total.clamp(min=1).float()).tolist() if total is not None else []
+    return {"val_loss": loss / max(weight, 1.0), "val_acc": [round(a, 4) for a in acc]}
+
+
 def plot_history(history: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -70,7 +91,11 @@ def plot_history(history: list[dict], path: Path, title: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     steps = [h["step"] for h in history]
-    a.plot(steps, [h["loss"] for h in history])
+    a.plot(steps, [h["loss"] for h in history], label="train")
+    val = [h for h in history if "val_loss" in h]
+    if val:
+        a.plot([h["step"] for h in val], [h["val_loss"] for h in val], "o-", label="held-out")
+        a.legend()
     a.set_xlabel("step"), a.set_ylabel("loss"), a.set_title(title)
     for j in range(len(history[0]["acc"]) if history else 0):
         b.plot(steps, [h["acc"][j] for h in history], label=f"position {j + 1}")
@@ -82,12 +107,13 @@ def plot_history(history: list[dict], path: Path, title: str) -> None:
 
 def train_head(head: Trainable, data: Dataset, out: str | Path, config: TrainConfig | None = None,
                resume: bool = False, progress: bool = True, device: str | None = None,
-               stop_at: int | None = None) -> TrainResult:
+               stop_at: int | None = None, val_data: Dataset | None = None) -> TrainResult:
     """Train ``head`` on ``data``; write the head's checkpoint into ``out``. With ``resume`` the
     trainer state in ``out`` (if any) is loaded and training continues at its step (the
     settings must be the saved ones, ``steps`` and ``checkpoint_every`` aside). ``stop_at``:
     stop after that step (the state saved, the schedule still that of ``config.steps``), to
-    split one run over several sessions."""
+    split one run over several sessions. ``val_data``: held-out examples whose loss and
+    accuracy join the history every ``config.eval_every`` steps and at the end."""
     from tqdm import tqdm
 
     cfg = config or TrainConfig()
@@ -103,7 +129,7 @@ def train_head(head: Trainable, data: Dataset, out: str | Path, config: TrainCon
     state_file = out / STATE_FILE
     if resume and state_file.exists():
         st = torch.load(state_file, weights_only=False, map_location=dev)
-        if st["config"] != cfg.model_dump(exclude={"steps", "checkpoint_every"}):
+        if st["config"] != cfg.model_dump(exclude=_FREE):
             raise ValueError(f"{state_file} was saved with other training settings "
                              f"({st['config']}); resume with those, or train into a new --out")
         head.load_state_dict(st["head"])
@@ -114,7 +140,7 @@ def train_head(head: Trainable, data: Dataset, out: str | Path, config: TrainCon
     def save_state() -> None:
         torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(),
                     "scheduler": sched.state_dict(), "step": step, "history": history,
-                    "wall_s": wall, "config": cfg.model_dump(exclude={"steps", "checkpoint_every"})},
+                    "wall_s": wall, "config": cfg.model_dump(exclude=_FREE)},
                    state_file)
 
     n = len(data.examples)
@@ -147,6 +173,11 @@ def train_head(head: Trainable, data: Dataset, out: str | Path, config: TrainCon
         bar.update(1)
         bar.set_postfix_str(f"tok={tokens_seen} loss={res.loss.item():.3f} acc="
                             + "/".join(f"{a:.2f}" for a in acc))
+        if val_data is not None and (step % cfg.eval_every == 0 or step == end):
+            history[-1].update(evaluate(head, val_data, cfg.batch_size, dev))
+            if progress:
+                bar.write(f"step {step}: held-out loss {history[-1]['val_loss']:.3f}, top-1 "
+                          f"{history[-1]['val_acc']}")
         if step % cfg.checkpoint_every == 0 or step == end:
             save_state()
     bar.close()
