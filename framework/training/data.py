@@ -98,12 +98,13 @@ def build_dataset(model: str | None = None, split: str = "train", num_prompts: i
                   progress: bool = True) -> Dataset:
     """The self-distillation data of the first ``num_prompts`` prompts of ``split`` (all when
     None). With ``cache_dir`` the dataset is saved there and reused by later calls of the same
-    arguments (the file name is a hash of them)."""
+    arguments (the file name is a hash of the target's folder, the prompts' texts, the reply
+    length and the aux layers)."""
     from speculant.models.loader import resolve_model
 
     folder = resolve_model(model)
     prompts = prompt_set(split)[:num_prompts]
-    key = json.dumps([str(folder), split, len(prompts), max_new_tokens, list(aux_layers)])
+    key = json.dumps([str(folder), [p.text for p in prompts], max_new_tokens, list(aux_layers)])
     cache = None
     if cache_dir is not None:
         name = f"distill-{split}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
