@@ -213,6 +213,8 @@ class TPGroup:
                 p.wait()
         for f in self._status:
             f.close()
+        if self.runner is not None:
+            release_graphs(self.runner.local)
         shutdown_tensor_parallel()
 
     def _kill(self) -> None:
@@ -342,6 +344,21 @@ def serve(spec: WorkerSpec, tp: TensorParallel, device: torch.device, status=Non
     channel = Channel(tp)
     while apply_call(runner, receive_call(channel, device)):
         pass
+    release_graphs(runner)
+
+
+def release_graphs(runner) -> None:
+    """Free a runner's CUDA graphs and wait for the device before the process groups go: graphs
+    captured with NCCL collectives in them (prefills of more rows than the fused all-reduce
+    takes) still reference the communicator, which is then destroyed under them."""
+    if getattr(runner, "graphs", None) is None:
+        return
+    import gc
+
+    runner.graphs = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _report(status, **msg) -> None:
