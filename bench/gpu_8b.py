@@ -233,9 +233,11 @@ def eagle3_checkpoint(folder: Path, draft_vocab: int = 32000) -> Path:
     return write_tensors(folder, cfg, shapes, 14, extra={"d2t": d2t})
 
 
-def mlp_speculator_checkpoint(folder: Path, n_predict: int = 4) -> Path:
-    """ibm-ai-platform/llama3-8b-accelerator geometry: emb 4096, inner 3072, tied stages."""
-    V, H, inner = 128256, 4096, 3072
+def mlp_speculator_checkpoint(folder: Path, n_predict: int = 4, emb_dim: int = 4096,
+                              inner_dim: int = 3072, vocab: int = 128256) -> Path:
+    """An MLPSpeculator with tied stages and random bf16 weights; the defaults are
+    ibm-ai-platform/llama3-8b-accelerator's geometry (emb 4096, inner 3072)."""
+    V, H, inner = vocab, emb_dim, inner_dim
     shapes = {
         "emb.0.weight": (V, inner),
         "proj.0.weight": (inner, H),

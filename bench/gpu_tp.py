@@ -82,7 +82,6 @@ from gpu_8b import (  # noqa: E402
     synthetic_loader,
     weight_bytes_per_step,
     write_config,
-    write_tensors,
 )
 
 LLAMA3_70B = dict(
@@ -570,27 +569,8 @@ def install_loader() -> None:
 def mlp_speculator_70b(folder: Path, emb_dim: int, inner_dim: int, n_predict: int) -> Path:
     """An MLPSpeculator of ibm-ai-platform/llama3-70b-accelerator's kind (tied stages) for a
     target of hidden size ``emb_dim``: random bf16 weights."""
-    v = LLAMA3_70B["vocab_size"]
-    shapes = {
-        "emb.0.weight": (v, inner_dim),
-        "proj.0.weight": (inner_dim, emb_dim),
-        "proj.1.weight": (inner_dim, inner_dim),
-        "head.0.weight": (v, inner_dim),
-        "ln.0.weight": (inner_dim,),
-        "ln.0.bias": (inner_dim,),
-    }
-    cfg = {
-        "architectures": ["MLPSpeculatorPreTrainedModel"],
-        "model_type": "mlp_speculator",
-        "n_predict": n_predict,
-        "emb_dim": emb_dim,
-        "inner_dim": inner_dim,
-        "vocab_size": v,
-        "tie_weights": True,
-        "scale_input": True,
-        "top_k_tokens_per_head": [1] * n_predict,
-    }
-    return write_tensors(folder, cfg, shapes, 12)
+    return mlp_speculator_checkpoint(folder, n_predict, emb_dim, inner_dim,
+                                     LLAMA3_70B["vocab_size"])
 
 
 def strategy_spec(name: str, tmp: Path, args) -> dict:
