@@ -213,7 +213,7 @@ def cmd_demo(args) -> int:
     from speculant.demo import run_demo
 
     return run_demo(model=args.model, max_tokens=args.max_tokens, k=args.k,
-                    methods=args.methods.split(","))
+                    methods=args.methods.split(",") if args.methods else None)
 
 
 def cmd_bench(args) -> int:
@@ -433,11 +433,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens generated per prompt (default: 128)")
     d.add_argument("-k", type=int, default=5,
                    help="num_speculative_tokens: tokens proposed per step (default: 5)")
-    d.add_argument("--methods", default="ngram",
+    d.add_argument("--methods", default=None,
                    help="comma-separated speculation methods to compare with plain decoding, "
                    "each NAME or NAME=CHECKPOINT for a method that loads one (eagle=PATH, "
                    "medusa=PATH, ...; medusa alone: untrained heads built for the model) "
-                   "(default: ngram; `speculant plugins` lists them)")
+                   "(default: ngram, and the shipped heads for the default model that are "
+                   "in the repository; `speculant plugins` lists the methods)")
     d.set_defaults(func=cmd_demo)
 
     from speculant.bench import add_arguments as add_bench_arguments

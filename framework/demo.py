@@ -142,10 +142,12 @@ def _method_config(method: str, k: int, base, scratch: Path) -> tuple[str, dict]
     """(label, speculative_config) of one ``--methods`` entry, ``name`` or ``name=CHECKPOINT``.
     ``medusa`` without a checkpoint runs untrained heads built here for the target (label
     ``medusa*``)."""
+    from speculant.spec_registry.shipped import SHIPPED
+
     name, _, checkpoint = method.partition("=")
     config = {"method": name, "num_speculative_tokens": k}
-    if checkpoint:
-        return name, {**config, "model": checkpoint}
+    if checkpoint:  # a shipped head is labelled by its name
+        return checkpoint if checkpoint in SHIPPED else name, {**config, "model": checkpoint}
     if name == "medusa":
         from speculant.spec_registry import get_strategy
 
@@ -156,11 +158,23 @@ def _method_config(method: str, k: int, base, scratch: Path) -> tuple[str, dict]
     return name, config
 
 
+def default_methods(model: str | None) -> list[str]:
+    """What the demo compares with plain decoding when ``--methods`` is not given: n-gram, and
+    every shipped head trained for ``model`` that is in the repository (spec_registry/shipped.py),
+    as ``method=name``."""
+    from speculant.models.loader import DEFAULT_MODEL_ALIASES
+    from speculant.spec_registry.shipped import available_heads
+
+    default = model is None or str(model).lower() in DEFAULT_MODEL_ALIASES
+    return ["ngram"] + [f"{h.method}={h.name}" for h in available_heads()
+                        if (h.target == "default" and default) or h.target == str(model)]
+
+
 def run_demo(model: str | None = None, max_tokens: int = 128, k: int = 5,
              methods: list[str] | None = None, repeats: int = 3, retime: int = 3) -> int:
     from speculant import LLM, SamplingParams
 
-    methods = methods or ["ngram"]
+    methods = methods or default_methods(model)
     repeats = max(1, repeats)
     names = [c for c, _ in DEMO_PROMPTS]
     prompts = [p for _, p in DEMO_PROMPTS]

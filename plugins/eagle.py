@@ -14,7 +14,8 @@ p + 1). Later draft steps feed ``out`` back in place of ``h``. With the option `
 file of hot token ids, ``speculant.drafting.load_token_map``) the logits come from the hot rows
 of the target's LM head only: greedy drafts are the argmax over those hot logits mapped through
 the hot ids, sampled drafts use full-vocabulary rows with -inf elsewhere (EAGLE-3 refuses the
-option: it has its own draft vocabulary, handled the same way).
+option: it has its own draft vocabulary, handled the same way). Without the option, an EAGLE-1
+folder's own ``token_map.json`` (what ``speculant train`` writes with ``hot_vocab``) is used.
 
 EAGLE-3 (``architectures: ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``)::
 
@@ -257,8 +258,12 @@ class _EagleBase(HeadStrategy):
         self.draft = build_head(self._head(), self.hf, ctx.device, ctx.dtype, max_pos)
         self._load()
         self.draft.eval()
-        # the hot rows of the LM head (token_map, EAGLE-1 only): made once here
-        self.hot = target_hot_head(ctx, config.token_map) if config.token_map else None
+        # the hot rows of the LM head (token_map, EAGLE-1 only): made once here; without the
+        # option, a token_map.json beside the checkpoint (what `speculant train` writes) is used
+        token_map = config.token_map
+        if token_map is None and self.version == 1 and (folder / "token_map.json").is_file():
+            token_map = str(folder / "token_map.json")
+        self.hot = target_hot_head(ctx, token_map) if token_map else None
         # the target's features: its final hidden state, or the aux layers' inputs concatenated
         width = max(1, len(self.aux_hidden_layers)) * self.H_target
         self.drafter = HeadDrafter(

@@ -129,6 +129,12 @@ class SpeculativeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _method(self) -> SpeculativeConfig:
+        if self.model is not None:  # a shipped head's name (spec_registry/shipped.py)
+            from speculant.spec_registry.shipped import resolve_shipped
+
+            head = resolve_shipped(self.model, self.method)
+            if head is not None:
+                self.method, self.model = head.method, str(head.folder)
         if self.method is None:
             if self.model in ("[ngram]", "ngram"):
                 self.method, self.model = "ngram", None

@@ -51,10 +51,31 @@ def test_prompt_sets_cover_every_category_and_never_share_a_prompt():
     for s in SPLITS:
         assert {p.category for p in sets[s]} == set(CATEGORIES)
         assert {p.category for p in sets[s][:4]} == set(CATEGORIES)  # interleaved
-    assert len(sets["train"]) >= 300 and len(sets["held-out"]) >= 60
+    assert len(sets["held-out"]) == 84
     assert not {p.text for p in sets["train"]} & {p.text for p in sets["held-out"]}
     with pytest.raises(ValueError, match="unknown prompt split"):
         prompt_set("test")
+
+
+def test_train_prompts_are_1500_balanced_distinct_and_share_no_held_out_topic():
+    from speculant.training import prompts as P
+
+    train = prompt_set("train")
+    texts = [p.text for p in train]
+    assert len(texts) == len(set(texts)) == 4 * P.TRAIN_PER_CATEGORY == 1500
+    for c in CATEGORIES:
+        assert sum(p.category == c for p in train) == P.TRAIN_PER_CATEGORY
+    assert texts == [p.text for p in prompt_set("train")]  # deterministic
+    held_topics = (P._split(P._CHAT_TOPICS, "held-out") + P._split(P._CODE_TASKS, "held-out")
+                   + [s for s, _, _ in P._split(P._SUMMARY_SUBJECTS, "held-out")])
+    held_items = P._split(P._MATH_ITEMS, "held-out")
+    assert len(held_topics) == 22 and len(held_items) == 4
+    for topic in held_topics:
+        assert not [t for t in texts if topic in t], topic
+    for item in held_items:  # a whole word: "cards" is a train item, "postcards" too
+        assert not [t for t in texts if f" {item}" in t], item
+    for held in prompt_set("held-out"):
+        assert held.text not in texts
 
 
 def test_dataset_holds_the_targets_greedy_replies_and_their_features(target, data):
@@ -224,5 +245,9 @@ def test_eagle_hot_vocab_writes_a_token_map_that_loads(target, plain, tmp_path):
     llm = LLM(model=str(target), speculative_config={
         "method": "eagle", "model": str(out), "token_map": str(out / "token_map.json")})
     assert replies(llm) == plain
+    # without the option, the folder's token_map.json is picked up
+    auto = LLM(model=str(target), speculative_config={"method": "eagle", "model": str(out)})
+    assert auto.engine.spec.strategy.hot is not None
+    assert replies(auto) == plain
     with pytest.raises(ValueError, match="hot_vocab is for method 'eagle' only"):
         train("medusa", tmp_path / "m", str(target), head_options={"hot_vocab": 8})

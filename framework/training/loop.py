@@ -19,6 +19,7 @@ from speculant.training.data import Dataset, collate
 from speculant.training.heads import Trainable
 
 STATE_FILE = "trainer_state.pt"
+ESTIMATE_AFTER = 5  # steps after which the wall-time estimate is printed
 _FREE = {"steps", "checkpoint_every", "eval_every"}  # settings a resumed run may change
 
 
@@ -105,6 +106,18 @@ def plot_history(history: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def estimate_line(seconds: float, done: int, to_end: int, to_finish: int) -> str:
+    """The wall-time estimate printed after this session's first steps: ``done`` steps took
+    ``seconds``; ``to_end`` remain before this session stops (``stop_at``), ``to_finish`` before
+    the run's last step."""
+    per = seconds / max(done, 1)
+    line = (f"estimated training wall time: {per:.2f} s/step, {per * to_end / 60:.1f} min for the "
+            f"{to_end} steps left in this session")
+    if to_finish != to_end:
+        line += f" ({per * to_finish / 60:.1f} min for the {to_finish} left in the run)"
+    return line + " (held-out evaluations not included)"
+
+
 def train_head(head: Trainable, data: Dataset, out: str | Path, config: TrainConfig | None = None,
                resume: bool = False, progress: bool = True, device: str | None = None,
                stop_at: int | None = None, val_data: Dataset | None = None) -> TrainResult:
@@ -151,6 +164,7 @@ def train_head(head: Trainable, data: Dataset, out: str | Path, config: TrainCon
     head.train()
     tokens_seen = history[-1]["tokens"] if history else 0
     end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
+    start, wall0 = step, wall
     while step < end:
         t0 = time.perf_counter()
         batch = collate([data.examples[i] for i in batch_indices(step, n, cfg)], dev)
@@ -171,6 +185,8 @@ def train_head(head: Trainable, data: Dataset, out: str | Path, config: TrainCon
         history.append({"step": step, "loss": res.loss.item(), "acc": [round(a, 4) for a in acc],
                         "tokens": tokens_seen, "lr": sched.get_last_lr()[0]})
         bar.update(1)
+        if step == min(start + ESTIMATE_AFTER, end) and progress:
+            bar.write(estimate_line(wall - wall0, step - start, end - step, cfg.steps - step))
         bar.set_postfix_str(f"tok={tokens_seen} loss={res.loss.item():.3f} acc="
                             + "/".join(f"{a:.2f}" for a in acc))
         if val_data is not None and (step % cfg.eval_every == 0 or step == end):

@@ -4,15 +4,23 @@ lists written for this repository (no downloads, nothing read from outside the p
 
 ``prompt_set("train")`` and ``prompt_set("held-out")`` never share a topic: every category's
 topic list is split by index (every fifth topic is held out), so acceptance measured on the
-held-out set is not measured on anything the head was trained on."""
+held-out set is not measured on anything the head was trained on.
+
+The train split is then grown to ``TRAIN_PER_CATEGORY`` prompts per category with train-only
+topics and templates (``speculant.training.prompts_extra``), combinations drawn by a fixed seed;
+the held-out split is the original 84 prompts, unchanged."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 
+from speculant.training import prompts_extra as extra
+
 CATEGORIES = ("chat", "code", "math", "summarization")
 SPLITS = ("train", "held-out")
+TRAIN_PER_CATEGORY = 375  # 1,500 train prompts, the four categories balanced
 
 
 @dataclass(frozen=True)
@@ -144,7 +152,46 @@ def prompt_set(split: str = "train") -> list[Prompt]:
     for s, a, r in _split(_SUMMARY_SUBJECTS, split):
         for tpl in _SUMMARY_TEMPLATES:
             by_cat["summarization"].append(tpl.format(s=s, S=s[0].upper() + s[1:], a=a, r=r))
+    if split == "train":
+        _grow_train(by_cat)
     out: list[Prompt] = []
     for i in range(max(len(v) for v in by_cat.values())):
         out += [Prompt(c, by_cat[c][i]) for c in CATEGORIES if i < len(by_cat[c])]
     return out
+
+
+def _fill(texts: list[str], candidates: list[str], rng: random.Random) -> None:
+    """Append to ``texts`` candidates (in a seeded random order, skipping ones already there)
+    until it holds ``TRAIN_PER_CATEGORY``."""
+    seen = set(texts)
+    fresh = [c for c in dict.fromkeys(candidates) if c not in seen]
+    need = TRAIN_PER_CATEGORY - len(texts)
+    if need > len(fresh):
+        raise RuntimeError(f"only {len(fresh)} new prompts for {need} places: add topics or "
+                           "templates to speculant.training.prompts_extra")
+    texts += rng.sample(fresh, need)
+
+
+def _grow_train(by_cat: dict[str, list[str]]) -> None:
+    """The train split's extra prompts: every train topic (original and extra) with every
+    template (original and extra), a seeded sample of the combinations."""
+    rng = random.Random(2024)
+    chat_topics = _split(_CHAT_TOPICS, "train") + extra.CHAT_TOPICS
+    _fill(by_cat["chat"], [tpl.format(t=t) for t, tpl in itertools.product(
+        chat_topics, _CHAT_TEMPLATES + extra.CHAT_TEMPLATES)], rng)
+    tasks = _split(_CODE_TASKS, "train") + extra.CODE_TASKS
+    _fill(by_cat["code"], [tpl.format(t=t, lang=extra.CODE_LANGS[(i + j) % len(extra.CODE_LANGS)])
+                           for i, t in enumerate(tasks)
+                           for j, tpl in enumerate(_CODE_TEMPLATES + extra.CODE_TEMPLATES)], rng)
+    math = []
+    for item, tpl in itertools.product(_split(_MATH_ITEMS, "train") + extra.MATH_ITEMS,
+                                       _MATH_TEMPLATES + extra.MATH_TEMPLATES):
+        a, b = rng.randint(12, 90), rng.randint(3, 11)
+        math.append(tpl.format(n=rng.choice(_MATH_NAMES), i=item, a=a, b=b,
+                               c=rng.randint(2, a // 2)))
+    _fill(by_cat["math"], math, rng)
+    _fill(by_cat["summarization"], [
+        tpl.format(s=s, S=s[0].upper() + s[1:], a=a, r=r)
+        for (s, a, r), tpl in itertools.product(_split(_SUMMARY_SUBJECTS, "train")
+                                                + extra.SUMMARY_SUBJECTS,
+                                                _SUMMARY_TEMPLATES + extra.SUMMARY_TEMPLATES)], rng)
