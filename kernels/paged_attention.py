@@ -43,8 +43,12 @@ from ._triton_utils import (
     use_triton,
 )
 
-__all__ = ["paged_attention", "paged_attention_ref", "choose_launch_config"]
+__all__ = [
+    "TREE_MAX_ROWS", "paged_attention", "paged_attention_ref", "choose_launch_config",
+]
 
+# a tree step's rows per sequence: one int64 of visibility bits per row (tree_bits)
+TREE_MAX_ROWS = 64
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
@@ -88,8 +92,10 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    tree_bits: torch.Tensor | None = None,  # [num_tokens] int64: in-step rows each row may see
 ) -> torch.Tensor:
-    """Plain torch reference (fp32 math, one sequence at a time). Also the CPU path."""
+    """Plain torch reference (fp32 math, one sequence at a time). Also the CPU path.
+    ``tree_bits``: the tree mask of :func:`paged_attention` (on top of the causal mask)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -102,6 +108,9 @@ def paged_attention_ref(
         q_len = q1 - q0
         if q_len <= 0:
             continue
+        if tree_bits is not None and q_len > TREE_MAX_ROWS:
+            raise ValueError(f"sequence {s} has {q_len} query rows in a tree step; tree_bits "
+                             f"covers at most {TREE_MAX_ROWS} (one int64 per row)")
         ctx = ctxs[s]
         n_blocks = cdiv(ctx, block_size)
         blocks = block_tables[s, :n_blocks].to(torch.int64)
@@ -114,6 +123,10 @@ def paged_attention_ref(
         qpos = torch.arange(q_len, device=q.device) + (ctx - q_len)
         kpos = torch.arange(ctx, device=q.device)
         allowed = kpos[None, :] <= qpos[:, None]  # [q_len, ctx]
+        if tree_bits is not None:  # in-step key j (position ctx - q_len + j): bit j of the row
+            jj = (kpos - (ctx - q_len)).clamp(0, 63)  # [ctx]
+            bit = (tree_bits[q0:q1].long()[:, None] >> jj[None, :]) & 1  # [q_len, ctx]
+            allowed &= (kpos[None, :] < ctx - q_len) | (bit != 0)
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         probs = torch.nan_to_num(probs, nan=0.0)  # rows with no key (invalid ctx) -> 0
@@ -141,6 +154,7 @@ if tl is not None:
         out_ptr,  # [num_tokens, num_heads, head_dim]; written when not SPLIT
         part_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] fp32; when SPLIT
         part_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32 (log2 domain); when SPLIT
+        tree_bits_ptr,  # [num_tokens] int64 in-step visibility bits; read when TREE
         qk_scale,  # fp32: softmax scale * log2(e)
         num_seqs,
         num_splits,
@@ -169,6 +183,7 @@ if tl is not None:
         HEADS_FIRST: tl.constexpr,  # grid (num_kv_heads, tiles, splits) instead of (tiles, ...)
         BT_AHEAD: tl.constexpr,  # block-table entries of chunk i+1 loaded in iteration i
         GDC: tl.constexpr,  # launched with PDL (programmatic dependent launch)
+        TREE: tl.constexpr,  # tree_bits masks the in-step keys (tree verification)
     ):
         if GDC:  # launched with PDL: everything here reads what the previous kernel wrote
             tl.extra.cuda.gdc_wait()
@@ -230,6 +245,8 @@ if tl is not None:
             )  # [BLOCK_M, HEAD_DIM]
             if UPCAST_DOT:
                 q = q.to(tl.float32)
+            if TREE:  # [BLOCK_M] int64: bit i = may see in-step row i of its sequence
+                row_bits = tl.load(tree_bits_ptr + tok, mask=row_valid, other=0).to(tl.int64)
 
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -313,6 +330,10 @@ if tl is not None:
                     s = tl.dot(q, tl.trans(kt))
                 s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
                 allowed = n_valid[None, :] & (offs_n[None, :] <= pos[:, None])
+                if TREE:  # keys before the step stay visible; in-step key i needs bit i
+                    step_i = tl.minimum(tl.maximum(offs_n - prefix, 0), 63).to(tl.int64)
+                    bit = (row_bits[:, None] >> step_i[None, :]) & 1  # [BLOCK_M, BLOCK_N]
+                    allowed = allowed & ((offs_n[None, :] < prefix) | (bit != 0))
                 s = tl.where(allowed, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -567,6 +588,7 @@ def _paged_attention_triton(
     num_splits=None,
     overrides: dict | None = None,
     split_tokens: int | None = None,
+    tree_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launcher. ``overrides`` replaces entries of :func:`choose_launch_config` (benchmarks)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -626,6 +648,7 @@ def _paged_attention_triton(
         out,
         part_out,
         part_lse,
+        tree_bits if tree_bits is not None else query_start_loc,  # not read without TREE
         float(scale) * _LOG2E,
         num_seqs,
         splits,
@@ -653,6 +676,7 @@ def _paged_attention_triton(
         PREFETCH=bool(cfg["prefetch"]),
         HEADS_FIRST=heads_first,
         BT_AHEAD=bool(cfg["bt_ahead"]) and not cfg["prefetch"],
+        TREE=tree_bits is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl,
@@ -691,6 +715,7 @@ def paged_attention(
     num_splits: int | None = None,
     split_tokens: int | None = None,
     force_triton: bool = False,
+    tree_bits: torch.Tensor | None = None,  # [num_tokens] int64
 ) -> torch.Tensor:
     """Causal attention of a flat batch of query tokens over a paged KV cache.
 
@@ -705,6 +730,14 @@ def paged_attention(
     a fixed ``num_splits``) makes the launch batch-invariant (``_invariant_config``: a row's
     output bit for bit independent of the rest of the step). ``force_triton`` runs the Triton
     kernel under ``TRITON_INTERPRET=1`` on CPU tensors (tests).
+
+    ``tree_bits`` (tree verification, docs/kernels.md "Tree attention"): one int64 per query
+    row; bit ``i`` set = the row may attend to in-step row ``i`` of its own sequence (the key at
+    position ``context_lens[s] - q_len + i``). Keys before the step's first row are always
+    visible, and the causal mask still applies (a tree's ancestors precede their descendants, so
+    it never removes an allowed key). A chain's bits ``(1 << (i + 1)) - 1`` give the causal
+    result bit for bit. At most ``TREE_MAX_ROWS`` query rows per sequence. Absent: no cost (the
+    kernel's ``TREE`` flag is a compile-time constant).
     """
     triton_path = use_triton(
         [q, k_cache, v_cache, block_tables, context_lens, query_start_loc], force_triton
@@ -714,6 +747,15 @@ def paged_attention(
     )
     if not math.isfinite(float(scale)):
         raise ValueError(f"scale must be finite, got {scale}")
+    if tree_bits is not None:
+        check_tensor("tree_bits", tree_bits, shape=(q.shape[0],), dtypes=(torch.int64,),
+                     device=q.device)
+        if tree_bits.stride(0) != 1:
+            raise ValueError("tree_bits must be contiguous; pass tree_bits.contiguous()")
+        if max_query_len is not None and max_query_len > TREE_MAX_ROWS:
+            raise ValueError(f"max_query_len={max_query_len}: a tree step covers at most "
+                             f"{TREE_MAX_ROWS} query rows per sequence (one int64 of tree_bits "
+                             f"per row); split the tree or verify it as chains")
     if triton_path:
         return _paged_attention_triton(
             q,
@@ -727,7 +769,8 @@ def paged_attention(
             out,
             num_splits,
             split_tokens=split_tokens,
+            tree_bits=tree_bits,
         )
     return paged_attention_ref(
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, out, tree_bits
     )

@@ -27,6 +27,10 @@ class AttentionMetadata:
     # CPU: first cache slot of each sequence whose blocks covering its context are consecutive
     # (its K/V are then one slice of the cache), -1 where they are not; None: not computed
     seq_starts: list[int] | None = None
+    # tree verification (docs/kernels.md "Tree attention"): bit j of a row = the row may attend to
+    # in-step row j of its own sequence (keys before the step stay visible); None: causal.
+    # The forward's positions must then be ctx_start + depth per row (kernels/tree_kv.py)
+    tree_bits: torch.Tensor | None = None  # [num_tokens] int64
     # Torch-path helpers, built lazily once per forward and shared by all layers.
     _torch_cache: dict = field(default_factory=dict)
 
@@ -42,6 +46,7 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device,
+        tree_bits: list[int] | None = None,  # [num_tokens]: see the field
     ) -> AttentionMetadata:
         slots: list[int] = []
         starts: list[int] | None = [] if device.type == "cpu" else None
@@ -71,6 +76,8 @@ class AttentionMetadata:
             context_lens_list=list(context_lens),
             block_size=block_size,
             seq_starts=starts,
+            tree_bits=(torch.tensor(tree_bits, dtype=torch.int64, device=device)
+                       if tree_bits is not None else None),
         )
 
     @classmethod
@@ -82,6 +89,7 @@ class AttentionMetadata:
         query_start_loc: torch.Tensor,  # [B + 1] int32
         q_len: int,
         block_size: int,
+        tree_bits: torch.Tensor | None = None,  # [B * Q] int64: see the field
     ) -> AttentionMetadata:
         """Metadata of a padded batch of B rows of ``q_len`` query tokens over ``W``-block
         tables, all on the device (the shapes CUDA-graph replays are captured with: the host
@@ -95,6 +103,7 @@ class AttentionMetadata:
             query_lens=[q_len] * B,
             context_lens_list=[W * block_size] * B,
             block_size=block_size,
+            tree_bits=tree_bits,
         )
 
     def causal_mask(self, q_len: int, ctx_len: int) -> torch.Tensor | None:
@@ -111,6 +120,37 @@ class AttentionMetadata:
             qpos = torch.arange(ctx_len - q_len, ctx_len, device=dev)  # [q_len]
             m = self._torch_cache[key] = kpos[None, :] <= qpos[:, None]  # [q_len, ctx_len]
         return m
+
+    def step_mask(self, q_start: int, q_len: int, ctx_len: int) -> torch.Tensor | None:
+        """``causal_mask`` of the sequence whose rows start at ``q_start``, narrowed by
+        ``tree_bits`` when set (a row sees the keys before the step and the in-step rows of its
+        bits). One row (a tree's root alone) sees the whole context: None."""
+        if self.tree_bits is None or q_len == 1:
+            return self.causal_mask(q_len, ctx_len)
+        key = ("tree", q_start, q_len, ctx_len)
+        m = self._torch_cache.get(key)
+        if m is None:
+            dev = self.slot_mapping.device
+            prefix = ctx_len - q_len
+            kpos = torch.arange(ctx_len, device=dev)  # [ctx_len]
+            jj = (kpos - prefix).clamp(0, 63)  # [ctx_len]: in-step row of each key
+            rows = self.tree_bits[q_start : q_start + q_len].to(dev)  # [q_len] int64
+            bit = (rows[:, None] >> jj[None, :]) & 1  # [q_len, ctx_len]
+            tree = (kpos[None, :] < prefix) | (bit != 0)
+            m = self._torch_cache[key] = self.causal_mask(q_len, ctx_len) & tree
+        return m
+
+    def step_bias(self, q_start: int, q_len: int, ctx_len: int) -> torch.Tensor:
+        """[q_len, ctx_len] float32: 0 where ``step_mask`` is True, -inf elsewhere."""
+        if self.tree_bits is None:
+            return self.causal_bias(q_len, ctx_len)
+        key = ("tree_bias", q_start, q_len, ctx_len)
+        b = self._torch_cache.get(key)
+        if b is None:
+            m = self.step_mask(q_start, q_len, ctx_len)
+            b = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
+            b = self._torch_cache[key] = b.masked_fill_(~m, float("-inf"))
+        return b
 
     def causal_bias(self, q_len: int, ctx_len: int) -> torch.Tensor:
         """[q_len, ctx_len] float32: 0 where ``causal_mask`` is True, -inf elsewhere (added to
@@ -169,7 +209,13 @@ def paged_attention_torch(
     blocks are consecutive (the block manager places them so) attend over a slice of the cache,
     one SDPA per sequence without copies or padding; otherwise every sequence's context is
     gathered into a padded batch with a mask. On the CPU in fp32 with our C kernels, each
-    sequence's rows go through ``cpu_kernels.attend`` instead (``_attention_c``): batch-invariant."""
+    sequence's rows go through ``cpu_kernels.attend`` instead (``_attention_c``): batch-invariant.
+    With ``meta.tree_bits`` (a tree step): the kernels' torch reference with the tree mask."""
+    if meta.tree_bits is not None:
+        from speculant.kernels.paged_attention import paged_attention_ref
+
+        return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                   meta.query_start_loc, scale, tree_bits=meta.tree_bits)
     if _c_attention_ok(q, k_cache):
         return _attention_c(q, k_cache, v_cache, meta, scale)
     starts = meta.seq_starts
@@ -245,6 +291,7 @@ def attention(
             max_query_len=meta.max_query_len,
             num_splits=invariant.num_splits if invariant is not None else None,
             split_tokens=invariant.split_tokens if invariant is not None else None,
+            tree_bits=meta.tree_bits,
         )
     if invariant is not None and q.is_cuda:
         raise RuntimeError("a batch-invariant forward needs the Triton attention kernel, but "
@@ -330,7 +377,7 @@ def cpu_kv_views(
     (q_start, q_end, k_dst [q_len, nkv, d], v_dst, k_ctx, v_ctx, mask),
     with k_ctx [nkv, d, ctx_len] and v_ctx [nkv, ctx_len, d] for up to ``CPU_FEW_ROWS`` query
     rows (``_attend_few``; mask None for one row, else the additive [q_len, ctx_len] causal
-    bias), k_ctx / v_ctx [1, nkv, ctx_len, d] and the bool mask for more (SDPA)."""
+    bias, narrowed by ``meta.tree_bits`` in a tree step), k_ctx / v_ctx [1, nkv, ctx_len, d] and the bool mask for more (SDPA)."""
     starts = meta.seq_starts
     if starts is None or min(starts, default=-1) < 0:
         return None
@@ -342,10 +389,10 @@ def cpu_kv_views(
         kc, vc = flat[:, 0, st : st + cl], flat[:, 1, st : st + cl]  # [L, cl, nkv, d]
         if ql <= CPU_FEW_ROWS:
             kc, vc = kc.permute(0, 2, 3, 1), vc.transpose(1, 2)  # [L, nkv, d, cl], [L, nkv, cl, d]
-            mask = None if ql == 1 else meta.causal_bias(ql, cl)
+            mask = None if ql == 1 else meta.step_bias(q0, ql, cl)
         else:
             kc, vc = kc.transpose(1, 2).unsqueeze(1), vc.transpose(1, 2).unsqueeze(1)
-            mask = meta.causal_mask(ql, cl)
+            mask = meta.step_mask(q0, ql, cl)
         per_seq.append((
             q0, q0 + ql,
             flat[:, 0, st + cl - ql : st + cl].unbind(0),  # L x [ql, nkv, d]

@@ -139,6 +139,7 @@ def forward(
         plan.np_layers is not None
         and ctx.kv_cache is not None
         and starts is not None
+        and meta.tree_bits is None  # the C kernel's attention is causal: trees take the loop
         and (
             plan.kernels is not None  # any batch: every row's arithmetic is the same (batch-invariant)
             or (T <= CPU_FEW_ROWS and len(meta.query_lens) == 1 and starts[0] >= 0)
