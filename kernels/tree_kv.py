@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton_utils import check_tensor
+from ._triton_utils import cdiv, check_tensor, lazy_jit, next_pow2, tl, use_triton
 from .paged_attention import TREE_MAX_ROWS as _MAX_ROWS  # one int64 of bits per row
 
 __all__ = ["tree_row_bits", "tree_row_depths", "compact_tree_kv", "compact_tree_kv_ref"]
@@ -58,6 +58,9 @@ def tree_row_depths(parents: list[int]) -> list[int]:
 
 def _check_compaction(kv_cache, block_tables, ctx_start, path_rows) -> None:
     check_tensor("kv_cache", kv_cache, ndim=6)
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous (the engine's [num_layers, 2, ...] cache "
+                         "is); compaction writes it in place, so a copy would be lost")
     dev = kv_cache.device
     if kv_cache.shape[1] != 2:
         raise ValueError(f"kv_cache must be [num_layers, 2, num_blocks, block_size, num_kv_heads, "
@@ -106,12 +109,19 @@ def compact_tree_kv(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     ctx_start: torch.Tensor,  # [num_seqs]: cache position of each sequence's root row
     path_rows: torch.Tensor,  # [num_seqs, max_path]: accepted in-step rows, increasing; -1 pad
+    *,
+    force_triton: bool = False,
 ) -> None:
-    """``compact_tree_kv_ref`` without host reads (graph-capturable): one batched gather and
-    scatter over all layers. All sources are gathered before any destination is written, so
-    the in-place order does not matter. Padding entries (-1) copy the root's slot onto itself
+    """``compact_tree_kv_ref`` without host reads (graph-capturable). CUDA: one Triton launch
+    (``_compact_kernel``); CPU: one batched gather and scatter over all layers, all sources
+    gathered before any destination is written. Padding (-1) goes at the end of a row of
+    ``path_rows``; neither checks that the rows increase (the reference does).
+    ``force_triton``: the kernel under ``TRITON_INTERPRET=1`` on CPU tensors (tests). Padding entries (-1) copy the root's slot onto itself
     (so no position past the sequence's blocks is looked up), rows already in place their own."""
     _check_compaction(kv_cache, block_tables, ctx_start, path_rows)
+    if use_triton([kv_cache, block_tables, ctx_start, path_rows], force_triton):
+        _compact_triton(kv_cache, block_tables, ctx_start, path_rows)
+        return
     L, _, nb, bs = kv_cache.shape[:4]
     flat = kv_cache.view(L, 2, nb * bs, *kv_cache.shape[4:])  # [L, 2, num_slots, nkv, d]
     rows = path_rows.long()  # [S, P]
@@ -125,3 +135,58 @@ def compact_tree_kv(
     src = bt.gather(1, src_pos // bs) * bs + src_pos % bs  # [S, P] cache slots
     dst = bt.gather(1, dst_pos // bs) * bs + dst_pos % bs  # [S, P]
     flat[:, :, dst.reshape(-1)] = flat[:, :, src.reshape(-1)]  # [L, 2, S * P, nkv, d]
+
+
+if tl is not None:
+
+    @lazy_jit(do_not_specialize=("max_path", "stride_bt", "stride_rows"))
+    def _compact_kernel(
+        kv_ptr,  # [num_layers * 2, num_blocks * block_size, row_elems] (the contiguous cache)
+        bt_ptr,  # [num_seqs, max_blocks] int32 / int64
+        c0_ptr,  # [num_seqs]: cache position of the root row
+        rows_ptr,  # [num_seqs, max_path]: accepted in-step rows, -1 padding
+        max_path,
+        row_elems,  # num_kv_heads * head_dim
+        stride_lk,  # elements per (layer, K or V) plane
+        stride_bt,
+        stride_rows,
+        BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+        BLOCK_E: tl.constexpr,  # elements of a slot per program
+    ):
+        # program = (sequence, layer x {K, V}, chunk of a slot's elements); the path's entries
+        # are copied one after another, each element by the same program: a destination
+        # ctx_start + 1 + i is never a source of a later entry (rows increase, rows[i] >= i + 1)
+        seq = tl.program_id(0).to(tl.int64)
+        plane = tl.program_id(1).to(tl.int64)
+        e = tl.program_id(2) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
+        e_ok = e < row_elems
+        c0 = tl.load(c0_ptr + seq).to(tl.int64)
+        base = kv_ptr + plane * stride_lk
+        bt_row = bt_ptr + seq * stride_bt
+        for i in range(0, max_path):
+            r = tl.load(rows_ptr + seq * stride_rows + i).to(tl.int64)
+            if r >= 0:
+                src = c0 + r
+                dst = c0 + 1 + i
+                src_slot = tl.load(bt_row + src // BLOCK_SIZE).to(tl.int64) * BLOCK_SIZE + (
+                    src % BLOCK_SIZE)
+                dst_slot = tl.load(bt_row + dst // BLOCK_SIZE).to(tl.int64) * BLOCK_SIZE + (
+                    dst % BLOCK_SIZE)
+                x = tl.load(base + src_slot * row_elems + e, mask=e_ok)  # [BLOCK_E]
+                tl.store(base + dst_slot * row_elems + e, x, mask=e_ok)
+
+
+def _compact_triton(kv_cache, block_tables, ctx_start, path_rows) -> None:
+    L, _, nb, bs, nkv, d = kv_cache.shape
+    ns, max_path = path_rows.shape
+    if ns == 0 or max_path == 0 or kv_cache.numel() == 0:
+        return
+    row_elems = nkv * d
+    block_e = min(next_pow2(row_elems), 2048)
+    rows = path_rows.contiguous()
+    grid = (ns, L * 2, cdiv(row_elems, block_e))
+    _compact_kernel[grid](
+        kv_cache, block_tables, ctx_start, rows, max_path, row_elems, nb * bs * row_elems,
+        block_tables.stride(0), rows.stride(0), BLOCK_SIZE=bs, BLOCK_E=block_e,
+        num_warps=4,
+    )

@@ -169,12 +169,24 @@ def _positions_kv(kv, bt, s, positions):
     return kv.view(kv.shape[0], 2, -1, *kv.shape[4:])[:, :, slots]
 
 
-@pytest.mark.parametrize("fn", [compact_tree_kv_ref, compact_tree_kv])
-def test_compact_tree_kv(fn):
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as conftest.py's
+
+
+def _compact_triton(kv, bt, c0, paths):
+    out = kv.to(DEVICE)
+    compact_tree_kv(out, *to(DEVICE, bt, c0, paths), force_triton=True)
+    kv.copy_(out.cpu())
+
+
+COMPACTIONS = {"ref": compact_tree_kv_ref, "torch": compact_tree_kv, "triton": _compact_triton}
+
+
+@pytest.mark.parametrize("impl", list(COMPACTIONS))
+def test_compact_tree_kv(impl):
     kv, bt, c0 = _cache_with_tree(random.Random(0))
     paths = torch.tensor([[2, 3, 7, -1], [1, 4, 5, 9]])  # overlapping src / dst in both
     before = kv.clone()
-    fn(kv, bt, c0, paths)
+    COMPACTIONS[impl](kv, bt, c0, paths)
     for s in range(2):
         start = int(c0[s])
         rows = [r for r in paths[s].tolist() if r >= 0]
@@ -195,9 +207,10 @@ def test_compact_tree_kv(fn):
             assert torch.equal(flat_a[:, :, slot], flat_b[:, :, slot])
 
 
-def test_compact_tree_kv_matches_ref_random():
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_compact_tree_kv_matches_ref_random(impl):
     rng = random.Random(5)
-    for _ in range(5):
+    for _ in range(4):
         kv, bt, c0 = _cache_with_tree(rng)
         paths = []
         for _s in range(2):
@@ -207,7 +220,7 @@ def test_compact_tree_kv_matches_ref_random():
         paths = torch.tensor(paths)
         a, b = kv.clone(), kv.clone()
         compact_tree_kv_ref(a, bt, c0, paths)
-        compact_tree_kv(b, bt, c0, paths)
+        COMPACTIONS[impl](b, bt, c0, paths)
         assert torch.equal(a, b)
 
 
@@ -217,6 +230,8 @@ def test_compact_tree_kv_checks():
         compact_tree_kv_ref(kv, bt, c0, torch.tensor([[0, -1], [1, -1]]))
     with pytest.raises(ValueError, match="one per sequence"):
         compact_tree_kv(kv, bt, c0, torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match="contiguous"):
+        compact_tree_kv(kv.transpose(0, 1), bt, c0, torch.tensor([[1], [1]]))
 
 
 # --------------------------------------------------------------------------------------------
