@@ -294,3 +294,54 @@ def test_cpu_forward_tree_rows_equal_their_chains(tiny_llama, layout):
     causal = _forward(runner, tokens, positions, qls, [c + q for c, q in zip(starts, qls)],
                       tables)
     assert not torch.allclose(causal[2:7], hid[2:7], rtol=1e-3, atol=1e-3)
+
+
+def test_tree_and_compaction_int64_offsets(device):
+    """Tree attention and the compaction kernel at block ids past 2**31 elements of the cache."""
+    L, bs, Hkv, D = 1, 16, 1, 16
+    nb = 2**31 // (bs * Hkv * D) + 8  # one K or V plane alone holds > 2**31 elements
+    try:
+        kv = torch.empty((L, 2, nb, bs, Hkv, D), dtype=torch.float16, device=device)
+    except (RuntimeError, MemoryError):
+        pytest.skip("cannot reserve an >8 GiB cache here")
+    ids = torch.arange(nb - 3, nb)
+    for b in ids.tolist():
+        kv[:, :, b] = torch.randn(L, 2, bs, Hkv, D).to(torch.float16)
+    bt = ids[None].to(torch.int32)  # [1, 3]: 48 positions
+    parents = [-1, 0, -1, 2, 3]
+    ctx_start, n = 30, 6
+    cl = torch.tensor([ctx_start + n], dtype=torch.int32)
+    qsl = torch.tensor([0, n], dtype=torch.int32)
+    q = torch.randn(n, 2, D).to(torch.float16)
+    bits = torch.tensor(tree_row_bits(parents))
+    small = torch.zeros((1, 2, 4, bs, Hkv, D), dtype=torch.float16)  # blocks 1..3 = the top
+    small[:, :, 1:] = kv[:, :, ids[0] :].cpu()
+    sbt = torch.tensor([[1, 2, 3]], dtype=torch.int32)
+    oracle = dense_tree_attention(q, small[0, 0], small[0, 1], sbt, cl, qsl, 0.25,
+                                  [parents])
+    out = paged_attention(q.to(device), kv[0, 0], kv[0, 1], *to(device, bt, cl, qsl), 0.25,
+                          max_query_len=n, force_triton=True, tree_bits=bits.to(device))
+    assert rel_err(out, oracle) < REL_TOL[torch.float16]
+    path = torch.tensor([[3, 4, 5]])  # nodes 2, 3, 4
+    compact_tree_kv_ref(small, sbt, torch.tensor([ctx_start]), path)
+    compact_tree_kv(kv, *to(device, bt, torch.tensor([ctx_start]), path), force_triton=True)
+    assert torch.equal(kv[:, :, ids[0] :].cpu(), small[:, :, 1:])
+    del kv
+
+
+def test_tree_in_batch_invariant_launch(device):
+    """The batch-invariant launch (fixed splits at absolute ranges) takes the tree mask too: a
+    tree row's output does not depend on the other sequence in the step."""
+    rng = random.Random(9)
+    trees = [random_parents(7, rng), random_parents(4, rng)]
+    q_lens = [8, 5]
+    q, kc, vc, bt, cl, qsl = make_batch(q_lens, [150, 70], 4, 2, 32, 16, torch.float32)
+    bits = step_bits(q_lens, trees)
+    kw = dict(num_splits=4, split_tokens=64, force_triton=True)
+    both = paged_attention(*to(device, q, kc, vc, bt, cl, qsl), 32**-0.5, max_query_len=8,
+                           tree_bits=bits.to(device), **kw)
+    oracle = dense_tree_attention(q, kc, vc, bt, cl, qsl, 32**-0.5, trees)
+    assert rel_err(both, oracle) < REL_TOL[torch.float32]
+    alone = paged_attention(*to(device, q[:8], kc, vc, bt[:1], cl[:1], qsl[:2]), 32**-0.5,
+                            max_query_len=8, tree_bits=bits[:8].to(device), **kw)
+    assert torch.equal(alone, both[:8])
