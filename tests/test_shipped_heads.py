@@ -62,7 +62,10 @@ def test_recipe_run_split_then_installed_and_loaded_by_name(registry, target, tm
         LLM(model=str(target), speculative_config={"method": "eagle", "model": "tiny-eagle"})
     out = tmp_path / "run"
     cmd = ["train", "eagle", "--model", str(target), "--recipe", "tiny-eagle", "--out", str(out)]
-    assert main(cmd + ["--stop-at", "2"]) == 0
+    assert main(cmd + ["--stop-at", "0"]) == 0  # the data only
+    assert "stopped after step 0 of 4" in capsys.readouterr().out
+    assert len(list((out / "data").glob("distill-train-*.pt"))) == 1
+    assert main(cmd + ["--stop-at", "2", "--resume"]) == 0
     text = capsys.readouterr()
     assert "estimated training wall time" in text.out + text.err
     assert "stopped after step 2 of 4" in text.out and not registry.available

@@ -78,6 +78,29 @@ def test_train_prompts_are_1500_balanced_distinct_and_share_no_held_out_topic():
         assert held.text not in texts
 
 
+def test_an_interrupted_build_continues_from_its_saved_chunks(target, data, tmp_path,
+                                                              monkeypatch):
+    from speculant.training import data as D
+
+    real, calls = D._distill, []
+
+    def distill(*args, **kw):
+        calls.append(len(args[1]))
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the session ends during the second chunk
+        return real(*args, **kw)
+
+    monkeypatch.setattr(D, "CHUNK", 4)
+    monkeypatch.setattr(D, "_distill", distill)
+    with pytest.raises(KeyboardInterrupt):
+        build_dataset(str(target), "train", 8, 24, cache_dir=tmp_path, progress=False)
+    assert [f.name.split("-")[1] for f in tmp_path.iterdir()] == ["part"]
+    ds = build_dataset(str(target), "train", 8, 24, cache_dir=tmp_path, progress=False)
+    assert calls == [4, 4, 4]  # the first chunk came from its file
+    assert [f.name.split("-")[1] for f in tmp_path.iterdir()] == ["train"]  # parts removed
+    assert [e.tokens.tolist() for e in ds.examples] == [e.tokens.tolist() for e in data.examples]
+
+
 def test_dataset_holds_the_targets_greedy_replies_and_their_features(target, data):
     """The reply tokens are the target's greedy continuation, and the final hidden state at each
     position gives (through the target's LM head) the next token of the reply."""

@@ -92,6 +92,24 @@ def hidden_states(folder: Path, sequences: list[list[int]], aux_layers: tuple[in
     return out
 
 
+CHUNK = 250  # prompts distilled (and, with a cache, saved) at a time
+
+
+def _distill(folder: Path, prompts: list[Prompt], max_new_tokens: int,
+             aux_layers: tuple[int, ...], device: str, progress: bool) -> list[Example]:
+    replies = generate_replies(str(folder), prompts, max_new_tokens, device)
+    seqs = [p + r for p, r in replies]
+    feats = hidden_states(folder, seqs, aux_layers, progress)
+    return [Example(torch.tensor(seq), len(p), final, aux, prompt.category)
+            for prompt, (p, _), seq, (final, aux) in zip(prompts, replies, seqs, feats)]
+
+
+def _cache_file(cache_dir: Path, kind: str, folder: Path, prompts: list[Prompt],
+                max_new_tokens: int, aux_layers: tuple[int, ...]) -> Path:
+    key = json.dumps([str(folder), [p.text for p in prompts], max_new_tokens, list(aux_layers)])
+    return cache_dir / f"distill-{kind}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
+
+
 def build_dataset(model: str | None = None, split: str = "train", num_prompts: int | None = None,
                   max_new_tokens: int = 128, aux_layers: tuple[int, ...] = (),
                   cache_dir: str | Path | None = None, device: str = "auto",
@@ -99,28 +117,42 @@ def build_dataset(model: str | None = None, split: str = "train", num_prompts: i
     """The self-distillation data of the first ``num_prompts`` prompts of ``split`` (all when
     None). With ``cache_dir`` the dataset is saved there and reused by later calls of the same
     arguments (the file name is a hash of the target's folder, the prompts' texts, the reply
-    length and the aux layers)."""
+    length and the aux layers). The prompts are distilled ``CHUNK`` at a time; with a cache each
+    finished chunk is saved too (``distill-part-*.pt``, removed once the whole set is), so an
+    interrupted build continues where it stopped."""
     from speculant.models.loader import resolve_model
 
     folder = resolve_model(model)
     prompts = prompt_set(split)[:num_prompts]
-    key = json.dumps([str(folder), [p.text for p in prompts], max_new_tokens, list(aux_layers)])
+    aux_layers = tuple(aux_layers)
     cache = None
     if cache_dir is not None:
-        name = f"distill-{split}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
-        cache = Path(cache_dir) / name
+        cache_dir = Path(cache_dir)
+        cache = _cache_file(cache_dir, split, folder, prompts, max_new_tokens, aux_layers)
         if cache.exists():
             return torch.load(cache, weights_only=False)
-    replies = generate_replies(str(folder), prompts, max_new_tokens, device)
-    seqs = [p + r for p, r in replies]
-    feats = hidden_states(folder, seqs, aux_layers, progress)
     cfg = json.loads((folder / "config.json").read_text())
-    ds = Dataset(str(folder), int(cfg["hidden_size"]), int(cfg["vocab_size"]), tuple(aux_layers))
-    for prompt, (p, _), seq, (final, aux) in zip(prompts, replies, seqs, feats):
-        ds.examples.append(Example(torch.tensor(seq), len(p), final, aux, prompt.category))
+    ds = Dataset(str(folder), int(cfg["hidden_size"]), int(cfg["vocab_size"]), aux_layers)
+    parts = []
+    for i in range(0, len(prompts), CHUNK):
+        chunk = prompts[i:i + CHUNK]
+        part = None
+        if cache is not None and len(prompts) > CHUNK:
+            part = _cache_file(cache_dir, "part", folder, chunk, max_new_tokens, aux_layers)
+            parts.append(part)
+            if part.exists():
+                ds.examples += torch.load(part, weights_only=False)
+                continue
+        examples = _distill(folder, chunk, max_new_tokens, aux_layers, device, progress)
+        ds.examples += examples
+        if part is not None:
+            part.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(examples, part)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         torch.save(ds, cache)
+        for part in parts:
+            part.unlink(missing_ok=True)
     return ds
 
 
