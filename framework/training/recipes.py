@@ -36,9 +36,11 @@ RECIPES: dict[str, Recipe] = {
     # then 1,200 steps of 8 sequences (~6 epochs) on this 2-core CPU
     "smollm2-eagle": Recipe(
         name="smollm2-eagle", method="eagle", target="default", max_new_tokens=192,
-        head_options={"steps": 4, "hot_vocab": 8192}, val_prompts=20,
-        train={"steps": 1200, "batch_size": 8, "lr": 1e-3, "warmup": 50,
-               "checkpoint_every": 50, "eval_every": 100, "seed": 0,
+        head_options={"num_layers": 1, "steps": 4, "token_weight": 0.5, "feature_weight": 1.0,
+                      "hot_vocab": 8192},
+        val_prompts=20,
+        train={"steps": 1200, "batch_size": 8, "lr": 1e-3, "warmup": 50, "weight_decay": 0.0,
+               "grad_clip": 1.0, "checkpoint_every": 50, "eval_every": 100, "seed": 0,
                "save_dtype": "float16"},
     ),
 }
