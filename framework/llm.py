@@ -225,6 +225,7 @@ class LLM:
                         out = self.engine.snapshot(rid)
                         self.engine.requests.pop(rid, None)
                         if out is not None:
+                            out.error = e.public_message  # as a failed logits processor's
                             finished.append(out)
                 for out in finished:
                     if out.request_id in wanted:

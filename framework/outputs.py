@@ -294,7 +294,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    # set when the engine aborted the request for an error of its own (a logits processor that
-    # raised or left nothing to sample): what went wrong, naming the request and the processor;
-    # its outputs then end as far as they got, finish_reason "abort"
+    # set when the request was aborted for an error: a logits processor that raised or left
+    # nothing to sample (naming the request and the processor), or a strategy's verify that
+    # raised (the fault's public message, naming the plugin); its outputs then end as far as
+    # they got, finish_reason "abort"
     error: str | None = None

@@ -205,6 +205,7 @@ def test_verify_raising_aborts_only_its_step_with_an_error_naming_the_plugin(tin
     outs = err.outputs
     assert outs[0].outputs[0].token_ids == plain[0][:1]  # finished before the fault
     assert outs[1].outputs[0].finish_reason == "abort"
+    assert outs[0].error is None and outs[1].error == err.public_message
     _no_leak(llm)
     assert _tokens(llm.generate(HEALTHY, PARAMS[:3], use_tqdm=False)) == ref[False]
     _no_leak(llm)
