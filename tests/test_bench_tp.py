@@ -315,10 +315,11 @@ def test_scaled_init_is_the_same_rescaling_at_every_tp_size(tmp_path):
 
 
 def test_the_documented_commands_parse():
-    """Every ``python bench/gpu_tp.py ...`` line of docs/perf.md uses options the script has."""
+    """Every ``python bench/gpu_tp.py ...`` line of docs/tensor_parallel.md uses options the
+    script has."""
     import shlex
 
-    text = (BENCH.parent / "docs" / "perf.md").read_text()
+    text = (BENCH.parent / "docs" / "tensor_parallel.md").read_text()
     lines = [ln.split("#")[0] for ln in text.splitlines() if ln.startswith("python bench/gpu_tp.py")]
     assert len(lines) >= 4
     for line in lines:
