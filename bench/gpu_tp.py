@@ -772,6 +772,10 @@ def engine_phase(args) -> None:
     from speculant.bench import _decode_run, _set_strategy, device_name, random_prompts, run_bench
 
     rank, size = _world()
+    if args.gemv_max_rows is not None:  # A/B of the one-row GEMV path, on every rank
+        import speculant.models.fused as fused
+
+        fused.GEMV_MAX_ROWS = args.gemv_max_rows
     cfg = dict(GEOMETRIES[args.geometry])
     if args.layers:
         cfg["num_hidden_layers"] = args.layers
@@ -882,6 +886,23 @@ def engine_phase(args) -> None:
                 if cuda:
                     torch.cuda.empty_cache()
             _save_part(args, part)
+    if args.profile and cuda:  # rank 0's kernels of batch-1 plain steps (its all-reduces too)
+        from gpu_8b import kernel_profile
+
+        try:
+            prof = kernel_profile(engine, prompts, 16)
+            part["profile_b1"] = prof
+            print(f"[{args.phase_name}] profile b1: wall {prof['wall_ms_per_decode_step_profiled']:.3f}"
+                  f" ms/step, kernels {prof['gpu_ms_per_step']:.3f}, effective "
+                  f"{prof['effective_ms_per_step']:.3f}", flush=True)
+            for k in prof["effective_top_kernels"][:16]:
+                print(f"   {k['ms_per_step'] * 1e3:8.1f} us  {k['kernel'][:90]}", flush=True)
+            for k in prof["top_kernels"][:16]:
+                print(f"   own {k['ms_per_step'] * 1e3:8.1f} us x{k['calls_per_step']:.0f}  "
+                      f"{k['kernel'][:90]}", flush=True)
+        except Exception as e:  # noqa: BLE001 - reported in the JSON
+            part["errors"]["profile"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
     part["wall_s"] = time.perf_counter() - t0
     _save_part(args, part)
     llm.close()
@@ -1094,6 +1115,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mlp-inner-dim", type=int, default=MLP_70B["inner_dim"],
                     help="the 70B MLPSpeculator's inner_dim (assumed: see MLP_70B)")
     ap.add_argument("--allreduce-iters", type=int, default=640)
+    ap.add_argument("--profile", action="store_true",
+                    help="also a kernel profile (torch.profiler) of batch-1 plain steps on rank 0")
+    ap.add_argument("--gemv-max-rows", type=int, default=None,
+                    help="experiment: rows up to which the one-row GEMV layer path runs "
+                    "(models/fused.py GEMV_MAX_ROWS; 0: batch 1 takes the few-row path)")
     ap.add_argument("--skip", default="",
                     help="phases to leave out: collectives, equality, or a phase name")
     ap.add_argument("--budget-s", type=float, default=560.0,
