@@ -83,8 +83,11 @@ def propose(batch: SpecBatch) -> Proposal | None:
         :class:`~speculant.spec_types.SpecBatch`).
     :return: a :class:`~speculant.spec_types.Proposal` holding, per sequence, a list of 0..k draft
         token ids (different lengths in one batch are fine; 0 means "no speculation for this
-        sequence this step") and optionally the draft probabilities ``[batch, max_len, vocab]``
-        that produced them (needed for lossless sampling with a non-point-mass draft).
+        sequence this step") or a :class:`~speculant.spec_types.DraftTree` of at most
+        ``max_draft`` nodes (several continuations scored in one forward with tree attention
+        and verified losslessly; its own ``probs`` for sampled drafts; docs/trees.md), and
+        optionally the chains' draft probabilities ``[batch, max_len, vocab]`` that produced
+        them (needed for lossless sampling with a non-point-mass draft).
         Return ``None`` to let a later implementation answer.
     """
 
@@ -100,7 +103,8 @@ def score(batch: SpecBatch, proposal: Proposal) -> ScoreResult | None:
     :param batch: as for :func:`propose`; its sequences already own cache slots for k_i + 1 tokens.
     :param proposal: the validated proposal.
     :return: a :class:`~speculant.spec_types.ScoreResult`: target logits ``[sum(k_i + 1), vocab]``
-        (rows grouped per sequence: the k_i draft positions then the bonus position) and, when
+        (rows grouped per sequence: the k_i draft positions then the bonus position; for a tree
+        sequence row 0 after the root, row i + 1 after node i) and, when
         requested, the hidden states of the same rows; optionally ``greedy`` ``[sum(k_i + 1), 2]``
         (each row's argmax and its log-probability), which lets the built-in verifier check
         greedy batches on the host. The built-in scorer's tensors may be views of its CUDA

@@ -73,8 +73,13 @@ class SpecMetrics:
     num_drafts: int = 0  # sequence-steps that verified >= 1 draft token (vLLM's num_drafts)
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # draft tokens accepted (before any stop rule cuts them)
-    accepted_per_position: list[int] = field(default_factory=list)  # [j]: accepted at position j
-    proposed_per_position: list[int] = field(default_factory=list)  # [j]: verified at position j
+    # [j]: accepted at position j (a tree: accepted paths that reached depth j + 1)
+    accepted_per_position: list[int] = field(default_factory=list)
+    # [j]: verified at position j (a tree: steps whose tree had a node at depth j + 1)
+    proposed_per_position: list[int] = field(default_factory=list)
+    # sequence-steps that verified a token tree (docs/trees.md); they count in num_drafts too,
+    # with every node in num_draft_tokens
+    num_tree_drafts: int = 0
     num_spec_steps: int = 0  # sequence decode steps inside a verification batch
     num_plain_steps: int = 0  # sequence decode steps without verification (off, or no drafts)
     num_emitted_tokens: int = 0  # tokens appended by decode steps (accepted + bonus, after stops)
@@ -147,8 +152,26 @@ class SpecMetrics:
             if j < num_accepted:
                 self.accepted_per_position[j] += 1
 
+    def record_tree(self, num_nodes: int, depth: int, num_accepted: int) -> None:
+        """One verified token tree of ``num_nodes`` nodes, ``depth`` deep, whose accepted path
+        has ``num_accepted`` nodes: the per-position vectors count depths (acceptance by depth)."""
+        if num_nodes > 0:
+            self.num_drafts += 1
+            self.num_tree_drafts += 1
+        self.num_draft_tokens += num_nodes
+        self.num_accepted_tokens += num_accepted
+        grow = depth - len(self.proposed_per_position)
+        if grow > 0:
+            self.proposed_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for j in range(depth):
+            self.proposed_per_position[j] += 1
+            if j < num_accepted:
+                self.accepted_per_position[j] += 1
+
     def merge(self, other: SpecMetrics) -> None:
         self.num_drafts += other.num_drafts
+        self.num_tree_drafts += other.num_tree_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
         self.num_spec_steps += other.num_spec_steps
@@ -204,6 +227,7 @@ class SpecMetrics:
         return {
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
+            "num_tree_drafts": self.num_tree_drafts,
             "num_accepted_tokens": self.num_accepted_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),

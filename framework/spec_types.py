@@ -90,25 +90,37 @@ class SpecBatch:
 class Proposal:
     """Draft tokens for each sequence of a :class:`SpecBatch`, in the same order.
 
-    A proposal carries chains only. A tree of drafts (:class:`DraftTree`) cannot be put in it
-    yet: the engine cannot score trees (docs/trees.md), and a ``DraftTree`` in place of a
-    sequence's token list is refused as that sequence's fault ("drafts must be a list of token
-    ids, got DraftTree"), its drafts dropped."""
+    A sequence's entry is either a chain (a list of token ids: draft ``j`` follows draft
+    ``j - 1``) or a :class:`DraftTree` (several continuations verified in one target forward;
+    docs/trees.md). A tree's node count is its budget (at most the sequence's ``max_draft``, and
+    at most ``MAX_TREE_NODES``); its draft distributions are ``DraftTree.probs`` (``probs``
+    below is for chains only: its rows of a tree sequence are ignored). Chains and trees may be
+    mixed in one batch. An entry that is not a valid chain or tree is that sequence's fault:
+    its drafts are dropped and it decodes plainly this step."""
 
-    token_ids: list[list[int]]  # per sequence, 0..max_draft draft token ids
-    # q(x) for every draft position: [batch, max_len, vocab] float32 (rows past a sequence's own
-    # length are ignored). None means point-mass drafts (q = 1 for the proposed token).
+    token_ids: list[list[int] | DraftTree]  # per sequence: 0..max_draft draft ids, or a DraftTree
+    # q(x) for every chain draft position: [batch, max_len, vocab] float32 (rows past a
+    # sequence's own length, and the rows of tree sequences, are ignored). None means point-mass
+    # drafts (q = 1 for the proposed token).
     probs: torch.Tensor | None = None
     proposer: str = ""  # filled in by the engine: the strategy's name (for error messages)
 
     @property
     def lengths(self) -> list[int]:
-        return [len(t) for t in self.token_ids]
+        """Draft tokens per sequence: a chain's length, a tree's node count."""
+        return [t.num_nodes if isinstance(t, DraftTree) else len(t) for t in self.token_ids]
+
+    @property
+    def has_trees(self) -> bool:
+        return any(isinstance(t, DraftTree) for t in self.token_ids)
 
 
 @dataclass
 class ScoreResult:
-    """Target model output over each sequence's last token plus its drafts.
+    """Target model output over each sequence's last token plus its drafts: ``k_i + 1`` rows per
+    sequence, row 0 after the last token. A chain's row ``j + 1`` is after draft ``j``; a
+    tree's (:class:`DraftTree`, ``k_i`` nodes) row ``i + 1`` is after node ``i`` (its root path
+    appended), the convention of ``verify_tree_greedy`` / ``verify_tree_sampled``.
 
     The built-in scorer's tensors may be views of a CUDA graph's static buffers: read them
     during the step (``verify``), clone what you keep beyond it."""
@@ -140,6 +152,9 @@ class VerifyResult:
 # ---------------------------------------------------------------------------------------------
 # a node's q may sum to 1 within this (the engine's tolerance for Proposal.probs)
 TREE_PROB_SUM_TOLERANCE = 1e-3
+# the most nodes of one tree the engine scores (the root and 63 nodes: one int64 of tree-attention
+# bits per row, kernels/paged_attention.py TREE_MAX_ROWS)
+MAX_TREE_NODES = 63
 
 
 class DraftTreeError(ValueError):

@@ -26,6 +26,16 @@ Proposing costs a list slice and a few random numbers, so the measured speedup i
 target's side of speculation while the target still does its real work (every draft is verified
 by a real forward pass, and the output is exactly that of plain decoding).
 
+Tree mode (``tree_width`` >= 2, docs/trees.md): each draft is a :class:`DraftTree` of
+``tree_width`` siblings per level, as many levels as the sequence's budget (``max_draft`` nodes)
+allows. At each level the true token is the sibling of rank ``j`` with probability
+``rank_probs[j]`` (default ``alpha * (1 - alpha)^j``), or none of them with the rest; the other
+siblings are corrupted tokens, and the next level hangs off the true sibling (off rank 0 when
+there is none). Under greedy verification a level is then accepted with probability
+``sum(rank_probs)`` given the ones before it, whatever the ranks: a chain at ``alpha =
+sum(rank_probs)`` verifies ``k`` tokens for ``k`` levels, a tree ``tree_width`` times fewer
+levels for the same count. Draws are independent (``draws`` applies to chains).
+
 The recording is given either inline (``references``) or as a JSON file (``reference_file``),
 each entry ``{"prompt_token_ids": [...], "output_token_ids": [...]}``. A sequence is matched to
 its reference by its prompt. A sequence with no reference (or past its end) gets no drafts, so it
@@ -45,7 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from speculant import hookimpl
 from speculant.hookspecs import Strategy
-from speculant.spec_types import Proposal, SpecBatch, StrategyContext
+from speculant.spec_types import DraftTree, Proposal, SpecBatch, StrategyContext
 
 
 class OracleReference(BaseModel):
@@ -65,6 +75,11 @@ class OracleConfig(BaseModel):
         "stratified", description="how corruptions are drawn (see the module docstring)")
     references: list[OracleReference] | None = None
     reference_file: str | None = Field(None, description="JSON list of references")
+    tree_width: int = Field(1, ge=1, le=63, description="siblings per level of a token tree; "
+                            "1: chains (the default)")
+    rank_probs: list[float] | None = Field(
+        None, description="tree mode: P(the true token is the sibling of rank j), one per rank; "
+        "default alpha * (1 - alpha)^j")
 
     @model_validator(mode="after")
     def _one_source(self) -> OracleConfig:
@@ -72,6 +87,28 @@ class OracleConfig(BaseModel):
             raise ValueError("the oracle needs exactly one of `references` (inline) or "
                              "`reference_file` (a JSON file of recorded greedy continuations)")
         return self
+
+    @model_validator(mode="after")
+    def _tree(self) -> OracleConfig:
+        probs = self.rank_probs
+        if probs is None:
+            return self
+        if self.tree_width == 1:
+            raise ValueError("rank_probs is for tree mode: set tree_width >= 2 (one probability "
+                             "per sibling rank), or leave rank_probs out for chains")
+        if len(probs) != self.tree_width:
+            raise ValueError(f"rank_probs has {len(probs)} entries for tree_width="
+                             f"{self.tree_width}: give one probability per sibling rank")
+        if any(not 0.0 <= p <= 1.0 for p in probs) or sum(probs) > 1.0 + 1e-9:
+            raise ValueError(f"rank_probs={probs}: each in [0, 1] and their sum (the "
+                             "probability that some sibling is right) at most 1")
+        return self
+
+    def tree_rank_probs(self) -> list[float]:
+        """P(true token at rank j) of tree mode."""
+        if self.rank_probs is not None:
+            return list(self.rank_probs)
+        return [self.alpha * (1.0 - self.alpha) ** j for j in range(self.tree_width)]
 
     def load_references(self) -> list[OracleReference]:
         if self.references is not None:
@@ -109,6 +146,8 @@ class OracleStrategy(Strategy):
         self._weyl: dict[int, float] = {}  # seq_id -> its sequence's next point u_n in [0, 1)
         self.num_proposed = 0
         self.num_corrupted = 0
+        self.tree_width = config.tree_width
+        self.rank_probs = config.tree_rank_probs() if config.tree_width > 1 else []
 
     def _reference(self, seq) -> list[int] | None:
         if seq.seq_id not in self._ref:
@@ -131,13 +170,39 @@ class OracleStrategy(Strategy):
             j += 1
         return j
 
+    def _tree(self, true: list[int], budget: int) -> DraftTree | list[int]:
+        """Tree mode's draft over the true continuation ``true`` (module doc)."""
+        w = min(self.tree_width, budget)
+        levels = min(len(true), budget // w)
+        ids: list[int] = []
+        parents: list[int] = []
+        parent = -1
+        for d in range(levels):
+            u, rank, acc = self.rng.random(), -1, 0.0
+            for j, p in enumerate(self.rank_probs[:w]):
+                acc += p
+                if u < acc:
+                    rank = j
+                    break
+            first = len(ids)
+            for j in range(w):
+                ids.append(true[d] if j == rank else self._corrupt(true[d]))
+                parents.append(parent)
+            self.num_corrupted += w - (rank >= 0)
+            parent = first + max(rank, 0)
+        self.num_proposed += len(ids)
+        return DraftTree(ids, parents) if ids else []
+
     @hookimpl
     def propose(self, batch: SpecBatch) -> Proposal:
-        drafts: list[list[int]] = []
+        drafts: list[list[int] | DraftTree] = []
         for s in batch.seqs:
             ref = self._reference(s)
             n = len(s.token_ids)
             true = ref[n : n + s.max_draft] if ref is not None else []
+            if self.tree_width > 1:
+                drafts.append(self._tree(true, s.max_draft) if true else [])
+                continue
             # stratified: clean up to the drawn prefix, corrupted at it, independent after it
             first_bad = self._accepted_prefix(s.seq_id, len(true)) if self.stratified and true else -1
             draft = []

@@ -16,6 +16,16 @@ depend on the batch, preemption or how many drafts fit (docs/architecture.md, Se
 A batch of greedy requests without logits processing, scored with ``ScoreResult.greedy`` (each
 row's argmax and its log-probability; the built-in scorer computes it inside its CUDA graph),
 is verified on the host from that one read: the same rule, no kernel launch.
+
+Token trees (``DraftTree`` entries of the proposal, docs/trees.md) are verified per sequence
+with ``verify_tree_greedy`` (greedy requests) and, for sampled requests, in the same two ways as
+chains: point-mass trees (``probs=None``) sample each visited row with the number a plain step at
+its position would use and follow the child holding that token (so a seeded request's output is
+its plain output, as with point-mass chains); trees with draft distributions use
+``verify_tree_sampled``, node ``c``'s accept test keyed by (seed, its position, "accept") plus
+its rank among its siblings, the last draw by (seed, step start, "residual"), or, when the path
+ends at a leaf, by the plain sample of the bonus position. The chains of a mixed batch are
+verified as above, bit for bit as without the trees.
 """
 
 from __future__ import annotations
@@ -35,9 +45,23 @@ from speculant.drafting import (
     token_logprobs,
     uniforms,
     verify_rows,
+    verify_tree_greedy,
+    verify_tree_sampled,
 )
 from speculant.hookspecs import Strategy
-from speculant.spec_types import Proposal, ScoreResult, SpecBatch, StrategyContext, VerifyResult
+from speculant.spec_types import (
+    DraftTree,
+    Proposal,
+    ScoreResult,
+    SpecBatch,
+    SpecSequence,
+    StrategyContext,
+    VerifyResult,
+)
+
+# sibling ranks shift a node's accept-test key by this much (positions stay far below it), so
+# that siblings, which share a position, draw independent numbers; rank 0 is a chain's key
+_SIBLING_KEY = 1 << 40
 
 
 class RejectionSampler(Strategy):
@@ -51,20 +75,125 @@ class RejectionSampler(Strategy):
 
     @hookimpl(trylast=True)
     def verify(self, batch: SpecBatch, proposal: Proposal, scores: ScoreResult) -> VerifyResult:
-        seqs = batch.seqs
-        if scores.greedy is not None and all(
+        if proposal.has_trees:
+            return self._verify_mixed(batch.seqs, proposal, scores)
+        return self._verify_chains(batch.seqs, proposal, scores.logits, scores.greedy)
+
+    def _verify_mixed(self, seqs: list[SpecSequence], proposal: Proposal,
+                      scores: ScoreResult) -> VerifyResult:
+        """A batch with trees: its chains verified together as a chain batch, each tree alone."""
+        lengths = proposal.lengths
+        if scores.logits.shape[0] != sum(n + 1 for n in lengths):
+            raise ValueError(
+                f"ScoreResult.logits must have sum(k_i + 1) = {sum(n + 1 for n in lengths)} "
+                f"rows for proposal lengths {lengths}, got {scores.logits.shape[0]}")
+        starts = _starts(lengths)
+        device = scores.logits.device
+        B = len(seqs)
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        accepted = [0] * B
+        logprobs: list[list[float]] = [[] for _ in range(B)]
+        chains = [i for i, d in enumerate(proposal.token_ids) if not isinstance(d, DraftTree)]
+        if chains:
+            sel = to_device([starts[i] + j for i in chains for j in range(lengths[i] + 1)],
+                            torch.long, device)
+            probs = proposal.probs
+            if probs is not None:
+                probs = probs[to_device(chains, torch.long, probs.device)]
+            sub = Proposal([proposal.token_ids[i] for i in chains], probs, proposal.proposer)
+            res = self._verify_chains([seqs[i] for i in chains], sub, scores.logits[sel],
+                                      scores.greedy[sel] if scores.greedy is not None else None)
+            for j, i in enumerate(chains):
+                tokens[i], accepted[i] = res.token_ids[j], res.num_accepted[j]
+                logprobs[i] = res.logprobs[j]
+        lp_rows, lp_ids, owners = [], [], []
+        for i, tree in enumerate(proposal.token_ids):
+            if not isinstance(tree, DraftTree):
+                continue
+            r0 = starts[i]
+            logits = scores.logits[r0 : r0 + tree.num_nodes + 1]  # [n + 1, vocab]
+            path, toks = self._verify_tree(seqs[i], tree, logits)
+            tokens[i], accepted[i] = toks, len(path)
+            lp_rows += [r0, *(r0 + c + 1 for c in path)]
+            lp_ids += toks
+            owners.append(i)
+        if lp_rows:  # the target's log-probability (raw logits) of each tree token: one read
+            lp = read_back(token_logprobs(
+                scores.logits.float().contiguous(), to_device(lp_ids, torch.long, device),
+                to_device(lp_rows, torch.long, device))[1])
+            pos = 0
+            for i in owners:
+                logprobs[i] = lp[pos : pos + len(tokens[i])]
+                pos += len(tokens[i])
+        return VerifyResult(token_ids=tokens, num_accepted=accepted, logprobs=logprobs)
+
+    def _verify_tree(self, seq: SpecSequence, tree: DraftTree, logits: torch.Tensor
+                     ) -> tuple[list[int], list[int]]:
+        """One tree sequence (module doc): its accepted path and its tokens."""
+        params = seq.params
+        if params.is_greedy and not needs_processing(params):
+            res = verify_tree_greedy(tree, logits)  # raw logits: the same argmax
+            return res.path, res.token_ids
+        rows = verify_rows([seq], [tree])
+        target = target_distribution(logits, rows, self.ctx.eos_token_id)  # [n + 1, vocab]
+        if params.is_greedy:
+            res = verify_tree_greedy(tree, target)
+            return res.path, res.token_ids
+        device = logits.device
+        L = len(seq.token_ids)  # the position row 0 decides
+        depths = [0, *tree.depths()]  # [n + 1]: row r decides position L + depths[r]
+        n = tree.num_nodes
+        if tree.probs is None:
+            # point masses: each row's plain sample; follow the child holding it
+            u = uniforms([seq] * (n + 1), [1] * (n + 1), self.engine_gen, device,
+                         purpose="sample", starts=[L + d for d in depths])  # [n + 1]
+            sampled = read_back(sample_from_probs(target.float().contiguous(), u))
+            children: dict[int, list[int]] = {}
+            for c, p in enumerate(tree.parents):
+                children.setdefault(p, []).append(c)
+            path, node = [], -1
+            while True:
+                want = int(sampled[node + 1])
+                nxt = next((c for c in children.get(node, ()) if tree.token_ids[c] == want), None)
+                if nxt is None:
+                    return path, [*(tree.token_ids[c] for c in path), want]
+                path.append(nxt)
+                node = nxt
+        rank, seen = [], {}
+        for p in tree.parents:
+            rank.append(seen.get(p, 0))
+            seen[p] = rank[-1] + 1
+        keys = [L + depths[c + 1] - 1 + rank[c] * _SIBLING_KEY for c in range(n)]
+        u_acc = uniforms([seq] * n, [1] * n, self.engine_gen, device, purpose="accept",
+                         starts=keys)  # [n]
+        u_res = uniforms([seq], [1], self.engine_gen, device, purpose="residual")  # [1]
+        res = verify_tree_sampled(tree, target, torch.cat([u_acc, u_res]))
+        last = res.path[-1] if res.path else -1
+        if res.path and last not in tree.parents:
+            # a leaf reached: the bonus token is the plain sample of its position
+            u_bonus = uniforms([seq], [1], self.engine_gen, device, purpose="sample",
+                               starts=[L + len(res.path)])
+            bonus = int(read_back(sample_from_probs(
+                target[last + 1 : last + 2].float().contiguous(), u_bonus))[0])
+            return res.path, [*res.token_ids[:-1], bonus]
+        return res.path, res.token_ids
+
+    def _verify_chains(self, seqs: list[SpecSequence], proposal: Proposal,
+                       logits: torch.Tensor, greedy: torch.Tensor | None) -> VerifyResult:
+        """A batch of chains (the rule of the module doc)."""
+        if greedy is not None and all(
             s.params.is_greedy and not needs_processing(s.params) for s in seqs
         ):
-            return verify_greedy(proposal.token_ids, scores.greedy)
+            return verify_greedy(proposal.token_ids, greedy)
         rows = verify_rows(seqs, proposal.token_ids)
-        if scores.logits.shape[0] != len(rows):
+        if logits.shape[0] != len(rows):
             raise ValueError(
                 f"ScoreResult.logits must have sum(k_i + 1) = {len(rows)} rows for proposal "
-                f"lengths {proposal.lengths}, got {scores.logits.shape[0]}"
+                f"lengths {proposal.lengths}, got {logits.shape[0]}"
             )
-        device = scores.logits.device
+        device = logits.device
         # [sum(k_i + 1), vocab]: processed logits of greedy rows, probabilities of the others
-        target = target_distribution(scores.logits, rows, self.ctx.eos_token_id)
+        target = target_distribution(logits, rows, self.ctx.eos_token_id)
         greedy_seq = [s.params.is_greedy for s in seqs]
         lengths = proposal.lengths
         max_k = max(lengths, default=0)
@@ -138,7 +267,7 @@ class RejectionSampler(Strategy):
         ).clamp(max=len(rows) - 1)
         B, W = out.shape
         lp = token_logprobs(
-            scores.logits.float().contiguous(), out.clamp(min=0).reshape(-1), rows_idx.reshape(-1)
+            logits.float().contiguous(), out.clamp(min=0).reshape(-1), rows_idx.reshape(-1)
         )[1].view(B, W)  # [batch, max_k + 1]
         # one device-to-host read for tokens, counts and logprobs (float64 holds the ids exactly)
         flat = read_back(

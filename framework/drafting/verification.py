@@ -25,7 +25,7 @@ from speculant.engine.staging import read_back, to_device
 from speculant.kernels.logprobs import token_logprobs
 from speculant.kernels.rejection_sampling import rejection_sample, sample_from_probs
 from speculant.sampling_params import SamplingParams
-from speculant.spec_types import SpecSequence
+from speculant.spec_types import DraftTree, SpecSequence
 
 
 @dataclass
@@ -37,15 +37,24 @@ class Row:
     extra: list[int]
 
 
-def verify_rows(seqs: list[SpecSequence], drafts: list[list[int]]) -> list[Row]:
+def verify_rows(seqs: list[SpecSequence], drafts: list[list[int] | DraftTree]) -> list[Row]:
     """The rows of a verification step in ``ScoreResult.logits`` order: for sequence ``i``,
-    ``len(drafts[i]) + 1`` rows, row ``j`` predicting the token after ``drafts[i][:j]``.
+    ``len(drafts[i]) + 1`` rows, row ``j`` predicting the token after ``drafts[i][:j]``; for a
+    :class:`DraftTree` of ``n`` nodes, ``n + 1`` rows: row 0 after the root, row ``i + 1``
+    after node ``i`` (the tokens of its root path are its ``extra``).
 
     :param seqs: the batch's sequences (``SpecBatch.seqs``).
-    :param drafts: each sequence's draft tokens (``Proposal.token_ids``).
-    :return: ``sum(len(d) + 1)`` rows.
+    :param drafts: each sequence's draft tokens or tree (``Proposal.token_ids``).
+    :return: ``sum(k_i + 1)`` rows.
     """
-    return [Row(seq, d[:j]) for seq, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+    rows: list[Row] = []
+    for seq, d in zip(seqs, drafts):
+        if isinstance(d, DraftTree):
+            rows.append(Row(seq, []))
+            rows.extend(Row(seq, [d.token_ids[j] for j in d.path(i)]) for i in range(d.num_nodes))
+        else:
+            rows.extend(Row(seq, d[:j]) for j in range(len(d) + 1))
+    return rows
 
 
 def needs_processing(params: SamplingParams) -> bool:

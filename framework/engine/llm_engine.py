@@ -370,12 +370,25 @@ class LLMEngine:
         return [s for s in seqs if not s.is_finished]
 
     def score(self, seqs: list[Sequence], new_tokens: list[list[int]],
-              aux_layers: tuple[int, ...] = (), greedy: bool = False, keep_hidden: bool = True
+              aux_layers: tuple[int, ...] = (), greedy: bool = False, keep_hidden: bool = True,
+              trees: list[list[int] | None] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """The target over several new tokens per sequence, with every row's logits
-        (``ModelRunner.score``)."""
+        (``ModelRunner.score``; ``trees``: a tree step)."""
+        if trees is not None and any(t is not None for t in trees):
+            if self.tp_group is not None:
+                raise NotImplementedError("token trees are not supported with "
+                                          "tensor_parallel_size > 1 yet; propose chains")
+            return self.runner.score(seqs, new_tokens, aux_layers, greedy=greedy,
+                                     keep_hidden=keep_hidden, trees=trees)
         return self.runner.score(seqs, new_tokens, aux_layers, greedy=greedy,
                                  keep_hidden=keep_hidden)
+
+    def compact_tree(self, seqs: list[Sequence], ctx_starts: list[int],
+                     paths: list[list[int]]) -> None:
+        """Move each tree sequence's accepted K/V rows next to its root
+        (``ModelRunner.compact_tree``)."""
+        self.runner.compact_tree(seqs, ctx_starts, paths)
 
     def reserve_slots(self, seq: Sequence, num_tokens: int) -> int:
         """Cache slots for positions [0, num_tokens) of ``seq`` if blocks are free; returns how

@@ -13,7 +13,27 @@ import torch
 from speculant.distributed import setup_fused_all_reduce
 from speculant.engine.sampler import greedy_pack
 from speculant.engine.sequence import Sequence
+from speculant.kernels.tree_kv import compact_tree_kv, tree_row_bits, tree_row_depths
 from speculant.models.attention import AttentionMetadata, ForwardContext
+
+
+def tree_step_rows(seqs: list[Sequence], query_lens: list[int],
+                   trees: list[list[int] | None]) -> tuple[list[int], list[int]]:
+    """The RoPE positions and tree bits (``AttentionMetadata.tree_bits``) of every row of a tree
+    step: a sequence with ``parents`` feeds its root and nodes at ``num_cached_tokens + depth``
+    with its ancestor bits (``kernels.tree_kv``); any other sequence is a chain (causal bits)."""
+    positions: list[int] = []
+    bits: list[int] = []
+    for s, q, parents in zip(seqs, query_lens, trees):
+        if parents is None:
+            parents = list(range(-1, q - 2))  # a chain of q - 1 drafts
+        if len(parents) + 1 != q:
+            raise ValueError(f"a tree step's sequence feeds {q} rows for a tree of "
+                             f"{len(parents)} nodes (the root and one row per node)")
+        c0 = s.num_cached_tokens
+        positions.extend(c0 + d for d in tree_row_depths(parents))
+        bits.extend(tree_row_bits(parents))
+    return positions, bits
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -69,22 +89,34 @@ class ModelRunner:
         new_tokens: list[list[int]],
         aux_layers: tuple[int, ...] = (),
         token_ids: torch.Tensor | None = None,  # [num_tokens] int64 on the device, or None
+        trees: list[list[int] | None] | None = None,  # per sequence: its tree's parents, or None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed ``new_tokens[i]`` at positions ``seqs[i].num_cached_tokens ...`` (their K/V are
         written to the cache) and return the final hidden states ``[num_tokens, hidden]`` and, if
         ``aux_layers`` is set, the residual stream entering those layers ``[num_tokens, n*hidden]``.
         ``token_ids``: the tokens to feed when they are still on the device (flat, in sequence
         order); ``new_tokens`` then only gives the query lengths.
+        ``trees`` (a tree step, docs/trees.md): for a sequence with ``parents`` there,
+        ``new_tokens[i]`` is the root then the tree's nodes; each row's K/V goes to the next
+        slot as usual, but its RoPE position is ``num_cached_tokens + depth`` and it attends to
+        the context, its ancestors and itself only (``tree_bits``). Tree steps run eagerly.
         """
         query_lens = [len(t) for t in new_tokens]
-        plan = self.graphs.plan(seqs, query_lens) if self.graphs is not None else None
+        is_tree = trees is not None and any(t is not None for t in trees)
+        plan = (self.graphs.plan(seqs, query_lens)
+                if self.graphs is not None and not is_tree else None)
         if plan is not None:
             return self.graphs.run(seqs, new_tokens, tuple(aux_layers), token_ids, plan)
         ctx_lens = [s.num_cached_tokens + q for s, q in zip(seqs, query_lens)]
         flat = [t for toks in new_tokens for t in toks]
-        positions = [p for s, q in zip(seqs, query_lens) for p in range(s.num_cached_tokens, s.num_cached_tokens + q)]
+        bits = None
+        if is_tree:
+            positions, bits = tree_step_rows(seqs, query_lens, trees)
+        else:
+            positions = [p for s, q in zip(seqs, query_lens)
+                         for p in range(s.num_cached_tokens, s.num_cached_tokens + q)]
         meta = AttentionMetadata.build(query_lens, ctx_lens, [s.block_table for s in seqs],
-                                       self.block_size, self.device)
+                                       self.block_size, self.device, tree_bits=bits)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, aux_layers=tuple(aux_layers),
                              kv_cache=self.kv_cache if self.device.type == "cpu" else None)
         ids = (token_ids if token_ids is not None
@@ -104,8 +136,9 @@ class ModelRunner:
         aux_layers: tuple[int, ...] = (),
         greedy: bool = False,
         keep_hidden: bool = True,
+        trees: list[list[int] | None] | None = None,  # per sequence: its tree's parents, or None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """``forward`` plus the logits of every row: (hidden [T, hidden], aux [T, n_aux * hidden]
+        """``forward`` (``trees``: a tree step, see there) plus the logits of every row: (hidden [T, hidden], aux [T, n_aux * hidden]
         or None, logits [T, vocab] float32, greedy [T, 2] float64 or None). ``greedy`` holds each
         row's argmax (lowest index on ties) and its log-probability
         (:func:`speculant.engine.sampler.greedy_pack`).
@@ -118,12 +151,32 @@ class ModelRunner:
         computes ``greedy`` only when asked."""
         query_lens = [len(t) for t in new_tokens]
         g = self.graphs
-        plan = g.plan(seqs, query_lens) if g is not None else None
+        is_tree = trees is not None and any(t is not None for t in trees)
+        plan = g.plan(seqs, query_lens) if g is not None and not is_tree else None
         if plan is not None and plan[2] >= 2 and plan[2] <= g.max_query and g.head_fits(plan[1]):
             return g.run_head(seqs, new_tokens, tuple(aux_layers), plan, keep_hidden)
-        hidden, aux = self.forward(seqs, new_tokens, aux_layers)
+        hidden, aux = self.forward(seqs, new_tokens, aux_layers, trees=trees)
         logits = self.logits(hidden)
         return hidden, aux, logits, (greedy_pack(logits) if greedy else None)
+
+    @torch.inference_mode()
+    def compact_tree(self, seqs: list[Sequence], ctx_starts: list[int],
+                     paths: list[list[int]]) -> None:
+        """After a tree step: move the K/V of each sequence's accepted nodes (``paths[i]``,
+        in-step rows >= 1, increasing) to the positions right after its root at
+        ``ctx_starts[i]``, in every layer (``kernels.tree_kv.compact_tree_kv``). Sequences whose
+        path is already in place need not be passed."""
+        if not seqs:
+            return
+        width = max(len(s.block_table) for s in seqs)
+        longest = max(len(p) for p in paths)
+        dev = self.device
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                              dtype=torch.int32, device=dev)  # [S, W]
+        starts = torch.tensor(ctx_starts, dtype=torch.int64, device=dev)  # [S]
+        rows = torch.tensor([p + [-1] * (longest - len(p)) for p in paths], dtype=torch.int64,
+                            device=dev)  # [S, P]
+        compact_tree_kv(self.kv_cache, tables, starts, rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

@@ -33,6 +33,9 @@ from speculant.spec_registry import (
     lookup,
 )
 from speculant.spec_types import (
+    MAX_TREE_NODES,
+    DraftTree,
+    DraftTreeError,
     Proposal,
     ScoreResult,
     SpecBatch,
@@ -114,6 +117,44 @@ def _check_probs(probs: torch.Tensor, token_ids: list[list[int]], max_len: int
     return q, bad
 
 
+def _tree_paths(proposal: Proposal, result: VerifyResult) -> dict[int, list[int]]:
+    """Index of each tree sequence -> the root path of its tree whose tokens are the verifier's
+    accepted tokens (``VerifyResult.token_ids[i][:num_accepted[i]]``; of equal siblings, the
+    first that matches the whole run). ValueError when the verifier's tokens are no root path
+    of the tree (a verifier's fault: nothing was appended yet)."""
+    out: dict[int, list[int]] = {}
+    for i, tree in enumerate(proposal.token_ids):
+        if not isinstance(tree, DraftTree):
+            continue
+        toks, acc = result.token_ids[i], result.num_accepted[i]
+        if not 0 <= acc < len(toks) or acc > tree.num_nodes:
+            raise ValueError(f"VerifyResult of tree sequence {i}: num_accepted={acc} with "
+                             f"{len(toks)} tokens for a DraftTree of {tree.num_nodes} nodes")
+        path = _match_path(tree, toks[:acc])
+        if path is None:
+            raise ValueError(f"VerifyResult of tree sequence {i}: accepted tokens {toks[:acc]} "
+                             "are not a root path of its DraftTree")
+        out[i] = path
+    return out
+
+
+def _match_path(tree: DraftTree, want: list[int]) -> list[int] | None:
+    """A root path of ``tree`` whose tokens are ``want`` (depth first, siblings in index order),
+    or None."""
+    kids: dict[int, list[int]] = {}
+    for n, p in enumerate(tree.parents):
+        kids.setdefault(p, []).append(n)
+    stack = [(-1, [])]
+    while stack:
+        node, path = stack.pop()
+        if len(path) == len(want):
+            return path
+        for c in reversed(kids.get(node, ())):
+            if tree.token_ids[c] == want[len(path)]:
+                stack.append((c, [*path, c]))
+    return None
+
+
 def _start_read(t: torch.Tensor):
     """Start copying a small device tensor to the host; ``_finish_read`` gives its list. On CUDA
     the copy is queued (pinned memory, an event), so it costs no wait when it is read after the
@@ -144,12 +185,17 @@ class TargetScorer:
     @hookimpl(trylast=True)
     def score(self, batch: SpecBatch, proposal: Proposal) -> ScoreResult:
         seqs = [self.d.seq_by_id[s.seq_id] for s in batch.seqs]
-        new_tokens = [[s.last_token, *drafts] for s, drafts in zip(seqs, proposal.token_ids)]
+        new_tokens = [[s.last_token, *(d.token_ids if isinstance(d, DraftTree) else d)]
+                      for s, d in zip(seqs, proposal.token_ids)]
         # the greedy pack is free inside a head graph; eagerly, only for all-greedy batches
         greedy = all(s.params.is_greedy for s in seqs)
+        kw = {}
+        if proposal.has_trees:  # a tree step: tree attention over each tree's root and nodes
+            kw["trees"] = [d.parents if isinstance(d, DraftTree) else None
+                           for d in proposal.token_ids]
         hidden, aux, logits, packed = self.d.engine.score(seqs, new_tokens, self.d.aux_layers,
                                                           greedy=greedy,
-                                                          keep_hidden=self.d.needs_hidden)
+                                                          keep_hidden=self.d.needs_hidden, **kw)
         return ScoreResult(logits=logits, hidden_states=hidden, aux_hidden_states=aux,
                            greedy=packed)
 
@@ -435,9 +481,12 @@ class SpecDecoder:
         with contain_processor_faults() as faults:
             try:
                 result = self.pm.hook.verify(batch=batch, proposal=proposal, scores=scores)
+                paths = _tree_paths(proposal, result) if proposal.has_trees else {}
             except Exception as e:
                 raise self._verify_failed(seqs, e) from e
-        self._apply(seqs, proposal, scores, result, self._cut_at(seqs, faults))
+        if paths:
+            self._compact(seqs, paths)
+        self._apply(seqs, proposal, scores, result, self._cut_at(seqs, faults), paths)
         if bad_q is not None:  # read after the step's own read-back: no wait
             bad = [seqs[i] for i, b in zip(drafting, _finish_read(bad_q)) if b]
             if bad:
@@ -584,19 +633,33 @@ class SpecDecoder:
         V = self.ctx.vocab_size
         ids, faulty, problems = [], [], []
         for s, seq, toks in zip(batch.seqs, seqs, rows):
-            got, problem = _draft_ids(toks, V)
-            if problem is None and len(got) > s.max_draft:
-                problem = f"{len(got)} tokens, more than its limit k={s.max_draft}"
+            if isinstance(toks, DraftTree):
+                got, problem = self._check_tree(toks, s, who)
+            else:
+                got, problem = _draft_ids(toks, V)
+                if problem is None and len(got) > s.max_draft:
+                    problem = f"{len(got)} tokens, more than its limit k={s.max_draft}"
             if problem is not None:
                 faulty.append(seq)
                 problems.append(f"request {seq.request_id}: {problem}")
                 got = []
             ids.append(got)
+        if any(isinstance(t, DraftTree) for t in ids) and max(
+                (len(t) for t in ids if not isinstance(t, DraftTree)), default=0) > MAX_TREE_NODES:
+            # a tree step's rows carry one int64 of tree-attention bits: chains of the same
+            # step must fit too
+            for i, (seq, t) in enumerate(zip(seqs, ids)):
+                if isinstance(t, DraftTree):
+                    faulty.append(seq)
+                    problems.append(f"request {seq.request_id}: a DraftTree in a step with a "
+                                    f"chain of more than {MAX_TREE_NODES} drafts")
+                    ids[i] = []
         proposal.token_ids = ids
         bad = None
         if proposal.probs is not None:
             p = proposal.probs
-            L = max(proposal.lengths)
+            chains = [[] if isinstance(t, DraftTree) else t for t in ids]
+            L = max((len(t) for t in chains), default=0)
             if not isinstance(p, torch.Tensor) or not p.is_floating_point():
                 raise ProposalError(f"{who}: draft probs (Proposal.probs) must be a float32 "
                                     f"tensor, got {getattr(p, 'dtype', type(p).__name__)}")
@@ -605,12 +668,40 @@ class SpecDecoder:
                 raise ProposalError(f"{who}: draft probs have shape {tuple(p.shape)}, expected "
                                     f"[batch, >= max_len, vocab] = {need}")
             if L > 0:
-                q, flags = _check_probs(p, ids, L)
+                q, flags = _check_probs(p, chains, L)
                 proposal.probs = q
                 bad = _start_read(flags)
         if faulty:
             self._fault(f"{who} proposed drafts out of bounds: {'; '.join(problems)}", faulty)
         return proposal, bad
+
+    def _check_tree(self, tree: DraftTree, s: SpecSequence, who: str
+                    ) -> tuple[list[int] | DraftTree, str | None]:
+        """One sequence's :class:`DraftTree`, checked (``DraftTree.validate``: node count,
+        ids, probs): what to verify (the tree; an empty list for an empty tree; a list for a
+        chain-shaped tree of point masses, which scores as a chain) and what is wrong (or None)."""
+        try:
+            tree.validate(self.ctx.vocab_size, max_nodes=s.max_draft, who=who)
+        except DraftTreeError as e:
+            return [], str(e).removeprefix(f"{who}: ")
+        if tree.num_nodes > MAX_TREE_NODES:
+            return [], (f"a DraftTree of {tree.num_nodes} nodes: the engine scores at most "
+                        f"{MAX_TREE_NODES} per sequence (speculant.spec_types.MAX_TREE_NODES)")
+        if tree.num_nodes == 0:
+            return [], None
+        if tree.is_chain and tree.probs is None:
+            return list(tree.token_ids), None
+        return tree, None
+
+    def _compact(self, seqs: list[Sequence], paths: dict[int, list[int]]) -> None:
+        """Move the K/V of each tree sequence's accepted nodes next to its root (the sequence's
+        last token, at position len - 1), so that its cache holds the accepted tokens at
+        consecutive positions; the rejected nodes' slots are freed by ``_apply``'s rollback."""
+        todo = [(seqs[i], [n + 1 for n in path]) for i, path in paths.items()
+                if path and path != list(range(len(path)))]
+        if todo:
+            self.engine.compact_tree([s for s, _ in todo], [len(s) - 1 for s, _ in todo],
+                                     [rows for _, rows in todo])
 
     def _plain_step(self, seqs: list[Sequence], overlap: bool) -> None:
         """A plain decode step; with ``overlap`` it may run overlapped with the host work of the
@@ -629,21 +720,29 @@ class SpecDecoder:
         self.total.num_emitted_tokens += 1
 
     def _apply(self, seqs: list[Sequence], proposal: Proposal, scores: ScoreResult,
-               result: VerifyResult, cut: dict[int, tuple[int, str]] | None = None) -> None:
+               result: VerifyResult, cut: dict[int, tuple[int, str]] | None = None,
+               paths: dict[int, list[int]] | None = None) -> None:
         """Append each sequence's verified tokens. ``cut``: sequences whose logits processors
         failed at a row (``_cut_at``): a row after the first rejected draft decided nothing, so
         the sequence is applied as usual; otherwise it gets the accepted drafts before the row
         (the tokens a plain run appends before its processors fail at that position) and its
-        request is failed."""
+        request is failed. ``paths``: index in ``seqs`` -> the accepted nodes of its tree
+        (``_tree_paths``): token ``j`` of a tree sequence comes from row 0 (``j = 0``) or the
+        row after its ``j``-th accepted node."""
         eng = self.engine
         cut = cut or {}
+        paths = paths or {}
         counts = [n + 1 for n in proposal.lengths]
         starts = [0]
         for c in counts[:-1]:
             starts.append(starts[-1] + c)  # first score row of each sequence
+        # the score row (within its sequence's) of each emitted token
+        token_rows = [[0, *(n + 1 for n in paths[i])] if i in paths else list(range(len(toks)))
+                      for i, toks in enumerate(result.token_ids)]
         logprobs = result.logprobs
         if logprobs is None:  # a verifier that did not return them: one batched gather
-            idx = [(r0 + j, t) for r0, toks in zip(starts, result.token_ids) for j, t in enumerate(toks)]
+            idx = [(r0 + rows[j], t) for r0, toks, rows in zip(starts, result.token_ids, token_rows)
+                   for j, t in enumerate(toks)]
             dev = scores.logits.device
             logits = scores.logits.float().contiguous()  # a plugin scorer's may be strided
             flat = token_logprobs(logits, to_device([t for _, t in idx], torch.long, dev),
@@ -655,22 +754,31 @@ class SpecDecoder:
                 pos += len(toks)
         keep, hidden_starts = [], [len(s) - 1 for s in seqs]
         total = self.total
-        for i, (s, drafts, toks, lps, acc, r0) in enumerate(zip(
-                seqs, proposal.token_ids, result.token_ids, logprobs, result.num_accepted, starts)):
-            base = len(s)  # tokens before this step; cache now holds base + len(drafts)
-            row, error = cut.get(i, (len(drafts) + 1, None))
+        for i, (s, k_i, toks, lps, acc, r0) in enumerate(zip(
+                seqs, proposal.lengths, result.token_ids, logprobs, result.num_accepted, starts)):
+            base = len(s)  # tokens before this step; cache now holds base + k_i
+            # a failed row at depth d (a tree: any node at depth d) decides the token after d
+            # accepted drafts: conservative for a tree, whose failed row may be off the path
+            row, error = cut.get(i, (k_i + 1, None))
             if acc >= row:  # the failed row decided a token: keep the drafts before it only
                 acc, toks, lps = row, toks[:row], lps[:row]
             else:
                 error = None
             m = s.metrics.spec
-            m.record(len(drafts), acc)
+            tree = proposal.token_ids[i]
+            if isinstance(tree, DraftTree):
+                depth = max(tree.depths())
+                m.record_tree(k_i, depth, acc)
+                total.record_tree(k_i, depth, acc)
+            else:
+                m.record(k_i, acc)
+                total.record(k_i, acc)
             m.num_spec_steps += 1
-            total.record(len(drafts), acc)
             keep.append(acc + 1)
             full = None
             if s.params.logprobs is not None:  # top-N dicts: this sequence's rows only
-                full = torch.log_softmax(scores.logits[r0 : r0 + len(toks)].float(), dim=-1)
+                sel = [r0 + r for r in token_rows[i][: len(toks)]]
+                full = torch.log_softmax(scores.logits[sel].float(), dim=-1)
             for j, (t, lp) in enumerate(zip(toks, lps)):
                 top = topn_dict(full[j], t, s.params.logprobs, self.ctx.tokenizer) if full is not None else None
                 m.num_emitted_tokens += 1
@@ -684,5 +792,12 @@ class SpecDecoder:
             elif not s.is_finished:
                 eng.rollback(s, base + acc)
         total.num_spec_steps += len(seqs)
-        self.record_hidden(seqs, counts, scores.hidden_states, scores.aux_hidden_states, keep,
-                           hidden_starts)
+        hidden, aux = scores.hidden_states, scores.aux_hidden_states
+        if paths and self.needs_hidden and hidden is not None:
+            # the kept rows (the root's and the accepted nodes') first, sequence by sequence
+            sel = [r0 + r for r0, rows, kp in zip(starts, token_rows, keep) for r in rows[:kp]]
+            sel_t = to_device(sel, torch.long, hidden.device)
+            hidden = hidden[sel_t]
+            aux = aux[sel_t] if aux is not None else None
+            counts = list(keep)
+        self.record_hidden(seqs, counts, hidden, aux, keep, hidden_starts)

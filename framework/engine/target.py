@@ -59,12 +59,23 @@ class TargetEngine(Protocol):
         aux_layers: tuple[int, ...] = (),
         greedy: bool = False,
         keep_hidden: bool = True,
+        trees: list[list[int] | None] | None = None,  # per sequence: a tree's parents, or None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """The target over ``new_tokens[i]`` at the next positions of ``seqs[i]`` (their K/V
         written to the cache): (hidden ``[T, hidden]``, aux ``[T, n_aux * hidden]`` or None,
         logits ``[T, vocab]`` float32, greedy pack ``[T, 2]`` float64 or None), ``T`` the total
         token count. The greedy pack comes when ``greedy`` is set or free (inside a CUDA graph);
-        the tensors may be views of a graph's buffers, valid until the next forward."""
+        the tensors may be views of a graph's buffers, valid until the next forward.
+        ``trees[i]`` (a tree step): ``new_tokens[i]`` is the root and the nodes of a tree with
+        these parents, scored with tree attention (row ``r`` at position ``len - 1 +
+        depth(r)``, K/V at the next slots in row order)."""
+        ...
+
+    def compact_tree(self, seqs: list[Sequence], ctx_starts: list[int],
+                     paths: list[list[int]]) -> None:
+        """After a tree step, copy the K/V of in-step rows ``paths[i]`` (the accepted nodes'
+        rows, increasing, >= 1) of ``seqs[i]`` to positions ``ctx_starts[i] + 1, + 2, ...``
+        (its root at ``ctx_starts[i]``), in every layer."""
         ...
 
     def reserve_slots(self, seq: Sequence, num_tokens: int) -> int:
