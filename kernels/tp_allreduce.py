@@ -8,19 +8,25 @@ all-reduce ~7 us (lent H200 pair, docs/tensor_parallel.md), and the RMSNorm kern
 another launch. This kernel does all of it in one launch (up to ``max_programs`` programs, each
 over rows ``pid, pid + programs, ...``):
 
-1. copy this rank's partial row into this rank's symmetric buffer (one of two, alternating per
-   call, so a peer still reading the previous call's buffer is never overwritten);
-2. barrier with the same program on every peer through the signal pads: a release
-   compare-and-swap 0 -> 1 on each peer's flag ``[program, my rank]``, then an acquire
-   compare-and-swap 1 -> 0 on each of its own flags ``[program, peer]`` (system scope);
+1. push this rank's partial rows into every peer's symmetric buffer, at this rank's place
+   (``[slot, rank, row]``: each buffer holds every rank's rows; two slots, alternating per call,
+   so a peer still reading the previous call's slot is never overwritten);
+2. signal every peer at once (one atomic exchange per peer, from different threads, release,
+   system scope) with this program's *epoch*, a per-program call counter kept in this rank's
+   own signal pad, then wait until every peer's flag in this rank's pad has reached the epoch
+   (acquire). The flags only grow (modulo 2^30), so no flag has to be reset and no rank waits
+   for a peer to consume a signal: one NVLink round trip for all peers together, not one per
+   peer, and the rows are then read from local memory;
 3. sum the rows of every rank in rank order (0, 1, ...) in fp32, round to the dtype, then, as
    ``speculant.models.fused.rms_norm``, add the residual in the dtype and normalise.
 
-Every rank sums in the same order, so all ranks hold bit-identical results. Two buffers with one
-barrier per call are enough: a rank writes buffer ``b`` for call ``n + 1`` only after it passed
-the barrier of call ``n``, which a peer enters only after finishing call ``n - 1``, the last
-reader of ``b``. Callers pick the buffer by the call's position in the forward (``slot``: the
-layer's first or second all-reduce), which a CUDA graph keeps.
+Every rank sums in the same order, so all ranks hold bit-identical results. Two slots with one
+barrier per call are enough: a rank pushes into slot ``b`` for call ``n + 2`` only after it
+passed the barrier of call ``n + 1``, which a peer signals only after finishing call ``n``, the
+last reader of ``b``; a peer can be at most one epoch ahead. Callers pick the slot by the call's
+position in the forward (``slot``: the layer's first or second all-reduce), which a CUDA graph
+keeps. Measured against the earlier pull form (a compare-and-swap per peer, one after the
+other, then remote reads): docs/tensor_parallel.md.
 
 NVLink multicast is not used (plain loads and stores through peer mappings): it stays off on
 the machines we run on. The multi-GPU kernel is tested on two GPUs (tests/test_tp_allreduce.py,
@@ -56,19 +62,23 @@ def allreduce_rms_norm_ref(
     return (xf * inv).to(x.dtype) * weight, x
 
 
+EPOCH_MASK = (1 << 30) - 1  # flags count calls modulo 2^30
+
+
 @lazy_jit(do_not_specialize=("rows",))
 def _allreduce_norm_kernel(
     x_ptr,  # [rows, N]: this rank's partial
-    bufs_ptr,  # [world] int64: each rank's symmetric buffer (2 * max_rows * N elements)
-    sigs_ptr,  # [world] int64: each rank's signal pad (int32 flags [programs, world])
+    bufs_ptr,  # [world] int64: each rank's symmetric buffer ([2, world, max_rows, N] elements)
+    sigs_ptr,  # [world] int64: each rank's signal pad (int32 flags [1 + programs, world];
+    # row 0 is left to torch's own barrier)
     r_ptr,  # [rows, N]: the residual stream (HAS_RES)
     w_ptr,  # [N]: the norm weight (NORM)
     out_ptr,  # [rows, N]: normed (NORM) or the sum (+ residual)
     res_out_ptr,  # [rows, N]: sum + residual (HAS_RES and NORM)
     stride_x, stride_r, stride_o, stride_ro,
-    rows, N, buf_off, eps,
+    rows, N, buf_off, max_rows, eps,  # buf_off: the slot's first element; max_rows: rows per rank
     RANK: tl.constexpr, WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, WP2: tl.constexpr,  # WP2: next_pow2(WORLD)
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -76,40 +86,45 @@ def _allreduce_norm_kernel(
     mask = cols < N
     dt = x_ptr.dtype.element_ty
     if WORLD > 1:
-        # this program's rows (pid, pid + nprog, ...) into this rank's buffer, then one barrier
-        # with the same program of every peer
-        # the buffers are 16-byte aligned allocations: say so, or the loads and stores through
-        # these pointers go out one element at a time (slower at 64 rows)
-        own = tl.multiple_of(tl.load(bufs_ptr + RANK).to(tl.pointer_type(dt), bitcast=True), 16)
+        # push this program's rows (pid, pid + nprog, ...) to [slot, RANK, row] of every peer;
+        # the buffers are 16-byte aligned allocations: say so, or the stores go out one element
+        # at a time
         for row in range(pid, rows, nprog):
             x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-            tl.store(own + buf_off + row * N + cols, x, mask=mask)
-        tl.debug_barrier()  # every thread's store before the release below
-        for p in tl.static_range(WORLD):
-            if p != RANK:
-                peer_sig = tl.load(sigs_ptr + p).to(tl.pointer_type(tl.int32), bitcast=True)
-                flag = peer_sig + pid * WORLD + RANK
-                while tl.atomic_cas(flag, 0, 1, sem="release", scope="sys") != 0:
-                    pass
+            for p in tl.static_range(WORLD):
+                if p != RANK:
+                    peer = tl.multiple_of(
+                        tl.load(bufs_ptr + p).to(tl.pointer_type(dt), bitcast=True), 16)
+                    tl.store(peer + buf_off + (RANK * max_rows + row) * N + cols, x, mask=mask)
+        tl.debug_barrier()  # every thread's stores before the releases below
         my_sig = tl.load(sigs_ptr + RANK).to(tl.pointer_type(tl.int32), bitcast=True)
-        for p in tl.static_range(WORLD):
-            if p != RANK:
-                flag = my_sig + pid * WORLD + p
-                while tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys") != 1:
-                    pass
+        epoch = (tl.load(my_sig + (pid + 1) * WORLD + RANK, volatile=True) + 1) & EPOCH_MASK  # this call's number
+        ranks = tl.arange(0, WP2)
+        peers = (ranks < WORLD) & (ranks != RANK)
+        peer_sig = tl.load(sigs_ptr + ranks, mask=ranks < WORLD, other=0)
+        flags = peer_sig.to(tl.pointer_type(tl.int32), bitcast=True) + (pid + 1) * WORLD + RANK
+        tl.atomic_xchg(flags, tl.zeros([WP2], tl.int32) + epoch, mask=peers, sem="release",
+                       scope="sys")
+        mine = my_sig + (pid + 1) * WORLD + ranks  # [WP2]: the flags the peers set here
+        seen = tl.full([], 0, tl.int32)
+        while seen < WORLD - 1:
+            v = tl.atomic_add(mine, tl.zeros([WP2], tl.int32), mask=peers, sem="acquire",
+                              scope="sys")
+            ok = peers & (((v - epoch) & EPOCH_MASK) < (EPOCH_MASK + 1) // 2)  # v >= epoch
+            seen = tl.sum(ok.to(tl.int32), axis=0)
+        tl.store(my_sig + (pid + 1) * WORLD + RANK, epoch)
         tl.debug_barrier()
     for row in range(pid, rows, nprog):
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if WORLD > 1:
+            own = tl.multiple_of(tl.load(bufs_ptr + RANK).to(tl.pointer_type(dt), bitcast=True), 16)
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for p in tl.static_range(WORLD):
                 if p == RANK:
                     acc += x.to(tl.float32)
                 else:  # .cg: through L2, never a stale L1 line of an earlier call
-                    peer = tl.multiple_of(
-                        tl.load(bufs_ptr + p).to(tl.pointer_type(dt), bitcast=True), 16)
-                    acc += tl.load(peer + buf_off + row * N + cols, mask=mask, other=0.0,
-                                   cache_modifier=".cg").to(tl.float32)
+                    acc += tl.load(own + buf_off + (p * max_rows + row) * N + cols, mask=mask,
+                                   other=0.0, cache_modifier=".cg").to(tl.float32)
             s = acc.to(dt)
         else:
             s = x
@@ -127,8 +142,9 @@ def _allreduce_norm_kernel(
 
 
 class SymmetricAllReduce:
-    """A rank's side of the fused one-shot all-reduce for one TP group: two symmetric buffers
-    of ``max_rows x hidden`` elements of ``dtype`` and the signal pads, set up collectively
+    """A rank's side of the fused one-shot all-reduce for one TP group: a symmetric buffer of
+    ``[2, world, max_rows, hidden]`` elements of ``dtype`` (two slots of every rank's rows) and
+    the signal pads, set up collectively
     (every rank of ``group`` constructs it at the same time). ``max_rows``: the most rows a
     call may have (callers route larger calls elsewhere, e.g. NCCL)."""
 
@@ -141,9 +157,10 @@ class SymmetricAllReduce:
         self.world = dist.get_world_size(group)
         self.max_rows, self.hidden, self.dtype = max_rows, hidden, dtype
         self.max_programs = max_programs  # rows per program grow past it: one barrier each
-        self.buffer = symm_mem.empty(2 * max_rows * hidden, dtype=dtype, device=device)
+        self.buffer = symm_mem.empty(2 * self.world * max_rows * hidden, dtype=dtype,
+                                     device=device)
         handle = symm_mem.rendezvous(self.buffer, group)
-        need = max_programs * self.world * 4
+        need = (max_programs + 1) * self.world * 4
         if handle.signal_pad_size < need:
             raise ValueError(f"symmetric-memory signal pad of {handle.signal_pad_size} bytes, "
                              f"{need} needed for {max_programs} programs; lower max_programs")
@@ -181,9 +198,9 @@ class SymmetricAllReduce:
             _allreduce_norm_kernel[(min(rows, self.max_programs),)](
                 x, self.bufs, self.sigs, r, weight if norm else x, out, res_out,
                 x.stride(0), r.stride(0), out.stride(0), res_out.stride(0),
-                rows, n, (slot % 2) * self.max_rows * n, eps,
+                rows, n, (slot % 2) * self.world * self.max_rows * n, self.max_rows, eps,
                 RANK=self.rank, WORLD=self.world, HAS_RES=residual is not None, NORM=norm,
-                BLOCK=block, num_warps=8 if block >= 4096 else 4)
+                BLOCK=block, WP2=next_pow2(self.world), num_warps=8 if block >= 4096 else 4)
         if norm:
             return out, (res_out if residual is not None else out)
         return out, out

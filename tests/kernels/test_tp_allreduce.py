@@ -36,8 +36,8 @@ def test_single_rank_kernel_matches_reference(dtype, res, norm):
     dummy = torch.zeros(1, dtype=torch.int64, device=dev)
     _allreduce_norm_kernel[(2,)](  # 2 programs over 3 rows
         x, dummy, dummy, r if res else x, w if norm else x, out, res_out,
-        x.stride(0), x.stride(0), out.stride(0), res_out.stride(0), rows, n, 0, 1e-5,
-        RANK=0, WORLD=1, HAS_RES=res, NORM=norm, BLOCK=256)
+        x.stride(0), x.stride(0), out.stride(0), res_out.stride(0), rows, n, 0, rows, 1e-5,
+        RANK=0, WORLD=1, HAS_RES=res, NORM=norm, BLOCK=256, WP2=1)
     want, want_res = allreduce_rms_norm_ref([x], r, w, 1e-5)
     torch.testing.assert_close(out, want, atol=_tol(dtype), rtol=_tol(dtype))
     if res and norm:
@@ -115,15 +115,17 @@ def _worker(rank: int, world: int, port: int, rows_list, q) -> None:
 
 
 @pytest.mark.gpu
-def test_two_gpu_allreduce_matches_reference():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA devices")
+@pytest.mark.parametrize("world", [2, 4])
+def test_multi_gpu_allreduce_matches_reference(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA devices")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     ctx = torch.multiprocessing.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, [1, 8, 64], q)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, [1, 8, 64], q))
+             for r in range(world)]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=240) for _ in procs)
