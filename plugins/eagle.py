@@ -93,12 +93,14 @@ from speculant.drafting import (
     HeadDrafter,
     HeadOptions,
     HeadStrategy,
+    HeadTreeDrafter,
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaMLP,
     RMSNorm,
     RotaryEmbedding,
     StrategyError,
+    TreeOptions,
     build_head,
     checkpoint_keys,
     hot_argmax,
@@ -197,7 +199,12 @@ class Eagle3Draft(nn.Module):
         return self.midlayer(positions, emb, hidden, ctx)
 
 
-class Eagle3Options(HeadOptions):
+class EagleOptions(HeadOptions, TreeOptions):
+    """EAGLE-1's options: the head's (``model``, ``num_speculative_tokens``, ``token_map``) and
+    the tree options (``eagle_topk``, ``num_draft_tokens``, ``speculative_token_tree``)."""
+
+
+class Eagle3Options(EagleOptions):
     aux_hidden_layers: tuple[int, ...] | None = Field(
         None, description="target decoder layers whose INPUT hidden states feed fc (3 of them)"
     )
@@ -235,7 +242,7 @@ class _EagleBase(HeadStrategy):
         except Exception:
             return False
 
-    def __init__(self, config: HeadOptions, ctx: StrategyContext) -> None:
+    def __init__(self, config: EagleOptions, ctx: StrategyContext) -> None:
         self.config, self.ctx = config, ctx
         k = self.num_speculative_tokens = config.num_speculative_tokens
         self.folder = folder = resolve_draft_folder(config.model)
@@ -254,7 +261,9 @@ class _EagleBase(HeadStrategy):
         self.hf = read_head_config(folder, self.raw_cfg, ctx.vocab_size, "EAGLE")
         self.target = ctx.target_model
         self.H_target = target_hidden_size(ctx)
-        self.max_positions = max_pos = ctx.max_model_len + k + 8
+        shape = config.tree_shape()  # None: chains; else EAGLE-2's or a static tree
+        depth = max(k, getattr(shape, "depth", 0))  # the most draft positions past a context
+        self.max_positions = max_pos = ctx.max_model_len + depth + 8
         self.draft = build_head(self._head(), self.hf, ctx.device, ctx.dtype, max_pos)
         self._load()
         self.draft.eval()
@@ -266,11 +275,15 @@ class _EagleBase(HeadStrategy):
         self.hot = target_hot_head(ctx, token_map) if token_map else None
         # the target's features: its final hidden state, or the aux layers' inputs concatenated
         width = max(1, len(self.aux_hidden_layers)) * self.H_target
+        ahead = max(k, shape.max_rows() if shape is not None else 0)  # K/V rows past a context
         self.drafter = HeadDrafter(
-            self, DraftKVCache.for_head(ctx, self.draft, k + 1), ctx, num_speculative_tokens=k,
-            hidden_size=self.hf.hidden_size, feature_width=width, max_positions=max_pos,
-            name=self.name, label=f"{self.name} {folder}",
+            self, DraftKVCache.for_head(ctx, self.draft, ahead + 1), ctx,
+            num_speculative_tokens=k, hidden_size=self.hf.hidden_size, feature_width=width,
+            max_positions=max_pos, name=self.name, label=f"{self.name} {folder}",
         )
+        if shape is not None:  # trees (speculant.drafting.trees); the engine's k: their nodes
+            self.drafter.tree = HeadTreeDrafter(self.drafter, shape)
+            self.num_speculative_tokens = self.drafter.tree.budget
 
     def _load_weights(self, **kw: Any) -> dict[str, tuple[Path, torch.Tensor]]:
         hint = f" (the EAGLE-{self.version} key names are listed in the docstring of {__name__})"
@@ -312,7 +325,7 @@ class EagleStrategy(_EagleBase):
 
     name = "eagle"
     aliases = ("eagle1", "eagle-1")
-    Config = HeadOptions
+    Config = EagleOptions
     version = 1
 
     def _head(self) -> Callable[[], nn.Module]:

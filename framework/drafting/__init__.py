@@ -21,6 +21,7 @@ from speculant.drafting import (
     sampling,
     token_map,
     tree_verification,
+    trees,
     verification,
 )
 from speculant.drafting.checkpoint import *  # noqa: F403
@@ -32,9 +33,10 @@ from speculant.drafting.runner import *  # noqa: F403
 from speculant.drafting.sampling import *  # noqa: F403
 from speculant.drafting.token_map import *  # noqa: F403
 from speculant.drafting.tree_verification import *  # noqa: F403
+from speculant.drafting.trees import *  # noqa: F403
 from speculant.drafting.verification import *  # noqa: F403
 from speculant.spec_types import StrategyError
 
 _MODULES = (checkpoint, graphs, kv_cache, heads, head_drafter, runner, sampling, token_map,
-            verification, tree_verification)
+            verification, tree_verification, trees)
 __all__ = ["StrategyError", *(name for m in _MODULES for name in m.__all__)]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -153,13 +153,17 @@ class HeadDrafter:
         self.graphs = GraphCache(ctx.device, label or name, ctx.enforce_eager)
         # block-table width of the captured draft loop: the most blocks a sequence can hold
         self.graph_width = -(-(max_positions + 1) // cache.block_size) + 1
+        # tree mode (speculant.drafting.HeadTreeDrafter): propose its trees instead of chains
+        self.tree: Any = None
 
-    def plan(self, batch: SpecBatch) -> tuple[list[CatchUp], int]:
+    def plan(self, batch: SpecBatch, ahead: int | None = None) -> tuple[list[CatchUp], int]:
         """The sequences of ``batch`` that catch up (their cache reserved up to the last
         position their drafts write) and K, the draft steps of the call: every drafting sequence
         runs K steps (a step of one row depends on that row only); rows that want fewer drafts
         drop the extra ones. A sequence without features right up to its last token is left
-        out (it drafts nothing), as is one the cache has no blocks for."""
+        out (it drafts nothing), as is one the cache has no blocks for. ``ahead``: cache
+        positions a drafting sequence writes past its context (default ``K - 1``, a chain's;
+        a tree's head levels write more: ``HeadTreeDrafter.max_rows``)."""
         row0 = [0, *itertools.accumulate(batch.hidden_counts)]
         ks = [min(s.max_draft, self.num_speculative_tokens) for s in batch.seqs]
         K = max((k for k, c in zip(ks, batch.hidden_counts) if c > 0), default=0)
@@ -168,7 +172,8 @@ class HeadDrafter:
             c, start, n = batch.hidden_counts[i], batch.hidden_start[i], s.num_tokens
             if c == 0 or start + c != n - 1:
                 continue
-            last = max(n - 2, n + K - 3) if ks[i] > 0 else n - 2  # last position written
+            extra = max(0, K - 1) if ahead is None else ahead
+            last = n - 2 + extra if ks[i] > 0 else n - 2  # last position written
             st = self.cache.reserve(s.seq_id, start, last)
             if st is not None:
                 plan.append(CatchUp(i, st, row0[i], c, start, n, ks[i]))
@@ -177,6 +182,8 @@ class HeadDrafter:
     def propose(self, batch: SpecBatch, feats: torch.Tensor | None) -> Proposal:
         """The drafts of ``batch`` from the target's features ``feats`` [rows, F] (the rows of
         ``batch.hidden_counts``, batch order; None: no drafts)."""
+        if self.tree is not None:
+            return self.tree.propose(batch, feats)
         B = len(batch.seqs)
         none = Proposal(token_ids=[[] for _ in range(B)])
         if feats is None or not B:
@@ -301,7 +308,10 @@ class HeadDrafter:
     def capture_graphs(self, max_num_seqs: int, progress: bool) -> int:
         """The ``capture_graphs`` hook: the one-graph greedy proposes and draft-step chains of
         up to ``max_num_seqs`` sequences, captured now on padding inputs (nothing written to the
-        cache). Returns how many graphs were captured."""
+        cache). Returns how many graphs were captured: none in tree mode (its levels run
+        eagerly)."""
+        if self.tree is not None:
+            return 0
         return head_graph.capture_all(self, max_num_seqs, progress)
 
 
