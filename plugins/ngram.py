@@ -22,6 +22,13 @@ pass over k + 1 tokens costs about what a decode step costs, so short drafts was
 (default 4 there). On the CPU each extra row costs (a pass over 6 rows costs ~1.8 decode steps
 for SmolLM2-135M on one core), so after a failure the draft restarts at 1 token and grows by one
 per fully accepted draft (default 1 there).
+
+Tree mode (``tree_branches`` >= 2, docs/trees.md): the continuations of up to ``tree_branches``
+earlier occurrences (longest n first, most recent first, each with a different next token) are
+proposed together as one :class:`DraftTree`: their common prefixes merged, nodes added level by
+level (every branch's first token, then every branch's second, ...) until the sequence's budget
+of ``max_draft`` nodes is spent. The first branch is the chain mode's draft. With one
+occurrence, or ``tree_branches=1`` (the default), the draft is a chain.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from speculant import hookimpl
 from speculant.hookspecs import Strategy
-from speculant.spec_types import Proposal, SpecBatch, StrategyContext
+from speculant.spec_types import DraftTree, Proposal, SpecBatch, StrategyContext
 
 
 class NgramConfig(BaseModel):
@@ -46,6 +53,9 @@ class NgramConfig(BaseModel):
     max_backoff: int = Field(16, ge=0, le=4096)  # adaptive: most tokens to skip after failures
     # adaptive: shortest draft proposed (capped at k); None: 1 on the CPU, 4 on an accelerator
     min_draft: int | None = Field(None, ge=1, le=64)
+    # tree mode: propose the continuations of up to this many earlier occurrences as the
+    # branches of one DraftTree (1: a chain, the default)
+    tree_branches: int = Field(1, ge=1, le=16)
 
     @model_validator(mode="after")
     def _order(self) -> NgramConfig:
@@ -79,9 +89,13 @@ class NgramIndex:
     tuple of n tokens) among the windows that end before the sequence's last token. Appending
     tokens indexes the new windows only (O(new tokens x number of n) dictionary writes)."""
 
-    def __init__(self, n_min: int, n_max: int) -> None:
+    def __init__(self, n_min: int, n_max: int, keep_all: bool = False) -> None:
         self.n_min, self.n_max = n_min, n_max
+        self.keep_all = keep_all
         self.last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(n_min, n_max + 1)}
+        # keep_all (tree mode): every occurrence's end, oldest first
+        self.all: dict[int, dict[tuple[int, ...], list[int]]] = {
+            n: {} for n in range(n_min, n_max + 1)}
         self.tokens: list[int] = []  # the tokens indexed so far (a copy: never aliased)
         self.indexed_end = 0  # windows ending at positions < indexed_end are in ``last``
 
@@ -89,13 +103,16 @@ class NgramIndex:
         """Index ``tokens`` (the sequence so far; it extends what was seen before)."""
         n0 = len(self.tokens)
         if len(tokens) < n0 or (n0 and tokens[n0 - 1] != self.tokens[-1]):
-            self.__init__(self.n_min, self.n_max)  # not an extension: start over
+            self.__init__(self.n_min, self.n_max, self.keep_all)  # not an extension: start over
         self.tokens.extend(tokens[len(self.tokens) :])
         t = self.tokens
         for e in range(max(self.indexed_end, 1), len(t)):  # windows t[e - n : e], e < len(t)
             for n, table in self.last.items():
                 if e >= n:
-                    table[tuple(t[e - n : e])] = e
+                    key = tuple(t[e - n : e])
+                    table[key] = e
+                    if self.keep_all:
+                        self.all[n].setdefault(key, []).append(e)
         self.indexed_end = max(self.indexed_end, len(t))
 
     def find(self, k: int) -> list[int]:
@@ -109,6 +126,47 @@ class NgramIndex:
             if e is not None and e <= L - 1:
                 return t[e : e + k]
         return []
+
+    def find_branches(self, k: int, branches: int) -> list[list[int]]:
+        """Up to ``branches`` continuations of up to ``k`` tokens each, after earlier
+        occurrences of the sequence's suffix n-grams (longest n first, most recent first), each
+        with a different first token; the first is :meth:`find`'s (needs ``keep_all``)."""
+        t = self.tokens
+        L = len(t)
+        out: list[list[int]] = []
+        firsts: set[int] = set()
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            for e in reversed(self.all[n].get(tuple(t[L - n :]), ())):
+                if e > L - 1 or t[e] in firsts:
+                    continue
+                firsts.add(t[e])
+                out.append(t[e : e + k])
+                if len(out) == branches:
+                    return out
+        return out
+
+
+def merge_branches(branches: list[list[int]], budget: int) -> DraftTree:
+    """The branches as one tree: common prefixes shared, nodes added level by level (each
+    branch's token at depth 1, then at depth 2, ...) while fewer than ``budget`` exist."""
+    ids: list[int] = []
+    parents: list[int] = []
+    child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    at = [-1] * len(branches)  # each branch's deepest node so far (-1: the root)
+    for d in range(max((len(b) for b in branches), default=0)):
+        for j, b in enumerate(branches):
+            if d >= len(b) or (d > 0 and at[j] < 0):
+                continue  # a branch cut by the budget stays cut
+            node = child.get((at[j], b[d]))
+            if node is None:
+                if len(ids) >= budget:
+                    at[j] = -2
+                    continue
+                node = child[(at[j], b[d])] = len(ids)
+                ids.append(b[d])
+                parents.append(at[j])
+            at[j] = node
+    return DraftTree(ids, parents)
 
 
 class NgramStrategy(Strategy):
@@ -135,15 +193,20 @@ class NgramStrategy(Strategy):
             k = min(
                 s.max_draft, self._adapt(s.seq_id, s.token_ids) if cfg.adaptive else s.max_draft
             )
-            draft: list[int] = []
+            draft: list[int] | DraftTree = []
             if k > 0:
                 index = self._index.get(s.seq_id)
                 if index is None:
                     index = self._index[s.seq_id] = NgramIndex(
-                        cfg.prompt_lookup_min, cfg.prompt_lookup_max
+                        cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.tree_branches > 1
                     )
                 index.update(s.token_ids)
-                draft = index.find(k)
+                if cfg.tree_branches > 1:
+                    found = index.find_branches(k, cfg.tree_branches)
+                    draft = (merge_branches(found, k) if len(found) > 1
+                             else (found[0] if found else []))
+                else:
+                    draft = index.find(k)
             self._last[s.seq_id] = (len(s.token_ids), draft)
             drafts.append(draft)
         return Proposal(token_ids=drafts)
@@ -153,13 +216,8 @@ class NgramStrategy(Strategy):
         last = self._last.get(seq_id)
         if last is not None and last[1]:
             n0, draft = last
-            new = tokens[n0 : n0 + len(draft)]
-            accepted = 0
-            for a, b in zip(draft, new):
-                if a != b:
-                    break
-                accepted += 1
-            k = min(self.num_speculative_tokens, accepted + 1 if accepted < len(draft) else k + 1)
+            accepted, full = _accepted(draft, tokens[n0:])
+            k = min(self.num_speculative_tokens, k + 1 if full else accepted + 1)
             fails = 0 if accepted else self._fails.get(seq_id, 0) + 1
             self._fails[seq_id] = fails
             if fails and self.config.max_backoff:
@@ -177,6 +235,29 @@ class NgramStrategy(Strategy):
             self._fails.pop(i, None)
             self._resume.pop(i, None)
             self._index.pop(i, None)
+
+
+def _accepted(draft: list[int] | DraftTree, new: list[int]) -> tuple[int, bool]:
+    """How many tokens of ``draft`` (a chain, or a tree's deepest matching path) the tokens
+    ``new`` appended after it agree with, and whether the whole draft (a tree: a leaf's path)
+    was."""
+    if not isinstance(draft, DraftTree):
+        accepted = 0
+        for a, b in zip(draft, new):
+            if a != b:
+                break
+            accepted += 1
+        return accepted, accepted == len(draft)
+    node, accepted = -1, 0
+    for t in new:
+        kids = draft.children(node)
+        if not kids:
+            return accepted, True
+        node = next((c for c in kids if draft.token_ids[c] == t), None)
+        if node is None:
+            return accepted, False
+        accepted += 1
+    return accepted, not draft.children(node)
 
 
 @hookimpl

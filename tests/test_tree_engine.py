@@ -21,7 +21,7 @@ from speculant.spec_types import DraftTree
 
 K = 6
 MAX_TOKENS = 40
-PROMPTS = [[1, 17, 300, 4000, 52], [1, 9, 9, 9], [1, 2000, 31, 77, 5, 6, 7], [1, 42],
+PROMPTS = [[1, 5, 6, 5, 7, 5, 8, 5], [1, 9, 9, 9], [1, 2000, 31, 77, 5, 6, 7], [1, 42],
            [1, 5, 6, 5, 6, 5], [1, 300, 301], [1, 8000, 12, 12], [1, 77, 78, 79, 80]]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -74,3 +74,34 @@ def test_tree_oracle_config_errors(tiny, plain):
         _oracle(tiny, refs, tree_width=2, rank_probs=[0.7, 0.6])
     with pytest.raises(StrategyError, match="tree_width >= 2"):
         _oracle(tiny, refs, rank_probs=[0.5])
+
+
+# ------------------------------------------------------------------------------- n-gram trees
+def _ngram(tiny, branches: int, **kw) -> LLM:
+    return LLM(model=tiny, skip_tokenizer_init=True, max_num_seqs=8, speculative_config={
+        "method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1, "tree_branches": branches, "adaptive": False, **kw})
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_ngram_tree_greedy_equals_plain(tiny, plain, batch):
+    want, _ = plain
+    llm = _ngram(tiny, 3)
+    out = _tokens(llm.generate(PROMPTS[:batch], GREEDY, use_tqdm=False))
+    assert out == want[:batch]
+    m = llm.get_metrics()
+    assert m.num_tree_drafts > 0 and m.num_accepted_tokens > 0, m.as_dict()
+
+
+def test_ngram_branches_and_merge():
+    from speculant.plugins.ngram import NgramIndex, merge_branches
+
+    t = [1, 5, 6, 7, 5, 8, 9, 5, 3, 4, 5]
+    index = NgramIndex(1, 2, keep_all=True)
+    index.update(t)
+    chain = index.find(3)
+    found = index.find_branches(3, 3)
+    assert found[0] == chain  # the chain mode's draft comes first
+    assert [b[0] for b in found] == [3, 8, 6]  # "5" was followed by 3 (latest), 8, then 6
+    tree = merge_branches([[1, 2, 3], [1, 4], [5]], budget=4)
+    assert tree.token_ids == [1, 5, 2, 4] and tree.parents == [-1, -1, 0, 0]
