@@ -10,9 +10,15 @@ LM head's input) and predicts the token i + 1 positions after it::
     logits_i = W2[i] @ x                                     # [vocab]
 
 so one propose call drafts ``[pick(logits_0), ..., pick(logits_{k-1})]`` from one state: a top-1
-chain (the paper's candidate trees are not used). ``pick`` is the argmax for greedy requests and
-a sample of the request's sampling distribution otherwise, kept as ``q`` for the lossless
-rejection sampler (``speculant.drafting.DraftSampler``).
+chain. ``pick`` is the argmax for greedy requests and a sample of the request's sampling
+distribution otherwise, kept as ``q`` for the lossless rejection sampler
+(``speculant.drafting.DraftSampler``).
+
+With tree choices (``medusa_choices``, or vLLM's ``speculative_token_tree``: paths of sibling
+ranks from the root, ``speculant.drafting.TokenTreeShape``) it drafts the paper's candidate tree
+instead: the node at path ``(r_0, ..., r_{d-1})`` holds head ``d - 1``'s rank-``r_{d-1}`` token
+(``fill_static_tree``), for every request: deterministic top-k tokens are point masses, which
+the engine's tree verification keeps lossless for sampled requests too (docs/trees.md).
 
 Checkpoints, as published by FasterDecoding (``medusa/model/medusa_model.py``): ``config.json``
 with ``medusa_num_heads`` and ``medusa_num_layers``, and ``medusa_lm_head.safetensors`` or
@@ -37,13 +43,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from speculant import hookimpl
 from speculant.drafting import (
     CheckpointConfig,
     DraftSampler,
     StrategyError,
+    TokenTreeShape,
+    fill_static_tree,
     last_hidden_rows,
     read_config_json,
     read_tensors,
@@ -126,7 +134,34 @@ class MedusaConfig(BaseModel):
 
     model: str = Field(..., description="folder (or hub id) of the Medusa heads")
     num_speculative_tokens: int | None = Field(
-        None, ge=1, le=64, description="tokens drafted per step (default: every head)")
+        None, ge=1, le=64, description="tokens drafted per step (default: every head; with a "
+        "tree: its node count)")
+    medusa_choices: str | list[tuple[int, ...]] | None = Field(
+        None, description="candidate tree (Medusa's medusa_choices): paths of sibling ranks from "
+        "the root, e.g. [(0,), (1,), (0, 0)]; node (r_0..r_{d-1}) = head d-1's rank r_{d-1} token")
+    speculative_token_tree: str | list[tuple[int, ...]] | None = Field(
+        None, description="vLLM's name for the same tree (give one of the two)")
+
+    @model_validator(mode="after")
+    def _tree(self) -> MedusaConfig:
+        self.tree_shape()
+        return self
+
+    def tree_shape(self) -> TokenTreeShape | None:
+        """The candidate tree, or None for a chain; ValueError for a bad one."""
+        choices = self.medusa_choices, self.speculative_token_tree
+        if None not in choices:
+            raise ValueError("medusa_choices and speculative_token_tree are two names of one "
+                             "option: give one")
+        paths = choices[0] if choices[0] is not None else choices[1]
+        if paths is None:
+            return None
+        tree = TokenTreeShape(paths, "medusa_choices")
+        k = self.num_speculative_tokens
+        if k is not None and k != tree.num_nodes:
+            raise ValueError(f"num_speculative_tokens={k} but the tree has {tree.num_nodes} "
+                             "nodes: with a tree it is the node count; leave it out")
+        return tree
 
 
 class MedusaStrategy(Strategy):
@@ -147,8 +182,13 @@ class MedusaStrategy(Strategy):
         self.heads = load_heads(folder, read_config_json(folder), hidden, ctx.vocab_size,
                                 ctx.device, ctx.dtype)
         n = self.heads.w1t.shape[0]
-        k = config.num_speculative_tokens or n
-        if k > n:
+        self.tree = tree = config.tree_shape()  # TokenTreeShape or None (a chain)
+        if tree is not None and tree.depth > n:
+            raise StrategyError(
+                f"the Medusa tree is {tree.depth} deep, but {folder / 'config.json'} has {n} "
+                f"heads: head i drafts depth i + 1, so use paths of at most {n} ranks")
+        k = tree.num_nodes if tree is not None else config.num_speculative_tokens or n
+        if k > n and tree is None:
             raise StrategyError(
                 f"num_speculative_tokens={k}, but {folder / 'config.json'} has {n} Medusa heads: "
                 f"head i drafts the token i + 1 positions ahead, so k <= {n}")
@@ -163,11 +203,26 @@ class MedusaStrategy(Strategy):
         if state is None:
             return Proposal(token_ids=[[] for _ in range(B)])
         want = [min(batch.seqs[i].max_draft, self.num_speculative_tokens) for i in rows]
+        if self.tree is not None:
+            return self._propose_trees(B, rows, want, state)
         logits = self.heads.logits(state, max(want))  # [k, rows, vocab]
         sampler = DraftSampler([batch.seqs[i] for i in rows], want, self.generator, state.device)
         tokens = torch.stack([sampler(j, logits[j]) for j in range(len(logits))], dim=1)
         return Proposal(token_ids=split_drafts(tokens, rows, want, B),  # tokens: [rows, k]
                         probs=sampler.probs(rows, B, self.ctx.vocab_size))
+
+    def _propose_trees(self, B: int, rows: list[int], want: list[int], state: torch.Tensor
+                       ) -> Proposal:
+        """The tree of ``self.tree`` for each drafting sequence (``want``: its node budget):
+        each depth's ranked tokens, the top ``width`` of its head, read back at once."""
+        t = self.tree
+        logits = self.heads.logits(state, t.depth)  # [depth, rows, vocab]
+        w = max(t.width(d) for d in range(1, t.depth + 1))
+        ranked = logits.topk(w, dim=-1).indices.transpose(0, 1).tolist()  # [rows][depth][w]
+        out: list = [[] for _ in range(B)]
+        for r, i in enumerate(rows):
+            out[i] = fill_static_tree(t, ranked[r], want[r])
+        return Proposal(token_ids=out)
 
 
 @hookimpl
