@@ -62,7 +62,8 @@ def allreduce_rms_norm_ref(
     return (xf * inv).to(x.dtype) * weight, x
 
 
-EPOCH_MASK = (1 << 30) - 1  # flags count calls modulo 2^30
+# flags count calls modulo 2^30 (a constexpr: a jitted kernel reads no other globals)
+EPOCH_MASK = tl.constexpr((1 << 30) - 1) if tl is not None else (1 << 30) - 1
 
 
 @lazy_jit(do_not_specialize=("rows",))
@@ -110,7 +111,7 @@ def _allreduce_norm_kernel(
         while seen < WORLD - 1:
             v = tl.atomic_add(mine, tl.zeros([WP2], tl.int32), mask=peers, sem="acquire",
                               scope="sys")
-            ok = peers & (((v - epoch) & EPOCH_MASK) < (EPOCH_MASK + 1) // 2)  # v >= epoch
+            ok = peers & (((v - epoch) & EPOCH_MASK) < (1 << 29))  # v >= epoch
             seen = tl.sum(ok.to(tl.int32), axis=0)
         tl.store(my_sig + (pid + 1) * WORLD + RANK, epoch)
         tl.debug_barrier()

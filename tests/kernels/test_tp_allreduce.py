@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from speculant.kernels.tp_allreduce import (
+    EPOCH_MASK,
     _allreduce_norm_kernel,
     allreduce_rms_norm_ref,
 )
@@ -42,6 +43,44 @@ def test_single_rank_kernel_matches_reference(dtype, res, norm):
     torch.testing.assert_close(out, want, atol=_tol(dtype), rtol=_tol(dtype))
     if res and norm:
         torch.testing.assert_close(res_out, want_res, atol=_tol(dtype), rtol=_tol(dtype))
+
+
+MASK = getattr(EPOCH_MASK, "value", EPOCH_MASK)  # flags count modulo 2^30
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's host pointers (CPU)")
+@pytest.mark.parametrize("own_epoch,peer_flag", [(0, 1), (5, 7), (MASK, 0)])
+def test_two_rank_branch_under_the_interpreter(own_epoch, peer_flag):
+    """Rank 0 of two, in one process: the peer has already pushed its rows into rank 0's buffer
+    and signalled (its flag at this call's epoch or one ahead, across the 2^30 wrap), so the
+    wait passes; rank 0 must push its own rows to the peer, signal it with the new epoch, keep
+    that epoch as its counter and sum in rank order."""
+    g = torch.Generator().manual_seed(1)
+    rows, n, max_rows, world, programs, slot = 3, 200, 4, 2, 2, 1
+    x, peer_x = torch.randn(rows, n, generator=g), torch.randn(rows, n, generator=g)
+    r, w = torch.randn(rows, n, generator=g), torch.rand(n, generator=g) + 0.5
+    bufs = [torch.zeros(2 * world * max_rows * n) for _ in range(world)]
+    base = slot * world * max_rows * n
+    bufs[0][base + max_rows * n:][: rows * n] = peer_x.flatten()  # [slot, rank 1, :rows]
+    sigs = [torch.zeros(64, dtype=torch.int32) for _ in range(world)]
+    for pid in range(programs):
+        sigs[0][(pid + 1) * world + 0] = own_epoch  # rank 0's counter
+        sigs[0][(pid + 1) * world + 1] = peer_flag  # rank 1's signal to rank 0
+    ptrs = [torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64) for ts in (bufs, sigs)]
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    _allreduce_norm_kernel[(programs,)](
+        x, ptrs[0], ptrs[1], r, w, out, res_out, x.stride(0), r.stride(0), out.stride(0),
+        res_out.stride(0), rows, n, base, max_rows, 1e-5,
+        RANK=0, WORLD=world, HAS_RES=True, NORM=True, BLOCK=256, WP2=2)
+    want, want_res = allreduce_rms_norm_ref([x, peer_x], r, w, 1e-5)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(res_out, want_res, atol=1e-5, rtol=1e-5)
+    pushed = bufs[1][base:][: rows * n].view(rows, n)  # [slot, rank 0, :rows] of the peer
+    assert torch.equal(pushed, x)
+    epoch = (own_epoch + 1) & MASK
+    for pid in range(programs):
+        assert sigs[1][(pid + 1) * world + 0].item() == epoch  # the signal rank 1 waits for
+        assert sigs[0][(pid + 1) * world + 0].item() == epoch  # rank 0's counter moved on
 
 
 def test_reference_sums_in_rank_order():
