@@ -106,64 +106,92 @@ class RejectionSampler(Strategy):
             for j, i in enumerate(chains):
                 tokens[i], accepted[i] = res.token_ids[j], res.num_accepted[j]
                 logprobs[i] = res.logprobs[j]
-        lp_rows, lp_ids, owners = [], [], []
-        for i, tree in enumerate(proposal.token_ids):
-            if not isinstance(tree, DraftTree):
-                continue
-            r0 = starts[i]
-            logits = scores.logits[r0 : r0 + tree.num_nodes + 1]  # [n + 1, vocab]
-            path, toks = self._verify_tree(seqs[i], tree, logits)
+        trees = [i for i, d in enumerate(proposal.token_ids) if isinstance(d, DraftTree)]
+        paths = self._verify_trees([seqs[i] for i in trees],
+                                   [proposal.token_ids[i] for i in trees],
+                                   [scores.logits[starts[i] : starts[i] + lengths[i] + 1]
+                                    for i in trees])
+        lp_rows, lp_ids = [], []
+        for i, (path, toks) in zip(trees, paths):
             tokens[i], accepted[i] = toks, len(path)
-            lp_rows += [r0, *(r0 + c + 1 for c in path)]
+            lp_rows += [starts[i], *(starts[i] + c + 1 for c in path)]
             lp_ids += toks
-            owners.append(i)
         if lp_rows:  # the target's log-probability (raw logits) of each tree token: one read
             lp = read_back(token_logprobs(
                 scores.logits.float().contiguous(), to_device(lp_ids, torch.long, device),
                 to_device(lp_rows, torch.long, device))[1])
             pos = 0
-            for i in owners:
+            for i in trees:
                 logprobs[i] = lp[pos : pos + len(tokens[i])]
                 pos += len(tokens[i])
         return VerifyResult(token_ids=tokens, num_accepted=accepted, logprobs=logprobs)
 
-    def _verify_tree(self, seq: SpecSequence, tree: DraftTree, logits: torch.Tensor
-                     ) -> tuple[list[int], list[int]]:
-        """One tree sequence (module doc): its accepted path and its tokens."""
-        params = seq.params
-        if params.is_greedy and not needs_processing(params):
-            res = verify_tree_greedy(tree, logits)  # raw logits: the same argmax
-            return res.path, res.token_ids
-        rows = verify_rows([seq], [tree])
-        target = target_distribution(logits, rows, self.ctx.eos_token_id)  # [n + 1, vocab]
-        if params.is_greedy:
-            res = verify_tree_greedy(tree, target)
-            return res.path, res.token_ids
-        device = logits.device
-        L = len(seq.token_ids)  # the position row 0 decides
-        depths = [0, *tree.depths()]  # [n + 1]: row r decides position L + depths[r]
+    def _verify_trees(self, seqs: list[SpecSequence], trees: list[DraftTree],
+                      logits: list[torch.Tensor]) -> list[tuple[list[int], list[int]]]:
+        """Tree sequences (module doc), ``logits[i]`` ``[n_i + 1, vocab]`` each: their accepted
+        paths and tokens. The rows that need processing are processed in one call, the
+        point-mass trees' rows sampled in one call."""
+        out: list[tuple[list[int], list[int]] | None] = [None] * len(seqs)
+        todo = []
+        for j, (seq, tree, lg) in enumerate(zip(seqs, trees, logits)):
+            if seq.params.is_greedy and not needs_processing(seq.params):
+                res = verify_tree_greedy(tree, lg)  # raw logits: the same argmax
+                out[j] = (res.path, res.token_ids)
+            else:
+                todo.append(j)
+        if not todo:
+            return out
+        rows = verify_rows([seqs[j] for j in todo], [trees[j] for j in todo])
+        target = target_distribution(torch.cat([logits[j] for j in todo]), rows,
+                                     self.ctx.eos_token_id)  # [sum(n_j + 1), vocab]
+        parts, r = {}, 0
+        for j in todo:
+            parts[j] = target[r : r + trees[j].num_nodes + 1]
+            r += trees[j].num_nodes + 1
+        points = []
+        for j in todo:
+            seq, tree = seqs[j], trees[j]
+            if seq.params.is_greedy:
+                res = verify_tree_greedy(tree, parts[j])
+                out[j] = (res.path, res.token_ids)
+            elif tree.probs is None:
+                points.append(j)
+            else:
+                out[j] = self._verify_sampled_tree(seq, tree, parts[j])
+        if points:
+            # point masses: every row's plain sample (the number a plain step at its position
+            # would use); follow the child holding it
+            reps, starts = [], []
+            for j in points:
+                L = len(seqs[j].token_ids)  # the position row 0 decides
+                reps += [seqs[j]] * (trees[j].num_nodes + 1)
+                starts += [L + d for d in (0, *trees[j].depths())]
+            dev = target.device
+            u = uniforms(reps, [1] * len(reps), self.engine_gen, dev, purpose="sample",
+                         starts=starts)
+            probs = torch.cat([parts[j] for j in points]).float().contiguous()
+            sampled = read_back(sample_from_probs(probs, u))
+            r = 0
+            for j in points:
+                tree = trees[j]
+                out[j] = _follow(tree, [int(x) for x in sampled[r : r + tree.num_nodes + 1]])
+                r += tree.num_nodes + 1
+        return out
+
+    def _verify_sampled_tree(self, seq: SpecSequence, tree: DraftTree, target: torch.Tensor
+                             ) -> tuple[list[int], list[int]]:
+        """A sampled request's tree with draft distributions: ``verify_tree_sampled`` with
+        numbers keyed by (seed, position + sibling rank, "accept") and (seed, step start,
+        "residual"); a path that ends at a leaf takes the plain sample of the bonus position."""
+        device = target.device
+        L = len(seq.token_ids)
         n = tree.num_nodes
-        if tree.probs is None:
-            # point masses: each row's plain sample; follow the child holding it
-            u = uniforms([seq] * (n + 1), [1] * (n + 1), self.engine_gen, device,
-                         purpose="sample", starts=[L + d for d in depths])  # [n + 1]
-            sampled = read_back(sample_from_probs(target.float().contiguous(), u))
-            children: dict[int, list[int]] = {}
-            for c, p in enumerate(tree.parents):
-                children.setdefault(p, []).append(c)
-            path, node = [], -1
-            while True:
-                want = int(sampled[node + 1])
-                nxt = next((c for c in children.get(node, ()) if tree.token_ids[c] == want), None)
-                if nxt is None:
-                    return path, [*(tree.token_ids[c] for c in path), want]
-                path.append(nxt)
-                node = nxt
+        depths = tree.depths()
         rank, seen = [], {}
         for p in tree.parents:
             rank.append(seen.get(p, 0))
             seen[p] = rank[-1] + 1
-        keys = [L + depths[c + 1] - 1 + rank[c] * _SIBLING_KEY for c in range(n)]
+        keys = [L + depths[c] - 1 + rank[c] * _SIBLING_KEY for c in range(n)]
         u_acc = uniforms([seq] * n, [1] * n, self.engine_gen, device, purpose="accept",
                          starts=keys)  # [n]
         u_res = uniforms([seq], [1], self.engine_gen, device, purpose="residual")  # [1]
@@ -279,6 +307,22 @@ class RejectionSampler(Strategy):
         tokens = [[int(t) for t in row[:n]] for row, n in zip(out_l, n_l)]
         logprobs = [flat[lp_off + i * W : lp_off + i * W + n] for i, n in enumerate(n_l)]
         return VerifyResult(token_ids=tokens, num_accepted=[n - 1 for n in n_l], logprobs=logprobs)
+
+
+def _follow(tree: DraftTree, sampled: list[int]) -> tuple[list[int], list[int]]:
+    """Point-mass tree verification from each row's sample (``sampled[r]``: row ``r``'s token):
+    from the root, move to the first child holding the current row's sample; emit it."""
+    children: dict[int, list[int]] = {}
+    for c, p in enumerate(tree.parents):
+        children.setdefault(p, []).append(c)
+    path, node = [], -1
+    while True:
+        want = sampled[node + 1]
+        nxt = next((c for c in children.get(node, ()) if tree.token_ids[c] == want), None)
+        if nxt is None:
+            return path, [*(tree.token_ids[c] for c in path), want]
+        path.append(nxt)
+        node = nxt
 
 
 def _starts(lengths: list[int]) -> list[int]:

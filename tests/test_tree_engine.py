@@ -105,3 +105,187 @@ def test_ngram_branches_and_merge():
     assert [b[0] for b in found] == [3, 8, 6]  # "5" was followed by 3 (latest), 8, then 6
     tree = merge_branches([[1, 2, 3], [1, 4], [5]], budget=4)
     assert tree.token_ids == [1, 5, 2, 4] and tree.parents == [-1, -1, 0, 0]
+
+
+# ------------------------------------------------------------- a custom tree strategy (public API)
+REFS: dict[tuple[int, ...], list[int]] = {}  # prompt -> prompt + plain greedy continuation
+MARK = 42  # prompts starting [1, MARK] get the bad trees of the "bad_*" modes
+
+
+class TreeyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_speculative_tokens: int = K
+    mode: str = "mixed"
+    seed: int = 0
+
+
+class Treey(Strategy):
+    """Test strategy. "mixed": trees for sequences whose prompt has an even length (true tokens
+    at varying sibling ranks, from REFS), chains for the others. "bad_*": a bad tree for marked
+    sequences. "sampled" / "point": trees of 2 x 2 nodes drawn from a fixed draft distribution
+    (with its probs / as point masses), drawn from a seeded request's own generator."""
+
+    name = "treey"
+    Config = TreeyConfig
+
+    def __init__(self, config: TreeyConfig, ctx) -> None:
+        super().__init__(config, ctx)
+        self.V = ctx.vocab_size
+        g = torch.Generator().manual_seed(config.seed)
+        self.q = torch.softmax(torch.randn(self.V, generator=g), 0)  # [V] the draft distribution
+        self.rng = torch.Generator().manual_seed(config.seed + 1)
+
+    def _true(self, s, d: int) -> int:
+        ref = REFS.get(tuple(s.token_ids[: s.num_prompt_tokens]))
+        n = len(s.token_ids) + d - 1
+        return ref[n] if ref is not None and n < len(ref) else 0
+
+    def _mixed(self, s, i: int):
+        t = [self._true(s, d) for d in range(1, 5)]
+        if s.num_prompt_tokens % 2:
+            return [t[0], t[1], t[2], (t[3] + 1) % self.V][: s.max_draft]
+        w = [(x + 1) % self.V for x in t]
+        # depth 1: [w1, t1]; under w1: [t2]; under t1: [w2, t2]; under t2: [t3, w3]
+        ids = [w[0], t[0], t[1], w[1], t[1], t[2], w[2]]
+        parents = [-1, -1, 0, 1, 1, 4, 4]
+        n = min(s.max_draft, len(ids))
+        return DraftTree(ids[:n], parents[:n])
+
+    def _drawn(self, s):
+        g = s.generator if s.generator is not None else self.rng  # seeded: the request's own
+        first = torch.multinomial(self.q, 2, replacement=False, generator=g).tolist()
+        second = [int(torch.multinomial(self.q, 1, generator=g)) for _ in first]
+        tree = DraftTree([*first, *second], [-1, -1, 0, 1])
+        if self.config.mode == "point":
+            return tree
+        from speculant.drafting import sibling_draft_probs
+
+        tree.probs = torch.cat([sibling_draft_probs(self.q, first, replacement=False),
+                                self.q[None].repeat(2, 1)])
+        return tree
+
+    @hookimpl
+    def propose(self, batch):
+        mode = self.config.mode
+        drafts = []
+        for i, s in enumerate(batch.seqs):
+            if s.max_draft < 4:
+                drafts.append([])
+                continue
+            if mode in ("sampled", "point"):
+                drafts.append(self._drawn(s))
+                continue
+            d = self._mixed(s, i)
+            if mode.startswith("bad_") and s.token_ids[1] == MARK:
+                n = len(d.token_ids) if isinstance(d, DraftTree) else len(d)
+                if mode == "bad_oov":
+                    d = DraftTree([self.V + 3] * n, [-1] * n)
+                elif mode == "bad_too_many":
+                    d = DraftTree([5] * (s.max_draft + 1), [-1] * (s.max_draft + 1))
+                elif mode == "bad_probs":
+                    d = DraftTree([5, 6], [-1, 0], torch.full((2, self.V), 0.5))
+                elif mode == "bad_type":
+                    d = 3.5
+            drafts.append(d)
+        return Proposal(token_ids=drafts)
+
+
+class _Plugin:
+    @hookimpl
+    def register_strategies(self, register):
+        register(Treey)
+
+
+@pytest.fixture(scope="module")
+def treey(plain):
+    want, _ = plain
+    REFS.update({tuple(p): p + w for p, w in zip(PROMPTS, want)})
+    name = register(_Plugin(), name="test-tree-engine")
+    yield
+    unregister(name)
+    REFS.clear()
+
+
+def _treey(tiny, mode: str, **kw) -> LLM:
+    return LLM(model=tiny, skip_tokenizer_init=True, max_num_seqs=8, **kw,
+               speculative_config={"method": "treey", "num_speculative_tokens": K, "mode": mode})
+
+
+def test_mixed_batch_of_trees_and_chains_equals_plain(tiny, plain, treey):
+    want, _ = plain
+    llm = _treey(tiny, "mixed")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert _tokens(outs) == want
+    m = llm.get_metrics()
+    assert 0 < m.num_tree_drafts < m.num_drafts and m.num_faults == 0
+    # the tree's true path sits at sibling ranks 1, 1, 0: 3 accepted per step at most
+    assert m.accepted_per_position[0] > 0 and m.accepted_per_position[2] > 0
+    # the logprobs of the tokens that came from tree rows are the plain run's
+    ref = LLM(model=tiny, skip_tokenizer_init=True, max_num_seqs=8)
+    plain_outs = ref.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(outs, plain_outs):
+        got = [lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]
+        exp = [lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
+        assert got == pytest.approx(exp, abs=1e-4)
+
+
+@pytest.mark.parametrize("mode,problem", [
+    ("bad_oov", "outside the vocabulary"),
+    ("bad_too_many", "more than the sequence's limit"),
+    ("bad_probs", "does not sum to 1"),
+    ("bad_type", "drafts must be a list of token ids, got float"),
+])
+def test_a_bad_tree_is_its_sequences_fault(tiny, plain, treey, caplog, mode, problem):
+    want, _ = plain
+    marked = [p for p in PROMPTS if p[1] == MARK]
+    assert len(marked) == 1
+    llm = _treey(tiny, mode)
+    with caplog.at_level(logging.WARNING, logger="speculant"):
+        out = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert out == want
+    m = llm.get_metrics()
+    assert m.num_faults == 1 and m.num_tree_drafts > 0, m.as_dict()
+    text = caplog.text
+    assert "strategy 'treey'" in text and problem in text, text
+
+
+# ------------------------------------------------------------------------ sampling with trees
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True, seed=123)
+
+
+@pytest.fixture(scope="module")
+def small(tiny_factory):
+    """A tiny Llama with a 512-token vocabulary (top-p over a large one dominates on the CPU)
+    and oracle references of its plain greedy continuations."""
+    path = str(tiny_factory("llama", vocab_size=512, tokenizer=False))
+    prompts = [[t % 512 for t in p] for p in PROMPTS]
+    llm = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8)
+    long = _tokens(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30,
+                                                        ignore_eos=True), use_tqdm=False))
+    return path, prompts, [{"prompt_token_ids": p, "output_token_ids": t}
+                           for p, t in zip(prompts, long)]
+
+
+@pytest.mark.parametrize("how", ["point", "sampled", "oracle"])
+def test_seeded_tree_request_is_reproducible_alone_and_in_a_batch(small, treey, how):
+    path, prompts, refs = small
+    if how == "oracle":
+        def make():
+            return _oracle(path, refs, tree_width=3)
+    else:
+        def make():
+            return _treey(path, how)
+    alone = _tokens(make().generate([prompts[2]], SAMPLED, use_tqdm=False))[0]
+    others = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=7 + i)
+              if i % 2 else SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+    others[2] = SAMPLED
+    llm = make()
+    batch = _tokens(llm.generate(prompts, others, use_tqdm=False))
+    assert batch[2] == alone
+    assert llm.get_metrics().num_tree_drafts > 0
+    if how != "sampled":  # point-mass trees: a seeded request's output is its plain output
+        ref = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8)
+        assert _tokens(ref.generate([prompts[2]], SAMPLED, use_tqdm=False))[0] == alone
