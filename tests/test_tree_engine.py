@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import test_distribution as td  # its peaky 32-token target's exact joint and the TV checks
 import torch
 from pydantic import BaseModel, ConfigDict
 
@@ -289,3 +290,67 @@ def test_seeded_tree_request_is_reproducible_alone_and_in_a_batch(small, treey, 
     if how != "sampled":  # point-mass trees: a seeded request's output is its plain output
         ref = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8)
         assert _tokens(ref.generate([prompts[2]], SAMPLED, use_tqdm=False))[0] == alone
+
+
+@pytest.fixture(scope="module")
+def peaky(tiny_factory, tmp_path_factory):
+    """test_distribution's target (a 32-token Llama whose LM head is scaled by 3) and the exact
+    joint distribution of its first three sampled tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base = tiny_factory("llama", vocab_size=td.V, tokenizer=False, num_hidden_layers=td.LAYERS)
+    path = tmp_path_factory.mktemp("peaky-tree")
+    for f in base.iterdir():
+        if f.is_file():
+            shutil.copy(f, path / f.name)
+    weights = load_file(str(base / "model.safetensors"))
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 3  # [V, H]
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path, td.exact_joint(path)
+
+
+def _tree_samples(target, how: str) -> tuple[torch.Tensor, object]:
+    llm = LLM(model=str(target), skip_tokenizer_init=True, max_num_seqs=td.N,
+              max_num_batched_tokens=td.N * len(td.PROMPT), speculative_config={
+                  "method": "treey", "num_speculative_tokens": 4, "mode": how, "seed": 3})
+    params = SamplingParams(temperature=td.TEMPERATURE, top_p=td.TOP_P, max_tokens=3,
+                            ignore_eos=True)
+    toks = torch.tensor(_tokens(llm.generate([td.PROMPT] * td.N, params, use_tqdm=False)))
+    assert toks.shape == (td.N, 3)
+    return toks, llm.get_metrics()
+
+
+@pytest.mark.parametrize("how", ["sampled", pytest.param("point", marks=pytest.mark.slow)])
+def test_tree_sampling_follows_the_target_distribution(treey, peaky, how):
+    """As tests/test_distribution.py does for chains: N requests of 3 tokens from a peaky
+    32-token target at temperature 0.8 / top-p 0.95, each step a 2 x 2 tree (siblings drawn
+    without replacement, with their probs; or the same trees as point masses); the empirical
+    distributions of t1, t2, t3, (t1, t2), (t2, t3) must be within the TV bound of the exact
+    joint distribution."""
+    target, joint = peaky
+    toks, m = _tree_samples(target, how)
+    assert m.num_tree_drafts > td.N and 50 < m.num_accepted_tokens < m.num_draft_tokens, (
+        m.as_dict())
+    results = td.checks(toks, joint)
+    for name, tv, bound in results:
+        assert tv < bound, f"{how} {name}: TV {tv:.4f} >= bound {bound:.4f} ({results})"
+
+
+def test_the_check_rejects_blind_acceptance(treey, peaky, monkeypatch):
+    """Negative control: accept tests that always pass (u = 0: every draft the target does not
+    rule out is accepted) make the output follow the drafter; the same check must fail."""
+    import speculant.plugins.rejection_sampler as rs
+
+    real = rs.uniforms
+
+    def blind(*args, purpose=None, **kw):
+        u = real(*args, purpose=purpose, **kw)
+        return torch.zeros_like(u) if purpose == "accept" else u
+
+    monkeypatch.setattr(rs, "uniforms", blind)
+    target, joint = peaky
+    toks, _ = _tree_samples(target, "sampled")
+    results = td.checks(toks, joint)
+    assert any(tv >= bound for _, tv, bound in results), results
