@@ -226,3 +226,84 @@ def test_demo_does_not_retime_untrained_heads(monkeypatch, capsys):
                            methods=["medusa*"], repeats=1, retime=3)
     assert rc == 0 and "untrained Medusa heads" in out and "SLOWER" not in out
     assert calls[("medusa*", "qa", 128)] == calls[("none", "qa", 128)] == 1
+
+
+# --------------------------------------------------------------------------------------------
+# candidate trees (medusa_choices / speculative_token_tree; docs/strategies.md "Token trees")
+# --------------------------------------------------------------------------------------------
+MEDUSA_TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (2,)]
+
+
+@torch.inference_mode()
+def test_tree_nodes_are_each_heads_ranked_tokens(tmp_path, llama):
+    from speculant.drafting import DraftTree
+    from speculant.spec_types import SpecBatch, SpecSequence
+
+    head = make_medusa(tmp_path / "medusa", heads=3, seed=4)
+    llm = LLM(model=str(llama), max_num_seqs=8,
+              speculative_config={"model": str(head), "medusa_choices": MEDUSA_TREE})
+    strategy = llm.engine.spec.strategy
+    assert llm.engine.spec.k == len(MEDUSA_TREE)  # a tree's budget: its node count
+    g = torch.Generator().manual_seed(0)
+    seqs = [SpecSequence(i, [5] * n, n, m, SamplingParams(temperature=t))
+            for i, (n, m, t) in enumerate([(4, 7, 0.0), (6, 3, 0.8), (5, 0, 0.0)])]
+    counts = [s.num_tokens - 1 for s in seqs]
+    h = torch.randn(sum(counts), 64, generator=g)
+    trees = strategy.propose(SpecBatch(seqs, hidden_states=h, hidden_counts=counts,
+                                       hidden_start=[0] * 3)).token_ids
+    assert trees[2] == []  # max_draft 0: no drafts
+    ends = [c - 1 for c in torch.tensor(counts).cumsum(0).tolist()]
+    for i, m in ((0, 7), (1, 3)):
+        ranked = strategy.heads.logits(h[ends[i]][None], 3)[:, 0].topk(3).indices.tolist()
+        want = [ranked[len(p) - 1][p[-1]] for p in sorted(MEDUSA_TREE, key=lambda p: (len(p), p))]
+        tree = trees[i]
+        assert isinstance(tree, DraftTree) and tree.probs is None  # sampled rows too
+        assert tree.token_ids == want[:m] and tree.num_nodes == m  # cut to max_draft
+
+
+@pytest.mark.parametrize("bs", [1, 8])
+def test_tree_greedy_matches_plain_decoding(tmp_path, llama, bs):
+    prompts8 = prompts_for(BIG_V, 8, seed=5)[:bs]
+    ref = generate_ids(LLM(model=str(llama), max_num_seqs=8), prompts8, greedy(16))
+    head = make_medusa(tmp_path / "medusa", heads=3, seed=4)
+    llm = LLM(model=str(llama), max_num_seqs=8, speculative_config={
+        "model": str(head), "speculative_token_tree": str(MEDUSA_TREE)})
+    assert generate_ids(llm, prompts8, greedy(16)) == ref
+    m = llm.get_metrics()
+    assert m.num_tree_drafts > 0 and m.num_faults == 0
+
+
+def test_tree_accepts_a_deep_path(tmp_path, tiny_factory):
+    """The swap heads of test_head_i_drafts_the_token_i_plus_1_ahead are right at the first
+    step: a tree holding their rank-0 path (beside other branches) accepts it."""
+    from safetensors.torch import load_file
+
+    small = tiny_factory("llama", vocab_size=16, tokenizer=False)
+    prompt, M, k = [5, 9, 3, 11, 7], 30, 3
+    out = greedy_reference(small, prompt, M + k + 1)
+    lm_head = load_file(str(small / "model.safetensors"))["lm_head.weight"]  # [16, H]
+    perms = []
+    for i in range(k):
+        perm = list(range(16))
+        perm[out[0]], perm[out[i + 1]] = out[i + 1], out[0]
+        perms.append(perm)
+    ckpt = make_medusa(tmp_path / "swap", vocab=16, heads=k,
+                       out=torch.stack([lm_head[p] for p in perms]))
+    llm = LLM(model=str(small), skip_tokenizer_init=True, max_num_seqs=4,
+              speculative_config={"model": str(ckpt), "medusa_choices": MEDUSA_TREE})
+    assert generate_ids(llm, [prompt], greedy(M)) == [out[:M]]
+    m = llm.get_metrics()
+    assert m.num_tree_drafts > 0 and len(m.accepted_per_position) >= k
+    assert all(a >= 1 for a in m.accepted_per_position[:k])  # depth k reached
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"medusa_choices": [(0,)], "speculative_token_tree": [(0,)]}, "give one"),
+    ({"medusa_choices": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]}, "4 deep, but .* 3 heads"),
+    ({"medusa_choices": [(0,), (1,)], "num_speculative_tokens": 3}, "node count"),
+    ({"medusa_choices": "[(0,), (1, 1)]"}, r"no parent \(1,\)"),
+])
+def test_tree_option_errors(tmp_path, llama, extra, words):
+    head = make_medusa(tmp_path / "medusa", heads=3)
+    with pytest.raises(StrategyError, match=words):
+        LLM(model=str(llama), speculative_config={"model": str(head), **extra})
