@@ -207,7 +207,7 @@ def test_the_decoder_uses_only_the_target_engine_interface(tiny_llama, overlap):
 
     calls = [n for n in vars(TargetEngine) if not n.startswith("_")]
     assert set(calls) == {"strategy_context", "take_back", "decode", "score", "reserve_slots",
-                          "rollback", "append_token"}
+                          "rollback", "append_token", "compact_tree"}
 
     class OnlyTarget:
         def __init__(self, engine):
