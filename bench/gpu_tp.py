@@ -900,6 +900,21 @@ def engine_phase(args) -> None:
             for k in prof["top_kernels"][:16]:
                 print(f"   own {k['ms_per_step'] * 1e3:8.1f} us x{k['calls_per_step']:.0f}  "
                       f"{k['kernel'][:90]}", flush=True)
+            # and oracle (a = 0.8, k = 5) steps: a verification step's kernels and gaps
+            from speculant.bench import _decode_run
+
+            _set_strategy(engine, None)
+            rec = _decode_run(engine, prompts[:1], 64)["tokens"][0]
+            refs = [{"prompt_token_ids": prompts[0], "output_token_ids": rec}]
+            spec = dict(method="oracle", alpha=0.8, num_speculative_tokens=5, references=refs)
+            prof = kernel_profile(engine, prompts, 40, spec)
+            part["profile_oracle_b1"] = prof
+            print(f"[{args.phase_name}] profile oracle b1: wall "
+                  f"{prof['wall_ms_per_decode_step_profiled']:.3f} ms/step, kernels "
+                  f"{prof['gpu_ms_per_step']:.3f}, effective {prof['effective_ms_per_step']:.3f}, "
+                  f"idle {prof['gaps'].get('idle_ms_per_step', 0):.3f}", flush=True)
+            for k in prof["effective_top_kernels"][:16]:
+                print(f"   {k['ms_per_step'] * 1e3:8.1f} us  {k['kernel'][:90]}", flush=True)
         except Exception as e:  # noqa: BLE001 - reported in the JSON
             part["errors"]["profile"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
