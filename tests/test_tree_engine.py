@@ -354,3 +354,32 @@ def test_the_check_rejects_blind_acceptance(treey, peaky, monkeypatch):
     toks, _ = _tree_samples(target, "sampled")
     results = td.checks(toks, joint)
     assert any(tv >= bound for _, tv, bound in results), results
+
+
+# -------------------------------------------------------------------------------------- CUDA
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("eager", [False, True])
+def test_cuda_tree_steps_equal_plain(tiny, plain, treey, eager):
+    """On CUDA (float32): the Triton tree attention and K/V compaction, in tree graphs (or
+    eagerly), give plain greedy's tokens for tree oracle, n-gram trees and a mixed batch."""
+    kw = {"device": "cuda", "dtype": "float32", "enforce_eager": eager,
+          "kv_cache_memory": 1 << 26}
+    ref = LLM(model=tiny, skip_tokenizer_init=True, max_num_seqs=8, **kw)
+    want = _tokens(ref.generate(PROMPTS, GREEDY, use_tqdm=False))
+    _, refs = plain
+    specs = [
+        {"method": "oracle", "alpha": 0.7, "references": refs, "tree_width": 2,
+         "rank_probs": [0.5, 0.3]},
+        {"method": "ngram", "prompt_lookup_max": 3, "tree_branches": 3, "adaptive": False},
+        {"method": "treey", "mode": "mixed"},
+    ]
+    for spec in specs:
+        for batch in (1, 8):
+            llm = LLM(model=tiny, skip_tokenizer_init=True, max_num_seqs=8, **kw,
+                      speculative_config={"num_speculative_tokens": K, **spec})
+            out = _tokens(llm.generate(PROMPTS[:batch], GREEDY, use_tqdm=False))
+            assert out == want[:batch], (spec["method"], batch)
+            m = llm.get_metrics()
+            assert m.num_tree_drafts > 0, (spec["method"], m.as_dict())
+            g = llm.engine.runner.graphs
+            assert (g is None) == eager and (eager or len(g.tree_graphs) > 0)

@@ -42,6 +42,13 @@ and compares them with the drafts on the host. Without them the host launched th
 ~10 small verification kernels after the forward (1.0-2.3 ms of host time on the lent H100
 machines, and ten times that while such a host stalls: docs/perf.md).
 
+Tree graphs (token trees, docs/trees.md): a tree step (``run`` / ``run_head`` with ``tree``)
+replays a graph of its own, captured on first use, whose attention reads a static
+``tree_bits`` buffer (``[M]`` int64, one row's ancestor bits each); the step's per-row RoPE
+positions (``ctx_start + depth``) replace the consecutive ones in the staged inputs, and its bits
+are copied in from a pinned ring (``_stage_tree_bits``) before the replay. Chains of a tree step
+have causal bits. Tree steps whose shapes no verification graph covers run eagerly.
+
 Padding: a step with ``n <= B`` sequences and ``T <= M`` query tokens (any lengths up to
 ``Q``, flat in ``query_start_loc`` order) leaves rows ``T..`` as padding: token 0 at position 0
 with slot -1 (``store_kv`` skips it), and sequences ``n..`` with context length 0 and an empty
@@ -201,6 +208,14 @@ class CudaGraphRunner:
         self.launches = 0  # ring launches issued by the host
         self._stage_warm = False
         self.graphs: dict[tuple[int, int, int, tuple[int, ...], bool], _Graph] = {}  # (B, M, Q, aux, head)
+        # tree steps: their own graphs (same keys), the static tree-attention bits they read and
+        # a pinned ring those bits are copied from (each slot reused once its copy has run)
+        self.tree_graphs: dict[tuple[int, int, int, tuple[int, ...], bool], _Graph] = {}
+        self.tree_bits = torch.zeros(N, dtype=torch.int64, device=device)  # [N]
+        self.tree_host = torch.zeros(R, N, dtype=torch.int64, pin_memory=pin)  # [R, N]
+        self.tree_host_np = self.tree_host.numpy()
+        self.tree_copied: list[torch.cuda.Event | None] = [None] * R
+        self.tree_steps = 0
         self.pool = None
         self.head_rows = HEAD_MAX_ROWS  # verification graphs of up to this many rows are head graphs
 
@@ -296,14 +311,16 @@ class CudaGraphRunner:
         aux_layers: tuple[int, ...],
         token_ids: torch.Tensor | None = None,
         plan: tuple[int, int, int] | None = None,
+        tree: tuple[list[int], list[int]] | None = None,
     ):
         """Returns (hidden [T, hidden], aux [T, n_aux * hidden] or None), fresh tensors.
+        ``tree``: a tree step's (positions [T], tree bits [T]) (module doc).
 
         ``token_ids`` ([T] int64 on the device, flat in sequence order): the tokens to feed, when
         they are still on the device (e.g. the previous draft step's choices); ``new_tokens``
         then only gives the query lengths (its values are ignored). No device read either way.
         ``plan``: this step's ``plan(...)`` when the caller has it (it must not be None)."""
-        g, T = self._replay(seqs, new_tokens, aux_layers, token_ids, plan, False)
+        g, T = self._replay(seqs, new_tokens, aux_layers, token_ids, plan, False, tree)
         return g.hidden[:T].clone(), (g.aux[:T].clone() if g.aux is not None else None)
 
     def run_head(
@@ -313,6 +330,7 @@ class CudaGraphRunner:
         aux_layers: tuple[int, ...],
         plan: tuple[int, int, int],
         clone_hidden: bool = True,
+        tree: tuple[list[int], list[int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """``run`` of a step whose graph also computes the logits and the greedy choices (a
         head graph; ``plan``'s rows must satisfy ``head_fits``). Returns (hidden [T, hidden],
@@ -320,33 +338,38 @@ class CudaGraphRunner:
         row's argmax, lowest index on ties, and its log-probability). ``logits`` and ``greedy``
         are views of the graph's static buffers, valid until this runner's next replay of that
         graph; so are ``hidden`` and ``aux`` unless ``clone_hidden``."""
-        g, T = self._replay(seqs, new_tokens, aux_layers, None, plan, True)
+        g, T = self._replay(seqs, new_tokens, aux_layers, None, plan, True, tree)
         hidden = g.hidden[:T]
         aux = g.aux[:T] if g.aux is not None else None
         if clone_hidden:
             hidden, aux = hidden.clone(), (aux.clone() if aux is not None else None)
         return hidden, aux, g.logits[:T], g.greedy[:T]
 
-    def _replay(self, seqs, new_tokens, aux_layers, token_ids, plan, head: bool) -> tuple[_Graph, int]:
+    def _replay(self, seqs, new_tokens, aux_layers, token_ids, plan, head: bool,
+                tree: tuple[list[int], list[int]] | None = None) -> tuple[_Graph, int]:
         """Stage a step's inputs and replay (capturing first if needed) its graph; returns the
-        graph and the step's token count."""
+        graph and the step's token count. ``tree``: (positions, bits) of a tree step."""
         query_lens = [len(t) for t in new_tokens]
         T = sum(query_lens)
         B, M, Q = plan or self.plan(seqs, query_lens)
         key = (B, M, Q, tuple(aux_layers), head)
         ring = M <= ZERO_COPY_MAX_ROWS
-        g = self.graphs.get(key)
+        graphs = self.graphs if tree is None else self.tree_graphs
+        positions = tree[0] if tree is not None else None
+        g = graphs.get(key)
+        if tree is not None:
+            self._stage_tree_bits(tree[1], M)
         if ring:
             slot = self._stage_ring(seqs, new_tokens, query_lens, B, M,
-                                    T if token_ids is not None else 0)
+                                    T if token_ids is not None else 0, positions)
             if g is None:  # the warm-up before the capture reads the device buffers
                 self.dev64.copy_(self.ring64[slot, : self.dev64.shape[0]])
                 self.dev32.copy_(self.ring32[slot])
         else:
-            self._stage(seqs, new_tokens, query_lens, B, M, token_ids is not None)
+            self._stage(seqs, new_tokens, query_lens, B, M, token_ids is not None, positions)
         if token_ids is not None:  # after the staged placeholder ids (the ring skips them)
             self.dev64[:T].copy_(token_ids)
-        g = g or self._capture(*key)
+        g = g or self._capture(*key, tree=tree is not None)
         if ring:
             self.launches += 1  # the launch that consumes the slot: now, never without it
         g.replay()
@@ -356,7 +379,25 @@ class CudaGraphRunner:
         c, q, t = self.o32
         return StageLayout(n_max=self.max_tokens, m=M, c=c, q=q, t=t, b=B, w=self.W)
 
-    def _stage_ring(self, seqs, new_tokens, query_lens, B: int, M: int, ids_on_device: int) -> int:
+    def _stage_tree_bits(self, bits: list[int], M: int) -> None:
+        """Copy a tree step's bits (``[T]``, then zeros up to ``M``) into ``tree_bits`` from
+        the next pinned ring slot, on the current stream (before the replay that reads them)."""
+        R = self.tree_host.shape[0]
+        slot = self.tree_steps % R
+        done = self.tree_copied[slot]
+        if done is not None:
+            done.synchronize()  # the copy that last read this slot has run
+        h = self.tree_host_np[slot]
+        T = len(bits)
+        h[:T] = bits
+        h[T:M] = 0
+        self.tree_bits[:M].copy_(self.tree_host[slot, :M], non_blocking=True)
+        ev = self.tree_copied[slot] = torch.cuda.Event()
+        ev.record()
+        self.tree_steps += 1
+
+    def _stage_ring(self, seqs, new_tokens, query_lens, B: int, M: int, ids_on_device: int,
+                    positions: list[int] | None = None) -> int:
         """Write this step's inputs into the next ring slot (the graph's first kernel copies
         them); returns the slot. Waits only if the launch that last used the slot has not
         copied it yet (``STAGE_RING`` launches ahead)."""
@@ -376,16 +417,22 @@ class CudaGraphRunner:
         h64, h32 = self.ring64_np[slot], self.ring32_np[slot]
         self._fill_small(seqs, new_tokens, query_lens, B, M, ids_on_device > 0, h64, h32)
         N = self.max_tokens
+        if positions is not None:  # a tree step: RoPE positions ctx_start + depth
+            h64[N : N + len(positions)] = positions
         h64[3 * N] = n
         h64[3 * N + 1] = ids_on_device
         for s, ql in zip(seqs, query_lens):
             s.num_cached_tokens += ql
         return slot
 
-    def _stage(self, seqs, new_tokens, query_lens, B: int, M: int, on_device: bool = False) -> None:
+    def _stage(self, seqs, new_tokens, query_lens, B: int, M: int, on_device: bool = False,
+               positions: list[int] | None = None) -> None:
         self.copied.synchronize()  # the previous step's copy has read the staging buffers
         fill = self._fill_small if sum(query_lens) <= SMALL_STAGE_TOKENS else self._fill
         fill(seqs, new_tokens, query_lens, B, M, on_device)
+        if positions is not None:  # a tree step: RoPE positions ctx_start + depth
+            N = self.max_tokens
+            self.np64[N : N + len(positions)] = positions
         self.dev.copy_(self.host, non_blocking=True)
         self.copied.record()
         for s, ql in zip(seqs, query_lens):
@@ -463,11 +510,12 @@ class CudaGraphRunner:
 
     # ----------------------------------------------------------------- capture
     def _forward(self, B: int, M: int, Q: int, aux_layers: tuple[int, ...], head: bool = False,
-                 on_layer=None, stage=None):
+                 on_layer=None, stage=None, tree: bool = False):
         if stage is not None:  # captured first: the graph copies its own inputs in
             stage()
         ids, pos, slots, ctx_lens, qsl, tables = self._views(B, M)
-        meta = AttentionMetadata.padded(slots, tables, ctx_lens, qsl, Q, self.block_size)
+        meta = AttentionMetadata.padded(slots, tables, ctx_lens, qsl, Q, self.block_size,
+                                        tree_bits=self.tree_bits[:M] if tree else None)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, aux_layers=aux_layers,
                              on_layer=on_layer)
         hidden = self.model(ids, pos, ctx)  # [M, hidden]
@@ -478,14 +526,14 @@ class CudaGraphRunner:
         return hidden, aux, logits, greedy_pack(logits)  # greedy: [M, 2] float64
 
     def _capture(self, B: int, M: int, Q: int, aux_layers: tuple[int, ...],
-                 head: bool = False) -> _Graph:
+                 head: bool = False, tree: bool = False) -> _Graph:
         # the staged inputs of the current step are on the device; a warm-up run on them would
         # write their K/V twice (harmless: same values), and compiles the Triton kernels for
         # these shapes outside the capture
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(B, M, Q, aux_layers, head)
+            self._forward(B, M, Q, aux_layers, head, tree=tree)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -515,12 +563,12 @@ class CudaGraphRunner:
             graphs[0].capture_begin(pool=self.pool)
             try:
                 hidden, aux, logits, greedy = self._forward(B, M, Q, aux_layers, head,
-                                                            next_segment, stage)
+                                                            next_segment, stage, tree)
             finally:
                 graphs[-1].capture_end()
         torch.cuda.current_stream(self.device).wait_stream(capture_stream)
         g = _Graph(graphs, hidden, aux, logits, greedy)
-        self.graphs[(B, M, Q, aux_layers, head)] = g
+        (self.tree_graphs if tree else self.graphs)[(B, M, Q, aux_layers, head)] = g
         return g
 
     def _warm_stage_kernel(self) -> None:

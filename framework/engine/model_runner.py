@@ -99,19 +99,20 @@ class ModelRunner:
         ``trees`` (a tree step, docs/trees.md): for a sequence with ``parents`` there,
         ``new_tokens[i]`` is the root then the tree's nodes; each row's K/V goes to the next
         slot as usual, but its RoPE position is ``num_cached_tokens + depth`` and it attends to
-        the context, its ancestors and itself only (``tree_bits``). Tree steps run eagerly.
+        the context, its ancestors and itself only (``tree_bits``). Tree steps replay tree
+        graphs where chain verification steps replay graphs (``CudaGraphRunner``, "Tree graphs").
         """
         query_lens = [len(t) for t in new_tokens]
         is_tree = trees is not None and any(t is not None for t in trees)
-        plan = (self.graphs.plan(seqs, query_lens)
-                if self.graphs is not None and not is_tree else None)
-        if plan is not None:
-            return self.graphs.run(seqs, new_tokens, tuple(aux_layers), token_ids, plan)
+        tree = tree_step_rows(seqs, query_lens, trees) if is_tree else None
+        plan = self.graphs.plan(seqs, query_lens) if self.graphs is not None else None
+        if plan is not None and (tree is None or plan[2] <= self.graphs.max_query):
+            return self.graphs.run(seqs, new_tokens, tuple(aux_layers), token_ids, plan, tree)
         ctx_lens = [s.num_cached_tokens + q for s, q in zip(seqs, query_lens)]
         flat = [t for toks in new_tokens for t in toks]
         bits = None
-        if is_tree:
-            positions, bits = tree_step_rows(seqs, query_lens, trees)
+        if tree is not None:
+            positions, bits = tree
         else:
             positions = [p for s, q in zip(seqs, query_lens)
                          for p in range(s.num_cached_tokens, s.num_cached_tokens + q)]
@@ -152,9 +153,10 @@ class ModelRunner:
         query_lens = [len(t) for t in new_tokens]
         g = self.graphs
         is_tree = trees is not None and any(t is not None for t in trees)
-        plan = g.plan(seqs, query_lens) if g is not None and not is_tree else None
+        plan = g.plan(seqs, query_lens) if g is not None else None
         if plan is not None and plan[2] >= 2 and plan[2] <= g.max_query and g.head_fits(plan[1]):
-            return g.run_head(seqs, new_tokens, tuple(aux_layers), plan, keep_hidden)
+            tree = tree_step_rows(seqs, query_lens, trees) if is_tree else None
+            return g.run_head(seqs, new_tokens, tuple(aux_layers), plan, keep_hidden, tree)
         hidden, aux = self.forward(seqs, new_tokens, aux_layers, trees=trees)
         logits = self.logits(hidden)
         return hidden, aux, logits, (greedy_pack(logits) if greedy else None)
