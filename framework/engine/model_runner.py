@@ -107,7 +107,8 @@ class ModelRunner:
         tree = tree_step_rows(seqs, query_lens, trees) if is_tree else None
         plan = self.graphs.plan(seqs, query_lens) if self.graphs is not None else None
         if plan is not None and (tree is None or plan[2] <= self.graphs.max_query):
-            return self.graphs.run(seqs, new_tokens, tuple(aux_layers), token_ids, plan, tree)
+            kw = {"tree": tree} if tree is not None else {}
+            return self.graphs.run(seqs, new_tokens, tuple(aux_layers), token_ids, plan, **kw)
         ctx_lens = [s.num_cached_tokens + q for s, q in zip(seqs, query_lens)]
         flat = [t for toks in new_tokens for t in toks]
         bits = None
@@ -155,8 +156,8 @@ class ModelRunner:
         is_tree = trees is not None and any(t is not None for t in trees)
         plan = g.plan(seqs, query_lens) if g is not None else None
         if plan is not None and plan[2] >= 2 and plan[2] <= g.max_query and g.head_fits(plan[1]):
-            tree = tree_step_rows(seqs, query_lens, trees) if is_tree else None
-            return g.run_head(seqs, new_tokens, tuple(aux_layers), plan, keep_hidden, tree)
+            kw = {"tree": tree_step_rows(seqs, query_lens, trees)} if is_tree else {}
+            return g.run_head(seqs, new_tokens, tuple(aux_layers), plan, keep_hidden, **kw)
         hidden, aux = self.forward(seqs, new_tokens, aux_layers, trees=trees)
         logits = self.logits(hidden)
         return hidden, aux, logits, (greedy_pack(logits) if greedy else None)
