@@ -383,3 +383,26 @@ def test_cuda_tree_steps_equal_plain(tiny, plain, treey, eager):
             assert m.num_tree_drafts > 0, (spec["method"], m.as_dict())
             g = llm.engine.runner.graphs
             assert (g is None) == eager and (eager or len(g.tree_graphs) > 0)
+
+
+# ------------------------------------------------------------------------- the default model
+@pytest.mark.slow
+def test_default_model_tree_greedy_equals_plain(smollm, default_model_path):
+    texts = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5,",
+             "Once upon a time, there was a", "The quick brown fox", "import numpy as np\n",
+             "Q: What is 2 + 2?\nA:", "Roses are red, violets are"]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    long = smollm.generate(texts, SamplingParams(temperature=0, max_tokens=32 + K,
+                                                 ignore_eos=True), use_tqdm=False)
+    want = [o.outputs[0].token_ids[:32] for o in long]
+    refs = [{"prompt_token_ids": o.prompt_token_ids, "output_token_ids": o.outputs[0].token_ids}
+            for o in long]
+    specs = [{"method": "oracle", "alpha": 0.8, "references": refs, "tree_width": 2},
+             {"method": "ngram", "tree_branches": 3}]
+    for spec in specs:
+        llm = LLM(model=str(default_model_path), max_num_seqs=8,
+                  speculative_config={"num_speculative_tokens": K, **spec})
+        for batch in (1, 8):
+            out = _tokens(llm.generate(texts[:batch], params, use_tqdm=False))
+            assert out == want[:batch], spec["method"]
+        assert llm.get_metrics().num_tree_drafts > 0, spec["method"]
