@@ -410,7 +410,8 @@ class HeadTreeDrafter:
                 states = x[:, None]  # [A, 1, H] the root's
             else:  # run the head over the parents' root paths
                 chains = [self._path(s.parents, q) for q in parents]  # [F][depth - 1]
-                idx = torch.tensor(chains, device=x.device)  # [F, d]
+                idx = to_device_async(list(itertools.chain.from_iterable(chains)), torch.long,
+                                      x.device).view(len(parents), depth - 1)  # [F, d]
                 ptok = node_tok[:, idx]  # [A, F, d]
                 pin = node_in[:, idx]  # [A, F, d, H]
                 states = self._level(rows, ptok, pin, W)  # [A, F, H]
