@@ -45,6 +45,7 @@ from pathlib import Path
 
 from speculant.hookspecs import hookimpl
 from speculant.outputs import SpecMetrics
+from speculant.spec_types import DraftTree
 
 logger = logging.getLogger("speculant")
 
@@ -86,7 +87,9 @@ class _AcceptanceCounter:
     def verify(self, batch, proposal, scores):
         result = yield
         for drafts, acc in zip(proposal.token_ids, result.num_accepted):
-            self.trials += min(len(drafts), acc + 1)
+            # a token tree: the levels reached (its depth bounds the accepted path)
+            n = max(drafts.depths(), default=0) if isinstance(drafts, DraftTree) else len(drafts)
+            self.trials += min(n, acc + 1)
             self.accepted += acc
         return result
 
