@@ -136,6 +136,10 @@ class Treey(Strategy):
         g = torch.Generator().manual_seed(config.seed)
         self.q = torch.softmax(torch.randn(self.V, generator=g), 0)  # [V] the draft distribution
         self.rng = torch.Generator().manual_seed(config.seed + 1)
+        # "hidden": the target's hidden states, checked against the tokens they produced
+        self.needs_hidden_states = config.mode == "hidden"
+        self.model = ctx.target_model
+        self.checked, self.wrong = 0, []
 
     def _true(self, s, d: int) -> int:
         ref = REFS.get(tuple(s.token_ids[: s.num_prompt_tokens]))
@@ -166,9 +170,26 @@ class Treey(Strategy):
                                 self.q[None].repeat(2, 1)])
         return tree
 
+    def _check_hidden(self, batch) -> None:
+        """The state at position p must give back token p + 1 (greedy) for every generated one."""
+        row = 0
+        for s, n, p0 in zip(batch.seqs, batch.hidden_counts, batch.hidden_start):
+            h = batch.hidden_states[row : row + n]
+            row += n
+            got = self.model.compute_logits(h).argmax(-1).tolist()
+            for j, t in enumerate(got):
+                p = p0 + j
+                if p >= s.num_prompt_tokens - 1:
+                    self.checked += 1
+                    if t != s.token_ids[p + 1]:
+                        self.wrong.append((s.seq_id, p, t, s.token_ids[p + 1]))
+
     @hookimpl
     def propose(self, batch):
         mode = self.config.mode
+        if mode == "hidden":
+            self._check_hidden(batch)
+            mode = "mixed"
         drafts = []
         for i, s in enumerate(batch.seqs):
             if s.max_draft < 4:
@@ -230,6 +251,17 @@ def test_mixed_batch_of_trees_and_chains_equals_plain(tiny, plain, treey):
         got = [lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]
         exp = [lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
         assert got == pytest.approx(exp, abs=1e-4)
+
+
+def test_hidden_states_of_the_accepted_path_reach_the_proposer(tiny, plain, treey):
+    """A strategy with needs_hidden_states gets, after a tree step, the rows of the root and of
+    the accepted nodes only (each gives back the token it produced), as after a chain step."""
+    want, _ = plain
+    llm = _treey(tiny, "hidden")
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+    strat = llm.engine.spec.strategy
+    assert llm.get_metrics().num_tree_drafts > 0
+    assert strat.checked > len(PROMPTS) * 10 and strat.wrong == [], strat.wrong[:5]
 
 
 @pytest.mark.parametrize("mode,problem", [
