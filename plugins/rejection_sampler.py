@@ -81,12 +81,17 @@ class RejectionSampler(Strategy):
 
     def _verify_mixed(self, seqs: list[SpecSequence], proposal: Proposal,
                       scores: ScoreResult) -> VerifyResult:
-        """A batch with trees: its chains verified together as a chain batch, each tree alone."""
+        """A batch with trees: its chains verified together as a chain batch, each tree alone;
+        a greedy batch without processing from ``scores.greedy`` in one read."""
         lengths = proposal.lengths
         if scores.logits.shape[0] != sum(n + 1 for n in lengths):
             raise ValueError(
                 f"ScoreResult.logits must have sum(k_i + 1) = {sum(n + 1 for n in lengths)} "
                 f"rows for proposal lengths {lengths}, got {scores.logits.shape[0]}")
+        if scores.greedy is not None and all(
+            s.params.is_greedy and not needs_processing(s.params) for s in seqs
+        ):
+            return verify_greedy_trees(proposal.token_ids, scores.greedy)
         starts = _starts(lengths)
         device = scores.logits.device
         B = len(seqs)
@@ -323,6 +328,42 @@ def _follow(tree: DraftTree, sampled: list[int]) -> tuple[list[int], list[int]]:
             return path, [*(tree.token_ids[c] for c in path), want]
         path.append(nxt)
         node = nxt
+
+
+def verify_greedy_trees(
+    drafts: list[list[int] | DraftTree],  # each sequence's chain or tree
+    greedy: torch.Tensor,  # [sum(k_i + 1), 2] float64: row argmax, its logprob (ScoreResult.greedy)
+) -> VerifyResult:
+    """``verify_greedy`` for a batch of chains and trees: a tree accepts the path of children
+    that are each the argmax of their parent's row (``verify_tree_greedy``'s rule), then takes
+    that row's argmax. One device-to-host read; every emitted token is its row's argmax, so the
+    row's packed log-probability is the token's."""
+    rows = sum((d.num_nodes if isinstance(d, DraftTree) else len(d)) + 1 for d in drafts)
+    if greedy.dim() != 2 or greedy.shape[0] != rows or greedy.shape[1] != 2:
+        raise ValueError(f"ScoreResult.greedy must have shape [sum(k_i + 1), 2] = [{rows}, 2], "
+                         f"got {list(greedy.shape)}")
+    packed = read_back(greedy)  # [[argmax, logprob], ...]
+    tokens, accepted, logprobs = [], [], []
+    r0 = 0
+    for d in drafts:
+        tree = d if isinstance(d, DraftTree) else DraftTree.chain(d)
+        children: dict[int, list[int]] = {}
+        for c, p in enumerate(tree.parents):
+            children.setdefault(p, []).append(c)
+        path, node = [], -1
+        while True:
+            want = int(packed[r0 + node + 1][0])
+            nxt = next((c for c in children.get(node, ()) if tree.token_ids[c] == want), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+            node = nxt
+        used = [r0, *(r0 + c + 1 for c in path)]
+        tokens.append([int(packed[r][0]) for r in used])
+        logprobs.append([packed[r][1] for r in used])
+        accepted.append(len(path))
+        r0 += tree.num_nodes + 1
+    return VerifyResult(token_ids=tokens, num_accepted=accepted, logprobs=logprobs)
 
 
 def _starts(lengths: list[int]) -> list[int]:

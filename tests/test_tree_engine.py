@@ -438,3 +438,39 @@ def test_default_model_tree_greedy_equals_plain(smollm, default_model_path):
             out = _tokens(llm.generate(texts[:batch], params, use_tqdm=False))
             assert out == want[:batch], spec["method"]
         assert llm.get_metrics().num_tree_drafts > 0, spec["method"]
+
+
+def test_packed_greedy_tree_verification_matches_the_rule():
+    """The verifier's one-read greedy path (ScoreResult.greedy) gives verify_tree_greedy's path
+    and tokens on random trees, and verify_greedy's on chains."""
+    from speculant.drafting import verify_tree_greedy
+    from speculant.engine.sampler import greedy_pack
+    from speculant.plugins.rejection_sampler import verify_greedy, verify_greedy_trees
+
+    g = torch.Generator().manual_seed(0)
+    V = 5  # few tokens: drafts often equal the argmax
+    for _ in range(200):
+        drafts = []
+        for _ in range(3):
+            n = int(torch.randint(1, 8, (1,), generator=g))
+            ids = torch.randint(0, V, (n,), generator=g).tolist()
+            if torch.rand(1, generator=g) < 0.3:
+                drafts.append(ids)
+                continue
+            parents = [int(torch.randint(-1, i, (1,), generator=g)) for i in range(n)]
+            drafts.append(DraftTree(ids, parents))
+        rows = sum((d.num_nodes if isinstance(d, DraftTree) else len(d)) + 1 for d in drafts)
+        logits = torch.randn(rows, V, generator=g)
+        got = verify_greedy_trees(drafts, greedy_pack(logits))
+        r0 = 0
+        for i, d in enumerate(drafts):
+            if isinstance(d, DraftTree):
+                ref = verify_tree_greedy(d, logits[r0 : r0 + d.num_nodes + 1])
+                assert (got.token_ids[i], got.num_accepted[i]) == (ref.token_ids,
+                                                                    ref.num_accepted)
+                r0 += d.num_nodes + 1
+            else:
+                ref = verify_greedy([d], greedy_pack(logits[r0 : r0 + len(d) + 1]))
+                assert got.token_ids[i] == ref.token_ids[0]
+                assert got.logprobs[i] == pytest.approx(ref.logprobs[0])
+                r0 += len(d) + 1
