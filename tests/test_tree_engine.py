@@ -87,7 +87,7 @@ def _ngram(tiny, branches: int, **kw) -> LLM:
 @pytest.mark.parametrize("batch", [1, 8])
 def test_ngram_tree_greedy_equals_plain(tiny, plain, batch):
     want, _ = plain
-    llm = _ngram(tiny, 3)
+    llm = _ngram(tiny, 3, adaptive=batch > 1)  # adaptive: draft budgets follow tree acceptance
     out = _tokens(llm.generate(PROMPTS[:batch], GREEDY, use_tqdm=False))
     assert out == want[:batch]
     m = llm.get_metrics()
@@ -106,6 +106,13 @@ def test_ngram_branches_and_merge():
     assert [b[0] for b in found] == [3, 8, 6]  # "5" was followed by 3 (latest), 8, then 6
     tree = merge_branches([[1, 2, 3], [1, 4], [5]], budget=4)
     assert tree.token_ids == [1, 5, 2, 4] and tree.parents == [-1, -1, 0, 0]
+    # adaptive mode's acceptance of a tree: (tokens matched along a path, a leaf reached)
+    from speculant.plugins.ngram import _accepted
+
+    assert _accepted(tree, [1, 4, 9]) == (2, True)
+    assert _accepted(tree, [1, 3]) == (1, False)
+    assert _accepted(tree, [7]) == (0, False)
+    assert _accepted([1, 2, 3], [1, 2, 3, 4]) == (3, True)
 
 
 # ------------------------------------------------------------- a custom tree strategy (public API)
