@@ -216,6 +216,9 @@ class Treey(Strategy):
                     d = DraftTree([5, 6], [-1, 0], torch.full((2, self.V), 0.5))
                 elif mode == "bad_type":
                     d = 3.5
+                elif mode == "bad_parents":  # changed after construction
+                    d = DraftTree([5, 6], [-1, 0])
+                    d.parents = [-1, 1]
             drafts.append(d)
         return Proposal(token_ids=drafts)
 
@@ -276,6 +279,8 @@ def test_hidden_states_of_the_accepted_path_reach_the_proposer(tiny, plain, tree
     ("bad_too_many", "more than the sequence's limit"),
     ("bad_probs", "does not sum to 1"),
     ("bad_type", "drafts must be a list of token ids, got float"),
+    ("bad_parents", "DraftTree.parents[1] = 1: a node's parent must be -1 (the root) or an "
+                    "earlier node"),
 ])
 def test_a_bad_tree_is_its_sequences_fault(tiny, plain, treey, caplog, mode, problem):
     want, _ = plain

@@ -681,6 +681,8 @@ class SpecDecoder:
         ids, probs): what to verify (the tree; an empty list for an empty tree; a list for a
         chain-shaped tree of point masses, which scores as a chain) and what is wrong (or None)."""
         try:
+            # rebuilt: the structure is checked again (fields may have changed since it was made)
+            tree = DraftTree(tree.token_ids, tree.parents, tree.probs)
             tree.validate(self.ctx.vocab_size, max_nodes=s.max_draft, who=who)
         except DraftTreeError as e:
             return [], str(e).removeprefix(f"{who}: ")
