@@ -13,6 +13,7 @@ import torch
 from speculant.distributed import setup_fused_all_reduce
 from speculant.engine.sampler import greedy_pack
 from speculant.engine.sequence import Sequence
+from speculant.engine.staging import to_device
 from speculant.kernels.tree_kv import compact_tree_kv, tree_row_bits, tree_row_depths
 from speculant.models.attention import AttentionMetadata, ForwardContext
 
@@ -174,11 +175,12 @@ class ModelRunner:
         width = max(len(s.block_table) for s in seqs)
         longest = max(len(p) for p in paths)
         dev = self.device
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                              dtype=torch.int32, device=dev)  # [S, W]
-        starts = torch.tensor(ctx_starts, dtype=torch.int64, device=dev)  # [S]
-        rows = torch.tensor([p + [-1] * (longest - len(p)) for p in paths], dtype=torch.int64,
-                            device=dev)  # [S, P]
+        # through pinned memory: no stream synchronisation on CUDA
+        tables = to_device([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                           torch.int32, dev)  # [S, W]
+        starts = to_device(ctx_starts, torch.int64, dev)  # [S]
+        rows = to_device([p + [-1] * (longest - len(p)) for p in paths], torch.int64,
+                         dev)  # [S, P]
         compact_tree_kv(self.kv_cache, tables, starts, rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
