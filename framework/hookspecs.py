@@ -132,7 +132,9 @@ def verify(batch: SpecBatch, proposal: Proposal, scores: ScoreResult) -> VerifyR
     :param scores: the target's output for them. A greedy batch without logits processing that
         comes with ``scores.greedy`` is verified from it with one device read and no kernel.
     :return: a :class:`~speculant.spec_types.VerifyResult`: per sequence the list of emitted
-        tokens (accepted drafts followed by exactly one bonus/recovered token).
+        tokens (accepted drafts followed by exactly one bonus/recovered token; for a
+        :class:`~speculant.spec_types.DraftTree`, the tokens of one root path of the tree, then
+        one token: ``verify_tree_greedy`` / ``verify_tree_sampled`` give them).
     """
 
 
