@@ -223,6 +223,17 @@ class Treey(Strategy):
         return Proposal(token_ids=drafts)
 
 
+    @hookimpl
+    def verify(self, batch, proposal, scores):
+        if self.config.mode != "bad_verify":
+            return None  # the built-in verifier
+        from speculant.spec_types import VerifyResult
+
+        # a tree sequence "accepts" a token that no child of the root holds
+        toks = [[self.V - 1, 0] if isinstance(d, DraftTree) else [0] for d in proposal.token_ids]
+        return VerifyResult(token_ids=toks, num_accepted=[len(t) - 1 for t in toks])
+
+
 class _Plugin:
     @hookimpl
     def register_strategies(self, register):
@@ -272,6 +283,16 @@ def test_hidden_states_of_the_accepted_path_reach_the_proposer(tiny, plain, tree
     strat = llm.engine.spec.strategy
     assert llm.get_metrics().num_tree_drafts > 0
     assert strat.checked > len(PROMPTS) * 10 and strat.wrong == [], strat.wrong[:5]
+
+
+def test_a_verify_result_off_the_tree_is_the_verifiers_fault(tiny, treey):
+    from speculant.engine.spec_decode import StrategyFault
+
+    llm = _treey(tiny, "bad_verify")
+    with pytest.raises(StrategyFault) as e:
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert "verify()" in str(e.value) and "not a root path of its DraftTree" in str(e.value)
+    assert all(o.outputs[0].finish_reason == "abort" for o in e.value.outputs)
 
 
 @pytest.mark.parametrize("mode,problem", [
