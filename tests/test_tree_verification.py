@@ -120,8 +120,9 @@ def test_validate_checks_budget_vocabulary_and_q():
             DraftTree([1, 2, 3], [-1, -1, 0], bad).validate(4, who=who)
 
 
-def test_the_engine_refuses_a_tree_in_a_proposal_row():
-    # Proposal carries chains only: a DraftTree in place of a token list is that sequence's fault
+def test_the_chain_reader_refuses_a_tree():
+    # the engine reads trees on their own path (tests/test_tree_engine.py); its chain reader,
+    # given one, says so instead of reading its token ids as a chain
     ids, problem = _draft_ids(DraftTree.chain([1, 2]), 10)
     assert ids == [] and problem == "drafts must be a list of token ids, got DraftTree"
 
