@@ -152,7 +152,7 @@ def test_oracle_parents_and_shapes():
                                          "--e2e-chains", "4"])
     trees, chains = gpu_tree.step_cells(args)
     assert trees == [(16, 4, 4, 16), (15, 3, 5, 15), (8, 2, 4, 8)]
-    assert chains == [4, 8, 15, 16]
+    assert chains == [4, 8, 15, 16, 32, 64]  # --chains: 16,32,64 by default
     assert gpu_tree.step_tokens(args, 63) == 1024 and gpu_tree.step_tokens(args, 4) == 256
 
 
@@ -308,6 +308,9 @@ def test_argument_errors(capsys):
         gpu_tree.main(["--shapes", "16"])
     assert e.value.code == 2 and "NODES:WIDTH" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
+        gpu_tree.main(["--chains", "16,65"])
+    assert e.value.code == 2 and "1 to 64" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
         gpu_tree.main(["--strategies", "ngram,medusa"])
     assert e.value.code == 2 and "medusa" in capsys.readouterr().err
 
@@ -321,7 +324,7 @@ def test_whole_run_on_the_cpu(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, str(BENCH / "gpu_tree.py"), "--device", "cpu", "--geometry", "tiny",
            "--layers", "3", "--out", str(out), "--prompt-len", "16", "--shapes", "4:2,6:3",
-           "--shapes-graphs64", "4:2", "--e2e-chains", "2,4", "--e2e-trees", "4:2",
+           "--shapes-graphs64", "4:2", "--e2e-chains", "2,4", "--e2e-trees", "4:2", "--chains", "3",
            "--alphas", "0.6", "--step-tokens", "16", "--e2e-tokens", "24",
            "--strategy-tokens", "16", "--repeats", "1", "--step-repeats", "1",
            "--warmup-tokens", "2", "--kv-cache-gib", "0.01", "--budget-s", "500"]
