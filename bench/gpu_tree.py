@@ -222,17 +222,17 @@ def e2e_summary(ph: dict, step_rows: list[dict]) -> dict:
         w = m.get("width", 1)
         probs = m.get("rank_probs") or [m["alpha"]]
         tokens = expected_tokens_oracle_tree(w, m["nodes"], probs)
-        key = ("tree" if w > 1 else "chain", m["nodes"], w)
+        levels, nodes = oracle_tree_levels(w, m["nodes"])
+        key = ("tree" if w > 1 else "chain", nodes, w)  # the step-cost row of this shape
         ratio = cost.get(key)
         pr = (r["propose_s_per_step"] / plain["step_s"]
               if plain and r.get("propose_s_per_step") is not None else 0.0)
         theo = theoretical_tree_speedup(tokens, ratio, pr) if ratio else None
         acc = r.get("acceptance")
-        levels, _ = oracle_tree_levels(w, m["nodes"])
         measured_tokens = (expected_tokens_oracle_tree(1, levels, [acc])
                            if acc is not None else None)
         rows.append({
-            "name": r["name"], "kind": key[0], "alpha": m["alpha"], "nodes": m["nodes"],
+            "name": r["name"], "kind": key[0], "alpha": m["alpha"], "nodes": nodes,
             "width": w, "levels": levels, "rank_probs": probs,
             "tokens_per_s": r["tokens_per_s"], "speedup": r["speedup"],
             "expected_tokens_per_step": tokens,

@@ -349,3 +349,19 @@ def test_whole_run_on_the_cpu(tmp_path):
                      "eagle3 topk4 k=4", "eagle3 static k=5"]
     for r in s["strategies"][1:]:
         assert r["graph_counts"]["tree_steps"] > 0, r
+
+
+def test_e2e_row_takes_the_step_cost_of_its_real_node_count():
+    """A tree budget the width does not divide (15 nodes, W = 2: 7 levels, 14 nodes) is paired
+    with the step-cost row of the 14-node tree."""
+    step = {"cells": [_cell("plain", 0, 1, 256, 6.0), _cell("tree", 14, 2, 256, 6.6)]}
+    rows = gpu_tree.step_cost_summary(step)["rows"]
+    e2e = {"runs": [_run("plain", "plain", 170.0, 1.0, step=1 / 170),
+                    _run("tree a=0.6 w=2 k=15", "oracle", 500.0, 500 / 170, 0.84, 0.0)],
+           "meta": {"tree a=0.6 w=2 k=15": {"alpha": 0.6, "nodes": 15, "width": 2,
+                                            "rank_probs": [0.6, 0.24]}}}
+    (row,) = gpu_tree.e2e_summary(e2e, rows)["rows"]
+    assert (row["nodes"], row["levels"]) == (14, 7)
+    assert row["step_cost_ratio"] == pytest.approx(1.1)
+    assert row["theoretical_speedup"] == pytest.approx(
+        gpu_tree.expected_tokens_oracle_tree(2, 15, [0.6, 0.24]) / 1.1)
