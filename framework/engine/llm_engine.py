@@ -375,19 +375,14 @@ class LLMEngine:
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """The target over several new tokens per sequence, with every row's logits
         (``ModelRunner.score``; ``trees``: a tree step)."""
-        if trees is not None and any(t is not None for t in trees):
-            if self.tp_group is not None:
-                raise NotImplementedError("token trees are not supported with "
-                                          "tensor_parallel_size > 1 yet; propose chains")
-            return self.runner.score(seqs, new_tokens, aux_layers, greedy=greedy,
-                                     keep_hidden=keep_hidden, trees=trees)
         return self.runner.score(seqs, new_tokens, aux_layers, greedy=greedy,
-                                 keep_hidden=keep_hidden)
+                                 keep_hidden=keep_hidden, trees=trees)
 
     def compact_tree(self, seqs: list[Sequence], ctx_starts: list[int],
                      paths: list[list[int]]) -> None:
         """Move each tree sequence's accepted K/V rows next to its root
-        (``ModelRunner.compact_tree``)."""
+        (``ModelRunner.compact_tree``; under tensor parallelism every rank's cache, see
+        ``TPRunner.compact_tree``)."""
         self.runner.compact_tree(seqs, ctx_starts, paths)
 
     def reserve_slots(self, seq: Sequence, num_tokens: int) -> int:

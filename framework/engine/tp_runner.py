@@ -4,7 +4,8 @@ Every rank holds a shard of the target (``speculant.distributed``) and its own `
 over that shard's KV cache (its KV heads). Rank 0 owns everything else: scheduler, block
 manager, sampler, strategies, drafters. :class:`TPRunner` is the runner rank 0's engine calls:
 ``forward``, ``score`` and ``capture_graphs`` are first sent to the workers (one broadcast over
-the gloo CPU group, :func:`pack_call`), then run on rank 0's local runner. A worker
+the gloo CPU group, :func:`pack_call`), then run on rank 0's local runner; ``compact_tree``
+runs on rank 0's runner at once and travels in the next call's message. A worker
 (``speculant.distributed.worker``) runs the very same method of its own runner with the same
 arguments (:func:`receive_call`, :func:`apply_call`), so every rank takes the same code path,
 replays or captures the same CUDA graphs and issues the same all-reduces in the same order; the
@@ -20,8 +21,21 @@ on the device (``token_ids``: the overlapped decode steps of engine/async_decode
 the device group (NCCL on CUDA).
 
 Layout: ``[length, next capacity, op, flags, n_seqs, n_aux, max_seqs, max_query, max_prefill,
-aux..., per sequence (query_len, num_cached_tokens, table_len)..., tokens..., block tables...]``;
-``tokens`` is left out when they come on the device.
+aux..., per sequence (query_len, num_cached_tokens, table_len)..., tokens..., block tables...,
+trees..., compactions...]``; ``tokens`` is left out when they come on the device (flag
+``_TOKENS_ON_DEVICE``). Two optional sections follow, each present only with its flag:
+
+* ``trees`` (flag ``_TREES``, a tree step: ``ModelRunner.forward`` / ``score`` with ``trees=``,
+  docs/trees.md): per sequence its tree's node count (``-1``: a chain; a tree sequence's query
+  is its root and its nodes, ``query_len = nodes + 1``), then every tree's ``parents``. Every
+  rank derives the same RoPE positions and ancestor bits from them (``tree_step_rows``), so
+  every rank scores the same tree rows and writes the same rows' K/V to its own KV heads.
+* ``compactions`` (flag ``_COMPACT``): the ``compact_tree`` calls rank 0 made since its previous
+  message, applied by a worker *before* this message's call, in order:
+  ``n_groups``, then per group ``n``, per sequence ``(ctx_start, path_len, table_len)``, the
+  paths (in-step rows), the block tables as they were at the compaction. Rank 0 compacts its own
+  cache at once; a worker's cache is only read by its next call, so it compacts there, and a
+  tree step costs no broadcast of its own (the compaction rides on the next step's message).
 """
 
 from __future__ import annotations
@@ -36,7 +50,7 @@ from speculant.distributed.parallel import TensorParallel
 MIN_CAPACITY = 512  # int64 entries of the smallest broadcast buffer: 4 KiB
 MAX_CAPACITY = 1 << 16  # and of the largest (512 KiB); a longer message takes two broadcasts
 FORWARD, SCORE, CAPTURE, SHUTDOWN = 1, 2, 3, 4
-_TOKENS_ON_DEVICE, _GREEDY, _KEEP_HIDDEN, _HEAD = 1, 2, 4, 8
+_TOKENS_ON_DEVICE, _GREEDY, _KEEP_HIDDEN, _HEAD, _TREES, _COMPACT = 1, 2, 4, 8, 16, 32
 _HEADER = 9  # length, next capacity, op, flags, n_seqs, n_aux, max_seqs, max_query, max_prefill
 
 
@@ -61,11 +75,30 @@ class Call:
     max_seqs: int = 0
     max_query: int = 0
     max_prefill: int | None = None
+    trees: list[list[int] | None] | None = None  # per sequence: its tree's parents, or None
+    compactions: list[Compaction] = field(default_factory=list)  # to apply before the call
+
+
+@dataclass
+class Compaction:
+    """One ``compact_tree`` call of rank 0, as a worker repeats it."""
+
+    seqs: list[RemoteSeq]  # block tables at the compaction (num_cached_tokens unused: 0)
+    ctx_starts: list[int]  # [n]: each sequence's root position
+    paths: list[list[int]]  # [n][path_len]: the accepted nodes' in-step rows
 
 
 def pack_call(op: int, flags: int = 0, aux_layers=(), seqs=(), new_tokens=(), max_seqs: int = 0,
-              max_query: int = 0, max_prefill: int | None = None) -> list[int]:
-    """The message of one call (module docstring's layout) as a list of ints."""
+              max_query: int = 0, max_prefill: int | None = None, trees=None,
+              compactions=()) -> list[int]:
+    """The message of one call (module docstring's layout) as a list of ints. ``trees``: per
+    sequence its tree's parents or None (sets ``_TREES`` unless every entry is None);
+    ``compactions``: :class:`Compaction` groups to apply first (sets ``_COMPACT``)."""
+    flags &= ~(_TREES | _COMPACT)
+    if trees is not None and any(t is not None for t in trees):
+        flags |= _TREES
+    if compactions:
+        flags |= _COMPACT
     aux = [int(a) for a in aux_layers]
     msg = [0, 0, op, flags, len(seqs), len(aux), max_seqs, max_query,
            -1 if max_prefill is None else max_prefill, *aux]
@@ -76,6 +109,23 @@ def pack_call(op: int, flags: int = 0, aux_layers=(), seqs=(), new_tokens=(), ma
             msg += toks
     for s in seqs:
         msg += s.block_table
+    if flags & _TREES:
+        if len(trees) != len(seqs):
+            raise ValueError(f"a tree step of {len(seqs)} sequences with {len(trees)} trees")
+        msg += [-1 if t is None else len(t) for t in trees]
+        for t in trees:
+            if t is not None:
+                msg += [int(p) for p in t]
+    if flags & _COMPACT:
+        msg.append(len(compactions))
+        for c in compactions:
+            msg.append(len(c.seqs))
+            for s, start, path in zip(c.seqs, c.ctx_starts, c.paths, strict=True):
+                msg += (start, len(path), len(s.block_table))
+            for path in c.paths:
+                msg += path
+            for s in c.seqs:
+                msg += s.block_table
     msg[0] = len(msg)
     return msg
 
@@ -99,8 +149,34 @@ def unpack_call(msg: list[int]) -> Call:
     for _, cached, t in meta:
         seqs.append(RemoteSeq(cached, msg[i : i + t]))
         i += t
+    trees = None
+    if flags & _TREES:
+        sizes = msg[i : i + n]
+        i += n
+        trees = []
+        for m in sizes:
+            trees.append(None if m < 0 else msg[i : i + m])
+            i += max(m, 0)
+    compactions = []
+    if flags & _COMPACT:
+        groups = msg[i]
+        i += 1
+        for _ in range(groups):
+            m = msg[i]
+            i += 1
+            cmeta = [msg[i + 3 * j : i + 3 * j + 3] for j in range(m)]  # (start, path, table)
+            i += 3 * m
+            paths = []
+            for _, p, _ in cmeta:
+                paths.append(msg[i : i + p])
+                i += p
+            tables = []
+            for _, _, t in cmeta:
+                tables.append(RemoteSeq(0, msg[i : i + t]))
+                i += t
+            compactions.append(Compaction(tables, [c[0] for c in cmeta], paths))
     return Call(op, flags, aux, seqs, new_tokens, None, max_seqs, max_query,
-                None if max_prefill < 0 else max_prefill)
+                None if max_prefill < 0 else max_prefill, trees, compactions)
 
 
 def next_capacity(length: int) -> int:
@@ -156,17 +232,22 @@ def receive_call(channel: Channel, device: torch.device) -> Call:
 
 def apply_call(runner, call: Call) -> bool:
     """Run ``call`` on a worker's local ``ModelRunner`` exactly as rank 0 runs it on its own
-    (the results are rank 0's to use; here they are dropped). False on shutdown."""
+    (the results are rank 0's to use; here they are dropped), after the tree compactions rank 0
+    made since its previous call. False on shutdown."""
+    if call.op == SHUTDOWN:
+        return False
+    for c in call.compactions:
+        runner.compact_tree(c.seqs, c.ctx_starts, c.paths)
     if call.op == FORWARD:
-        runner.forward(call.seqs, call.new_tokens, call.aux_layers, token_ids=call.token_ids)
+        runner.forward(call.seqs, call.new_tokens, call.aux_layers, token_ids=call.token_ids,
+                       trees=call.trees)
     elif call.op == SCORE:
         runner.score(call.seqs, call.new_tokens, call.aux_layers,
-                     greedy=bool(call.flags & _GREEDY), keep_hidden=bool(call.flags & _KEEP_HIDDEN))
+                     greedy=bool(call.flags & _GREEDY), keep_hidden=bool(call.flags & _KEEP_HIDDEN),
+                     trees=call.trees)
     elif call.op == CAPTURE:
         runner.capture_graphs(call.max_seqs, call.max_query, call.aux_layers, call.max_prefill,
                               progress=False, head=bool(call.flags & _HEAD))  # rank 0 shows it
-    elif call.op == SHUTDOWN:
-        return False
     else:
         raise RuntimeError(f"tensor-parallel worker: unknown call {call.op} from rank 0 (the "
                            "ranks run different speculant versions?)")
@@ -183,6 +264,7 @@ class TPRunner:
         self.channel = Channel(tp)
         self.closed = False
         self.failed: str | None = None  # why the workers cannot be reached any more
+        self.pending: list[Compaction] = []  # compact_tree calls the workers have yet to repeat
         # () -> str: what became of the workers (exit codes), for the error when a send fails
         self.why_failed = why_failed
 
@@ -198,8 +280,10 @@ class TPRunner:
             raise RuntimeError(self.failed)
         if token_ids is not None:
             flags |= _TOKENS_ON_DEVICE
+        compactions, self.pending = self.pending, []
         try:
-            self.channel.send(pack_call(op, flags, aux_layers, seqs, new_tokens, **kw))
+            self.channel.send(pack_call(op, flags, aux_layers, seqs, new_tokens,
+                                        compactions=compactions, **kw))
             if token_ids is not None:
                 dist.broadcast(token_ids, src=0, group=self.tp.group)
         except RuntimeError as e:  # a worker is gone: gloo's connection to it closed
@@ -208,16 +292,26 @@ class TPRunner:
                            "cannot run any more: close it and create a new one")
             raise RuntimeError(self.failed) from e
 
-    def forward(self, seqs, new_tokens, aux_layers=(), token_ids=None):
-        self._send(FORWARD, seqs, new_tokens, aux_layers, token_ids=token_ids)
-        return self.local.forward(seqs, new_tokens, aux_layers, token_ids=token_ids)
+    def forward(self, seqs, new_tokens, aux_layers=(), token_ids=None, trees=None):
+        self._send(FORWARD, seqs, new_tokens, aux_layers, token_ids=token_ids, trees=trees)
+        return self.local.forward(seqs, new_tokens, aux_layers, token_ids=token_ids, trees=trees)
 
     def score(self, seqs, new_tokens, aux_layers=(), greedy: bool = False,
-              keep_hidden: bool = True):
+              keep_hidden: bool = True, trees=None):
         flags = (_GREEDY if greedy else 0) | (_KEEP_HIDDEN if keep_hidden else 0)
-        self._send(SCORE, seqs, new_tokens, aux_layers, flags)
+        self._send(SCORE, seqs, new_tokens, aux_layers, flags, trees=trees)
         return self.local.score(seqs, new_tokens, aux_layers, greedy=greedy,
-                                keep_hidden=keep_hidden)
+                                keep_hidden=keep_hidden, trees=trees)
+
+    def compact_tree(self, seqs, ctx_starts, paths) -> None:
+        """Compact rank 0's cache now; the workers repeat it at the start of the next call (its
+        message carries it: no broadcast of its own). The block tables are copied as they are
+        now: the step's rollback frees the rejected nodes' slots right after."""
+        self.local.compact_tree(seqs, ctx_starts, paths)
+        if seqs:
+            self.pending.append(Compaction([RemoteSeq(0, list(s.block_table)) for s in seqs],
+                                           [int(c) for c in ctx_starts],
+                                           [[int(r) for r in p] for p in paths]))
 
     def capture_graphs(self, max_seqs: int, max_query: int, aux_layers=(),
                        max_prefill_tokens: int | None = None, progress: bool = True,

@@ -1,0 +1,146 @@
+"""Token trees under tensor parallelism (docs/trees.md, docs/tensor_parallel.md): a tree step's
+parents reach every worker in the step's one message, so every rank scores the same tree rows,
+and rank 0's K/V compaction after verification rides on the next call's message, so every rank
+compacts its own cache the same way. Greedy tree output at TP 2 is the TP 1 plain output (the
+tree oracle and n-gram trees, batch 1 and 4), a seeded sampled tree request at TP 2 is its TP 1
+run, and a tree message packs and unpacks to what was sent (CPU, gloo, 2 processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from speculant import LLM, SamplingParams
+from speculant.engine.tp_runner import (
+    _COMPACT,
+    _TOKENS_ON_DEVICE,
+    _TREES,
+    FORWARD,
+    SCORE,
+    SHUTDOWN,
+    Compaction,
+    RemoteSeq,
+    pack_call,
+    unpack_call,
+)
+
+K = 5
+MAX_TOKENS = 24
+PROMPTS = [[1, 5, 6, 5, 7, 5, 8, 5], [1, 9, 9, 9], [1, 2000, 31, 77, 5, 6, 7], [1, 5, 6, 5, 6, 5]]
+
+
+# -------------------------------------------------------------------------------- messages
+def test_tree_message_round_trip():
+    seqs = [RemoteSeq(5, [3, 1, 4]), RemoteSeq(0, [9]), RemoteSeq(17, list(range(20)))]
+    trees = [[-1, -1, 0, 1, 1], None, [-1, 0, 0]]
+    toks = [[11, 5, 7, 3, 3, 8], [1, 2, 3], [40, 41, 42, 43]]
+    done = [Compaction([RemoteSeq(0, [7, 8]), RemoteSeq(0, list(range(9)))], [4, 30],
+                       [[2, 5], [1, 3, 4]]),
+            Compaction([RemoteSeq(0, [2])], [0], [[3]])]
+    msg = pack_call(SCORE, 2 | 4, (1, 3), seqs, toks, trees=trees, compactions=done)
+    assert msg[0] == len(msg)
+    call = unpack_call(msg)
+    assert call.op == SCORE and call.flags == 2 | 4 | _TREES | _COMPACT
+    assert call.aux_layers == (1, 3) and call.new_tokens == toks and call.seqs == seqs
+    assert call.trees == trees and call.compactions == done
+    # tokens still on the device: the trees and the compactions still follow the tables
+    call = unpack_call(pack_call(FORWARD, _TOKENS_ON_DEVICE, (), seqs, toks, trees=trees,
+                                 compactions=done[:1]))
+    assert [len(t) for t in call.new_tokens] == [6, 3, 4] and call.seqs == seqs
+    assert call.trees == trees and call.compactions == done[:1]
+    # no tree in the step: no tree section (the flags are the message's, not the caller's)
+    call = unpack_call(pack_call(SCORE, _TREES, (), seqs, toks, trees=[None] * 3))
+    assert call.flags == 0 and call.trees is None and call.compactions == []
+    assert len(pack_call(SCORE, 0, (), seqs, toks, trees=[None] * 3)) == len(
+        pack_call(SCORE, 0, (), seqs, toks))
+    # a compaction alone, with no sequence of its own (the next call of any op carries it)
+    call = unpack_call(pack_call(SHUTDOWN, compactions=done[1:]))
+    assert call.op == SHUTDOWN and call.seqs == [] and call.compactions == done[1:]
+    with pytest.raises(ValueError, match="3 sequences with 2 trees"):
+        pack_call(SCORE, 0, (), seqs, toks, trees=trees[:2])
+
+
+# -------------------------------------------------------------------------------- runtime
+@pytest.fixture(scope="module")
+def tiny(tiny_factory):
+    return str(tiny_factory("llama", tokenizer=False))
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+    """TP 1 plain greedy outputs and oracle references K tokens longer."""
+    llm = LLM(model=tiny, skip_tokenizer_init=True, max_num_seqs=8)
+    long = _tokens(llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS + K,
+                                                        ignore_eos=True), use_tqdm=False))
+    refs = [{"prompt_token_ids": p, "output_token_ids": t} for p, t in zip(PROMPTS, long)]
+    return [t[:MAX_TOKENS] for t in long], refs
+
+
+def _spec(how: str, refs) -> dict:
+    if how == "oracle":
+        return {"method": "oracle", "num_speculative_tokens": K, "alpha": 0.7,
+                "references": refs, "tree_width": 2, "rank_probs": [0.5, 0.3]}
+    return {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1, "tree_branches": 3, "adaptive": False}
+
+
+def _count_compactions(llm: LLM) -> list[int]:
+    """Rank 0's compaction groups handed to the workers (a list growing by one per group)."""
+    runner, seen = llm.engine.runner, []
+    real = runner.compact_tree
+
+    def counted(seqs, ctx_starts, paths):
+        real(seqs, ctx_starts, paths)
+        if seqs:
+            seen.append(len(seqs))
+
+    runner.compact_tree = counted
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["oracle", "ngram"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_tp2_tree_greedy_equals_tp1_plain(tiny, plain, how, batch):
+    want, refs = plain
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(model=tiny, skip_tokenizer_init=True, max_num_seqs=8, tensor_parallel_size=2,
+             speculative_config=_spec(how, refs)) as llm:
+        compacted = _count_compactions(llm)
+        assert _tokens(llm.generate(PROMPTS[:batch], greedy, use_tqdm=False)) == want[:batch]
+        m = llm.get_metrics()
+        # tree steps scored and verified (a step fault would have run them plainly)
+        assert m.num_faults == 0 and m.num_tree_drafts > 0 and m.num_accepted_tokens > 0, \
+            m.as_dict()
+        if how == "oracle":  # siblings of rank 1 accepted: their K/V moved on every rank
+            assert compacted, "no tree step needed a compaction: the test checks nothing"
+
+
+@pytest.mark.slow
+def test_tp2_seeded_sampled_tree_request_equals_tp1(tiny_factory):
+    path = str(tiny_factory("llama", vocab_size=512, tokenizer=False))
+    prompts = [[t % 512 for t in p] for p in PROMPTS]
+    llm = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8)
+    long = _tokens(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30,
+                                                        ignore_eos=True), use_tqdm=False))
+    refs = [{"prompt_token_ids": p, "output_token_ids": t} for p, t in zip(prompts, long)]
+    spec = {"method": "oracle", "num_speculative_tokens": K, "alpha": 0.7, "references": refs,
+            "tree_width": 3}
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_TOKENS,
+                             ignore_eos=True, seed=123 + i) for i in range(len(prompts))]
+
+    def run(tp: int) -> tuple[list[list[int]], int]:
+        with LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8, tensor_parallel_size=tp,
+                 speculative_config=spec) as llm:
+            out = _tokens(llm.generate(prompts, params, use_tqdm=False))
+            m = llm.get_metrics()
+            assert m.num_tree_drafts > 0 and m.num_accepted_tokens > 0, m.as_dict()
+            return out, m.num_faults
+
+    one, faults_one = run(1)
+    two, faults_two = run(2)
+    assert faults_one == faults_two == 0
+    assert two == one
