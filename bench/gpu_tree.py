@@ -30,9 +30,11 @@ still runs; gpu_tree.json is rewritten after every phase, a phase's part file af
   1.15) and the measured speedup against the theoretical one (docs/trees.md, "Theoretical
   speedup of a tree"; ``theoretical_tree_speedup``), from the formula's expected tokens per step,
   the step-cost phase's measured ratio of that shape and the run's proposer cost;
-* ``strategies``: the strategies' tree modes at batch 1 (EAGLE-1 and EAGLE-3 with random
-  synthetic heads, ``eagle_topk`` / ``num_draft_tokens``; n-gram ``tree_branches`` on prompts
-  with repeated segments): they must run and give plain's tokens (acceptance ~0 for the heads);
+* ``strategies``: the strategies' tree modes at batch 1, one timed run each (EAGLE-1 and
+  EAGLE-3 with random synthetic heads: a dynamic tree, ``eagle_topk`` 4 x 4 levels,
+  ``num_draft_tokens`` 16, and a static ``speculative_token_tree`` of 5 nodes; n-gram
+  ``tree_branches`` 3 on a prompt with repeated segments): they must run and give plain's
+  tokens (acceptance ~0 for the heads);
 * ``step_cost_graphs64`` (an experiment, last): ``step_cost`` again with the target's CUDA-graph
   query limit raised from ModelRunner's default 16 rows per sequence to 64 (this script patches
   the default; the engine has no option for it), so that trees of 16-63 nodes replay graphs.
