@@ -101,16 +101,38 @@ def _count_compactions(llm: LLM) -> list[int]:
     return seen
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("how", ["oracle", "ngram"])
-@pytest.mark.parametrize("batch", [1, 4])
-def test_tp2_tree_greedy_equals_tp1_plain(tiny, plain, how, batch):
+def _count_calls(monkeypatch, owner, name: str) -> list[int]:
+    """Count the calls of ``owner.name`` (the list grows by one per call)."""
+    seen, real = [], getattr(owner, name)
+
+    def counted(*a, **k):
+        seen.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(owner, name, counted)
+    return seen
+
+
+@pytest.mark.parametrize(("how", "batch"), [
+    ("oracle", 4),
+    pytest.param("oracle", 1, marks=pytest.mark.slow),
+    pytest.param("ngram", 1, marks=pytest.mark.slow),
+    pytest.param("ngram", 4, marks=pytest.mark.slow),
+])
+def test_tp2_tree_greedy_equals_tp1_plain(tiny, plain, how, batch, monkeypatch):
+    import speculant.engine.tp_runner as tp_runner
+
     want, refs = plain
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLM(model=tiny, skip_tokenizer_init=True, max_num_seqs=8, tensor_parallel_size=2,
              speculative_config=_spec(how, refs)) as llm:
         compacted = _count_compactions(llm)
+        sent = _count_calls(monkeypatch, tp_runner.dist, "broadcast")
+        steps = _count_calls(monkeypatch, llm.engine.runner.local, "forward")  # score's too
         assert _tokens(llm.generate(PROMPTS[:batch], greedy, use_tqdm=False)) == want[:batch]
+        monkeypatch.undo()
+        # one broadcast per step, tree steps and their compactions included
+        assert len(steps) > 0 and len(sent) == len(steps)
         m = llm.get_metrics()
         # tree steps scored and verified (a step fault would have run them plainly)
         assert m.num_faults == 0 and m.num_tree_drafts > 0 and m.num_accepted_tokens > 0, \
