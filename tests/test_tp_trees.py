@@ -8,8 +8,11 @@ run, and a tree message packs and unpacks to what was sent (CPU, gloo, 2 process
 from __future__ import annotations
 
 import pytest
+import torch
+from pydantic import BaseModel, ConfigDict
 
-from speculant import LLM, SamplingParams
+from speculant import LLM, Proposal, SamplingParams, hookimpl
+from speculant.drafting import sibling_draft_probs
 from speculant.engine.tp_runner import (
     _COMPACT,
     _TOKENS_ON_DEVICE,
@@ -22,6 +25,9 @@ from speculant.engine.tp_runner import (
     pack_call,
     unpack_call,
 )
+from speculant.hookspecs import Strategy
+from speculant.plugin_manager import register, unregister
+from speculant.spec_types import DraftTree
 
 K = 5
 MAX_TOKENS = 24
@@ -166,3 +172,83 @@ def test_tp2_seeded_sampled_tree_request_equals_tp1(tiny_factory):
     two, faults_two = run(2)
     assert faults_one == faults_two == 0
     assert two == one
+
+
+# ------------------------------------------------------- sampled drafts (trees with probs)
+REFS: dict[tuple[int, ...], list[int]] = {}  # prompt -> prompt + plain greedy continuation
+
+
+class DrawnConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_speculative_tokens: int = 4
+
+
+class Drawn(Strategy):
+    """2 x 2 trees drawn from the request's own generator: two siblings without replacement from
+    q1 = 0.6 at the reference's next token + 0.4 uniform, each followed by one draw from the
+    same mixture at the token after (so nodes of rank 1 are accepted too), with their probs."""
+
+    name = "tp_drawn"
+    Config = DrawnConfig
+
+    def __init__(self, config: DrawnConfig, ctx) -> None:
+        super().__init__(config, ctx)
+        self.V = ctx.vocab_size
+
+    def _q(self, s, ahead: int) -> torch.Tensor:
+        ref = REFS[tuple(s.token_ids[: s.num_prompt_tokens])]
+        n = len(s.token_ids) + ahead - 1
+        q = torch.full((self.V,), 0.4 / self.V)  # [V]
+        q[ref[n] if n < len(ref) else 0] += 0.6
+        return q
+
+    @hookimpl
+    def propose(self, batch):
+        drafts = []
+        for s in batch.seqs:
+            if s.max_draft < 4:
+                drafts.append([])
+                continue
+            q1, q2 = self._q(s, 1), self._q(s, 2)
+            first = torch.multinomial(q1, 2, replacement=False, generator=s.generator).tolist()
+            second = [int(torch.multinomial(q2, 1, generator=s.generator)) for _ in first]
+            probs = torch.cat([sibling_draft_probs(q1, first, replacement=False),
+                               q2[None].repeat(2, 1)])  # [4, V]
+            drafts.append(DraftTree([*first, *second], [-1, -1, 0, 1], probs))
+        return Proposal(token_ids=drafts)
+
+
+class _Plugin:
+    @hookimpl
+    def register_strategies(self, register):
+        register(Drawn)
+
+
+@pytest.mark.slow
+def test_tp2_seeded_tree_with_probs_equals_tp1(tiny_factory):
+    path = str(tiny_factory("llama", vocab_size=512, tokenizer=False))
+    prompts = [[t % 512 for t in p] for p in PROMPTS]
+    llm = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8)
+    long = _tokens(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30,
+                                                        ignore_eos=True), use_tqdm=False))
+    REFS.update({tuple(p): p + t for p, t in zip(prompts, long)})
+    name = register(_Plugin(), name="test-tp-trees")
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_TOKENS,
+                             ignore_eos=True, seed=321 + i) for i in range(len(prompts))]
+
+    def run(tp: int) -> list[list[int]]:
+        with LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8, tensor_parallel_size=tp,
+                 speculative_config={"method": "tp_drawn"}) as llm:
+            compacted = _count_compactions(llm)
+            out = _tokens(llm.generate(prompts, params, use_tqdm=False))
+            m = llm.get_metrics()
+            assert m.num_faults == 0 and m.num_tree_drafts > 0, m.as_dict()
+            assert compacted, "no accepted node of rank 1: the test checks no compaction"
+            return out
+
+    try:
+        assert run(2) == run(1)
+    finally:
+        unregister(name)
+        REFS.clear()
