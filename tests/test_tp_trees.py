@@ -22,6 +22,7 @@ from speculant.engine.tp_runner import (
     SHUTDOWN,
     Compaction,
     RemoteSeq,
+    apply_call,
     pack_call,
     unpack_call,
 )
@@ -63,6 +64,42 @@ def test_tree_message_round_trip():
     assert call.op == SHUTDOWN and call.seqs == [] and call.compactions == done[1:]
     with pytest.raises(ValueError, match="3 sequences with 2 trees"):
         pack_call(SCORE, 0, (), seqs, toks, trees=trees[:2])
+    with pytest.raises(ValueError, match="feeds 6 rows for a tree of 4 nodes"):
+        pack_call(SCORE, 0, (), seqs, toks, trees=[trees[0][:4], None, trees[2]])
+
+
+class _Recorder:
+    """A worker's runner that records what ``apply_call`` makes it do."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+
+    def compact_tree(self, seqs, ctx_starts, paths) -> None:
+        self.log.append(("compact", [s.block_table for s in seqs], ctx_starts, paths))
+
+    def score(self, seqs, new_tokens, aux_layers=(), greedy=False, keep_hidden=True, trees=None):
+        self.log.append(("score", [len(t) for t in new_tokens], greedy, trees))
+
+    def forward(self, seqs, new_tokens, aux_layers=(), token_ids=None, trees=None):
+        self.log.append(("forward", [len(t) for t in new_tokens], trees))
+
+
+def test_a_worker_compacts_before_the_call_and_scores_the_same_trees():
+    seqs = [RemoteSeq(5, [3, 1]), RemoteSeq(9, [4])]
+    toks = [[1, 2, 3], [4, 5]]
+    done = [Compaction([RemoteSeq(0, [3, 1])], [4], [[2]]),
+            Compaction([RemoteSeq(0, [4]), RemoteSeq(0, [6])], [8, 2], [[1, 3], [2]])]
+    runner = _Recorder()
+    assert apply_call(runner, unpack_call(pack_call(SCORE, 2, (), seqs, toks,
+                                                    trees=[[-1, -1], None], compactions=done)))
+    assert runner.log == [("compact", [[3, 1]], [4], [[2]]),
+                          ("compact", [[4], [6]], [8, 2], [[1, 3], [2]]),
+                          ("score", [3, 2], True, [[-1, -1], None])]
+    runner.log.clear()
+    assert apply_call(runner, unpack_call(pack_call(FORWARD, 0, (), seqs, [[1], [2]],
+                                                    compactions=done[:1])))
+    assert runner.log == [("compact", [[3, 1]], [4], [[2]]), ("forward", [1, 1], None)]
+    assert not apply_call(runner, unpack_call(pack_call(SHUTDOWN)))
 
 
 # -------------------------------------------------------------------------------- runtime
@@ -225,7 +262,6 @@ class _Plugin:
         register(Drawn)
 
 
-@pytest.mark.slow
 def test_tp2_seeded_tree_with_probs_equals_tp1(tiny_factory):
     path = str(tiny_factory("llama", vocab_size=512, tokenizer=False))
     prompts = [[t % 512 for t in p] for p in PROMPTS]

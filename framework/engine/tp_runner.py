@@ -112,6 +112,10 @@ def pack_call(op: int, flags: int = 0, aux_layers=(), seqs=(), new_tokens=(), ma
     if flags & _TREES:
         if len(trees) != len(seqs):
             raise ValueError(f"a tree step of {len(seqs)} sequences with {len(trees)} trees")
+        for toks, t in zip(new_tokens, trees):  # refused here, before any rank runs it
+            if t is not None and len(t) + 1 != len(toks):
+                raise ValueError(f"a tree step's sequence feeds {len(toks)} rows for a tree of "
+                                 f"{len(t)} nodes (the root and one row per node)")
         msg += [-1 if t is None else len(t) for t in trees]
         for t in trees:
             if t is not None:
@@ -280,10 +284,11 @@ class TPRunner:
             raise RuntimeError(self.failed)
         if token_ids is not None:
             flags |= _TOKENS_ON_DEVICE
-        compactions, self.pending = self.pending, []
+        # a call refused by pack_call keeps the compactions for the next one
+        msg = pack_call(op, flags, aux_layers, seqs, new_tokens, compactions=self.pending, **kw)
+        self.pending = []
         try:
-            self.channel.send(pack_call(op, flags, aux_layers, seqs, new_tokens,
-                                        compactions=compactions, **kw))
+            self.channel.send(msg)
             if token_ids is not None:
                 dist.broadcast(token_ids, src=0, group=self.tp.group)
         except RuntimeError as e:  # a worker is gone: gloo's connection to it closed
