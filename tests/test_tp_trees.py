@@ -71,8 +71,9 @@ def test_tree_message_round_trip():
 class _Recorder:
     """A worker's runner that records what ``apply_call`` makes it do."""
 
-    def __init__(self) -> None:
+    def __init__(self, graphs=None) -> None:
         self.log: list[tuple] = []
+        self.graphs = graphs  # a worker without CUDA graphs runs a score call's forward alone
 
     def compact_tree(self, seqs, ctx_starts, paths) -> None:
         self.log.append(("compact", [s.block_table for s in seqs], ctx_starts, paths))
@@ -89,12 +90,16 @@ def test_a_worker_compacts_before_the_call_and_scores_the_same_trees():
     toks = [[1, 2, 3], [4, 5]]
     done = [Compaction([RemoteSeq(0, [3, 1])], [4], [[2]]),
             Compaction([RemoteSeq(0, [4]), RemoteSeq(0, [6])], [8, 2], [[1, 3], [2]])]
-    runner = _Recorder()
+    runner = _Recorder(graphs=object())
     assert apply_call(runner, unpack_call(pack_call(SCORE, 2, (), seqs, toks,
                                                     trees=[[-1, -1], None], compactions=done)))
     assert runner.log == [("compact", [[3, 1]], [4], [[2]]),
                           ("compact", [[4], [6]], [8, 2], [[1, 3], [2]]),
                           ("score", [3, 2], True, [[-1, -1], None])]
+    runner = _Recorder()
+    assert apply_call(runner, unpack_call(pack_call(SCORE, 2, (), seqs, toks,
+                                                    trees=[[-1, -1], None])))
+    assert runner.log == [("forward", [3, 2], [[-1, -1], None])]  # no LM head on a worker
     runner.log.clear()
     assert apply_call(runner, unpack_call(pack_call(FORWARD, 0, (), seqs, [[1], [2]],
                                                     compactions=done[:1])))

@@ -245,7 +245,11 @@ def apply_call(runner, call: Call) -> bool:
     if call.op == FORWARD:
         runner.forward(call.seqs, call.new_tokens, call.aux_layers, token_ids=call.token_ids,
                        trees=call.trees)
-    elif call.op == SCORE:
+    elif call.op == SCORE and runner.graphs is None:
+        # eager (the CPU, enforce_eager): score is forward and the LM head, which has no
+        # collective and whose logits only rank 0 reads, so a worker runs the forward alone
+        runner.forward(call.seqs, call.new_tokens, call.aux_layers, trees=call.trees)
+    elif call.op == SCORE:  # the same path as rank 0's: a head graph or forward + LM head
         runner.score(call.seqs, call.new_tokens, call.aux_layers,
                      greedy=bool(call.flags & _GREEDY), keep_hidden=bool(call.flags & _KEEP_HIDDEN),
                      trees=call.trees)
