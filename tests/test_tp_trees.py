@@ -7,6 +7,8 @@ run, and a tree message packs and unpacks to what was sent (CPU, gloo, 2 process
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -293,3 +295,24 @@ def test_tp2_seeded_tree_with_probs_equals_tp1(tiny_factory):
     finally:
         unregister(name)
         REFS.clear()
+
+
+@pytest.mark.slow
+def test_tp2_eagle3_dynamic_tree_equals_tp1_plain(tiny_factory, tmp_path):
+    """EAGLE-2 dynamic trees from an EAGLE-3 head: the tree steps' aux hidden states (layers
+    0, 1 and 3 of a 4-layer target) reach the head on rank 0 as at TP 1."""
+    from checkpoints import BIG_V, make_eagle3
+
+    deep = str(tiny_factory("llama", num_hidden_layers=4, tokenizer=False))
+    head = str(make_eagle3(tmp_path / "e3", BIG_V, 40, target=Path(deep)))
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = _tokens(LLM(model=deep, skip_tokenizer_init=True, max_num_seqs=8).generate(
+        PROMPTS, greedy, use_tqdm=False))
+    spec = {"model": head, "aux_hidden_layers": [0, 1, 3], "num_speculative_tokens": 3,
+            "eagle_topk": 2, "num_draft_tokens": 6}
+    with LLM(model=deep, skip_tokenizer_init=True, max_num_seqs=8, tensor_parallel_size=2,
+             speculative_config=spec) as llm:
+        assert llm.engine.spec.name == "eagle3"
+        assert _tokens(llm.generate(PROMPTS, greedy, use_tqdm=False)) == want
+        m = llm.get_metrics()
+        assert m.num_faults == 0 and m.num_tree_drafts > 0, m.as_dict()
