@@ -2,8 +2,10 @@
 parents reach every worker in the step's one message, so every rank scores the same tree rows,
 and rank 0's K/V compaction after verification rides on the next call's message, so every rank
 compacts its own cache the same way. Greedy tree output at TP 2 is the TP 1 plain output (the
-tree oracle and n-gram trees, batch 1 and 4), a seeded sampled tree request at TP 2 is its TP 1
-run, and a tree message packs and unpacks to what was sent (CPU, gloo, 2 processes)."""
+tree oracle and n-gram trees at batch 1 and 4, EAGLE-2 trees of an EAGLE-3 head), seeded sampled
+tree requests at TP 2 are their TP 1 runs (point-mass trees and trees with probs), and a tree
+message packs and unpacks to what was sent (CPU, gloo, 2 processes); on 2 GPUs, tree steps at
+TP 2 (tree graphs and eager) give TP 2 plain output."""
 
 from __future__ import annotations
 
@@ -316,3 +318,28 @@ def test_tp2_eagle3_dynamic_tree_equals_tp1_plain(tiny_factory, tmp_path):
         assert _tokens(llm.generate(PROMPTS, greedy, use_tqdm=False)) == want
         m = llm.get_metrics()
         assert m.num_faults == 0 and m.num_tree_drafts > 0, m.as_dict()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("eager", [False, True])
+def test_cuda_tp2_tree_steps_equal_plain(tiny, plain, eager):
+    """On 2 GPUs (float32): tree steps at TP 2, in tree graphs (captured on first use on every
+    rank) or eagerly, with the Triton compaction on every rank, give TP 2 plain greedy's tokens
+    (speculation is lossless at that size; TP 1 may differ at float32 near-ties)."""
+    _, refs = plain
+    kw = {"device": "cuda", "dtype": "float32", "enforce_eager": eager,
+          "kv_cache_memory": 1 << 26, "skip_tokenizer_init": True, "max_num_seqs": 8,
+          "tensor_parallel_size": 2}
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(model=tiny, **kw) as llm:
+        want = _tokens(llm.generate(PROMPTS, greedy, use_tqdm=False))
+    for how in ("oracle", "ngram"):
+        with LLM(model=tiny, **kw, speculative_config=_spec(how, refs)) as llm:
+            for batch in (1, 4):
+                out = _tokens(llm.generate(PROMPTS[:batch], greedy, use_tqdm=False))
+                assert out == want[:batch], (how, batch)
+            m = llm.get_metrics()
+            assert m.num_faults == 0 and m.num_tree_drafts > 0, (how, m.as_dict())
+            g = llm.engine.runner.graphs
+            assert (g is None) == eager and (eager or len(g.tree_graphs) > 0)
