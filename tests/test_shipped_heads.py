@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from speculant import LLM, SamplingParams
 from speculant.spec_registry import shipped
@@ -114,3 +115,35 @@ def test_demo_shows_an_installed_head_beside_ngram(registry, target, tmp_path, c
     rows = [ln.split()[0] for ln in out.splitlines() if ln[:1].isalpha()]
     assert "ngram" in rows and "tiny-eagle" in rows
     assert out.count("greedy output identical to plain decoding: yes") == 2
+
+
+def test_the_shipped_smollm2_head_is_in_the_repository():
+    """The trained head itself: fp16, within issue 37's 10 MB, with its token map and recipe."""
+    from safetensors import safe_open
+
+    head = shipped.SHIPPED["smollm2-eagle"]
+    assert head.available, f"{head.folder} has no config.json: run {head.train_command}"
+    weights = head.folder / "model.safetensors"
+    assert weights.stat().st_size <= 10 * 1024 * 1024
+    with safe_open(str(weights), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
+    assert (head.folder / "token_map.json").is_file()
+    recipe = json.loads((head.folder / "recipe.json").read_text())
+    assert recipe["name"] == "smollm2-eagle" and recipe["train"]["steps"] == 1200
+    assert [h["step"] for h in json.loads((head.folder / "history.json").read_text())][-1] == 1200
+
+
+@pytest.mark.slow
+def test_the_shipped_smollm2_head_loads_by_name_and_is_lossless(smollm, default_model_path):
+    """``{"method": "eagle", "model": "smollm2-eagle"}`` on the embedded default model: greedy
+    output equal to plain decoding, and the trained head's drafts are accepted."""
+    prompts = ["What is 12 times 7? Answer with the number and a short explanation.",
+               "Write a Python function that returns the square of a number."]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    plain = [o.outputs[0].token_ids for o in smollm.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model=str(default_model_path), speculative_config={"method": "eagle", "model": "smollm2-eagle",
+                                  "num_speculative_tokens": 4})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    m = llm.get_metrics()
+    assert m.num_draft_tokens > 0 and m.num_accepted_tokens / m.num_draft_tokens > 0.1
