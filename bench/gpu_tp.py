@@ -482,15 +482,18 @@ def plot(result: dict, out_dir: str | Path, stem: str = "gpu_tp") -> Path:
     return path
 
 
-def write_result(result: dict, out_dir: str | Path, stem: str = "gpu_tp") -> tuple[Path, Path]:
-    """gpu_tp.json (with its summary worked out now) and gpu_tp.png."""
+def write_result(result: dict, out_dir: str | Path, stem: str = "gpu_tp", summarize_fn=None,
+                 plot_fn=None) -> tuple[Path, Path]:
+    """gpu_tp.json (with its summary worked out now) and gpu_tp.png; ``summarize_fn`` /
+    ``plot_fn``: another benchmark's (bench/gpu_tree.py writes its results the same way)."""
+    summarize_fn, plot_fn = summarize_fn or summarize, plot_fn or plot
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result["summary"] = summarize(result)
+    result["summary"] = summarize_fn(result)
     path = out / f"{stem}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
     try:
-        png = plot(result, out, stem)
+        png = plot_fn(result, out, stem)
     except Exception as e:  # noqa: BLE001 - the JSON stays; the figure can be redrawn (--replot)
         result["plot_error"] = f"{type(e).__name__}: {e}"
         path.write_text(json.dumps(result, indent=1, default=str))
@@ -498,11 +501,12 @@ def write_result(result: dict, out_dir: str | Path, stem: str = "gpu_tp") -> tup
     return path, png
 
 
-def replot(json_path: str | Path, out_dir: str | Path) -> Path:
+def replot(json_path: str | Path, out_dir: str | Path, summarize_fn=None, plot_fn=None) -> Path:
     """The figure of a saved gpu_tp.json (no GPU needed); its summary is worked out again."""
+    summarize_fn, plot_fn = summarize_fn or summarize, plot_fn or plot
     result = json.loads(Path(json_path).read_text())
-    result["summary"] = summarize(result)
-    return plot(result, out_dir, Path(json_path).stem)
+    result["summary"] = summarize_fn(result)
+    return plot_fn(result, out_dir, Path(json_path).stem)
 
 
 # ------------------------------------------------------------------------ synthetic weights
@@ -613,12 +617,16 @@ def _part_path(args, rank: int = 0) -> Path:
     return Path(args.part_dir) / f"{args.phase_name}{suffix}.json"
 
 
-def _save_part(args, part: dict, rank: int = 0) -> None:
-    path = _part_path(args, rank)
+def save_json(path: Path, data: dict) -> None:
+    """Write ``data`` to ``path`` atomically (a reader never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(part, default=str))
+    tmp.write_text(json.dumps(data, default=str))
     tmp.replace(path)
+
+
+def _save_part(args, part: dict, rank: int = 0) -> None:
+    save_json(_part_path(args, rank), part)
 
 
 def cpu_copy_bandwidth(nbytes: int = 256 << 20, iters: int = 5) -> float:

@@ -64,6 +64,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_tp  # noqa: E402
 from gpu_tp import LLAMA3_8B, TINY, compare_greedy, install_loader  # noqa: E402
 
 GEOMETRIES = {"8b": LLAMA3_8B, "tiny": TINY}
@@ -464,25 +465,12 @@ def plot(result: dict, out_dir: str | Path, stem: str = "gpu_tree") -> Path:
 
 
 def write_result(result: dict, out_dir: str | Path, stem: str = "gpu_tree") -> tuple[Path, Path]:
-    """gpu_tree.json (with its summary worked out now) and gpu_tree.png."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    result["summary"] = summarize(result)
-    path = out / f"{stem}.json"
-    path.write_text(json.dumps(result, indent=1, default=str))
-    try:
-        png = plot(result, out, stem)
-    except Exception as e:  # noqa: BLE001 - the JSON stays; the figure can be redrawn (--replot)
-        result["plot_error"] = f"{type(e).__name__}: {e}"
-        path.write_text(json.dumps(result, indent=1, default=str))
-        png = out / f"{stem}.png"
-    return path, png
+    """gpu_tree.json (with its summary worked out now) and gpu_tree.png, as gpu_tp.py writes."""
+    return gpu_tp.write_result(result, out_dir, stem, summarize_fn=summarize, plot_fn=plot)
 
 
 def replot(json_path: str | Path, out_dir: str | Path) -> Path:
-    result = json.loads(Path(json_path).read_text())
-    result["summary"] = summarize(result)
-    return plot(result, out_dir, Path(json_path).stem)
+    return gpu_tp.replot(json_path, out_dir, summarize_fn=summarize, plot_fn=plot)
 
 
 # ------------------------------------------------------------------------ what the engine did
@@ -537,11 +525,7 @@ def _part_path(args) -> Path:
 
 
 def _save_part(args, part: dict) -> None:
-    path = _part_path(args)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(part, default=str))
-    tmp.replace(path)
+    gpu_tp.save_json(_part_path(args), part)
 
 
 def _patch_graph_query(rows: int) -> None:

@@ -28,8 +28,8 @@ use_checkout()
 
 from speculant import LLM, SamplingParams  # noqa: E402
 from speculant.demo import DEMO_PROMPTS  # noqa: E402
-from speculant.models.loader import resolve_model  # noqa: E402
 from speculant.drafting.token_map import build_token_map_from_corpus, save_token_map  # noqa: E402
+from speculant.models.loader import resolve_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
