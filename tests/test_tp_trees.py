@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from greedy_refs import greedy_with_references, tokens
 from pydantic import BaseModel, ConfigDict
 
 from speculant import LLM, Proposal, SamplingParams, hookimpl
@@ -117,18 +118,10 @@ def tiny(tiny_factory):
     return str(tiny_factory("llama", tokenizer=False))
 
 
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
-
-
 @pytest.fixture(scope="module")
 def plain(tiny):
     """TP 1 plain greedy outputs and oracle references K tokens longer."""
-    llm = LLM(model=tiny, skip_tokenizer_init=True, max_num_seqs=8)
-    long = _tokens(llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS + K,
-                                                        ignore_eos=True), use_tqdm=False))
-    refs = [{"prompt_token_ids": p, "output_token_ids": t} for p, t in zip(PROMPTS, long)]
-    return [t[:MAX_TOKENS] for t in long], refs
+    return greedy_with_references(tiny, PROMPTS, MAX_TOKENS, K)
 
 
 def _spec(how: str, refs) -> dict:
@@ -181,7 +174,7 @@ def test_tp2_tree_greedy_equals_tp1_plain(tiny, plain, how, batch, monkeypatch):
         compacted = _count_compactions(llm)
         sent = _count_calls(monkeypatch, tp_runner.dist, "broadcast")
         steps = _count_calls(monkeypatch, llm.engine.runner.local, "forward")  # score's too
-        assert _tokens(llm.generate(PROMPTS[:batch], greedy, use_tqdm=False)) == want[:batch]
+        assert tokens(llm.generate(PROMPTS[:batch], greedy, use_tqdm=False)) == want[:batch]
         monkeypatch.undo()
         # one broadcast per step, tree steps and their compactions included
         assert len(steps) > 0 and len(sent) == len(steps)
@@ -198,7 +191,7 @@ def test_tp2_seeded_sampled_tree_request_equals_tp1(tiny_factory):
     path = str(tiny_factory("llama", vocab_size=512, tokenizer=False))
     prompts = [[t % 512 for t in p] for p in PROMPTS]
     llm = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8)
-    long = _tokens(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30,
+    long = tokens(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30,
                                                         ignore_eos=True), use_tqdm=False))
     refs = [{"prompt_token_ids": p, "output_token_ids": t} for p, t in zip(prompts, long)]
     spec = {"method": "oracle", "num_speculative_tokens": K, "alpha": 0.7, "references": refs,
@@ -209,7 +202,7 @@ def test_tp2_seeded_sampled_tree_request_equals_tp1(tiny_factory):
     def run(tp: int) -> tuple[list[list[int]], int]:
         with LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8, tensor_parallel_size=tp,
                  speculative_config=spec) as llm:
-            out = _tokens(llm.generate(prompts, params, use_tqdm=False))
+            out = tokens(llm.generate(prompts, params, use_tqdm=False))
             m = llm.get_metrics()
             assert m.num_tree_drafts > 0 and m.num_accepted_tokens > 0, m.as_dict()
             return out, m.num_faults
@@ -275,7 +268,7 @@ def test_tp2_seeded_tree_with_probs_equals_tp1(tiny_factory):
     path = str(tiny_factory("llama", vocab_size=512, tokenizer=False))
     prompts = [[t % 512 for t in p] for p in PROMPTS]
     llm = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8)
-    long = _tokens(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30,
+    long = tokens(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30,
                                                         ignore_eos=True), use_tqdm=False))
     REFS.update({tuple(p): p + t for p, t in zip(prompts, long)})
     name = register(_Plugin(), name="test-tp-trees")
@@ -286,7 +279,7 @@ def test_tp2_seeded_tree_with_probs_equals_tp1(tiny_factory):
         with LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8, tensor_parallel_size=tp,
                  speculative_config={"method": "tp_drawn"}) as llm:
             compacted = _count_compactions(llm)
-            out = _tokens(llm.generate(prompts, params, use_tqdm=False))
+            out = tokens(llm.generate(prompts, params, use_tqdm=False))
             m = llm.get_metrics()
             assert m.num_faults == 0 and m.num_tree_drafts > 0, m.as_dict()
             assert compacted, "no accepted node of rank 1: the test checks no compaction"
@@ -308,14 +301,14 @@ def test_tp2_eagle3_dynamic_tree_equals_tp1_plain(tiny_factory, tmp_path):
     deep = str(tiny_factory("llama", num_hidden_layers=4, tokenizer=False))
     head = str(make_eagle3(tmp_path / "e3", BIG_V, 40, target=Path(deep)))
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    want = _tokens(LLM(model=deep, skip_tokenizer_init=True, max_num_seqs=8).generate(
+    want = tokens(LLM(model=deep, skip_tokenizer_init=True, max_num_seqs=8).generate(
         PROMPTS, greedy, use_tqdm=False))
     spec = {"model": head, "aux_hidden_layers": [0, 1, 3], "num_speculative_tokens": 3,
             "eagle_topk": 2, "num_draft_tokens": 6}
     with LLM(model=deep, skip_tokenizer_init=True, max_num_seqs=8, tensor_parallel_size=2,
              speculative_config=spec) as llm:
         assert llm.engine.spec.name == "eagle3"
-        assert _tokens(llm.generate(PROMPTS, greedy, use_tqdm=False)) == want
+        assert tokens(llm.generate(PROMPTS, greedy, use_tqdm=False)) == want
         m = llm.get_metrics()
         assert m.num_faults == 0 and m.num_tree_drafts > 0, m.as_dict()
 
@@ -333,11 +326,11 @@ def test_cuda_tp2_tree_steps_equal_plain(tiny, plain, eager):
           "tensor_parallel_size": 2}
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLM(model=tiny, **kw) as llm:
-        want = _tokens(llm.generate(PROMPTS, greedy, use_tqdm=False))
+        want = tokens(llm.generate(PROMPTS, greedy, use_tqdm=False))
     for how in ("oracle", "ngram"):
         with LLM(model=tiny, **kw, speculative_config=_spec(how, refs)) as llm:
             for batch in (1, 4):
-                out = _tokens(llm.generate(PROMPTS[:batch], greedy, use_tqdm=False))
+                out = tokens(llm.generate(PROMPTS[:batch], greedy, use_tqdm=False))
                 assert out == want[:batch], (how, batch)
             m = llm.get_metrics()
             assert m.num_faults == 0 and m.num_tree_drafts > 0, (how, m.as_dict())

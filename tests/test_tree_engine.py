@@ -12,6 +12,7 @@ import logging
 import pytest
 import test_distribution as td  # its peaky 32-token target's exact joint and the TV checks
 import torch
+from greedy_refs import greedy_with_references, tokens
 from pydantic import BaseModel, ConfigDict
 
 from speculant import LLM, Proposal, SamplingParams, hookimpl
@@ -32,18 +33,10 @@ def tiny(tiny_factory):
     return str(tiny_factory("llama", tokenizer=False))
 
 
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
-
-
 @pytest.fixture(scope="module")
 def plain(tiny):
     """Plain greedy outputs and oracle references K tokens longer."""
-    llm = LLM(model=tiny, skip_tokenizer_init=True, max_num_seqs=8)
-    long = _tokens(llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS + K,
-                                                        ignore_eos=True), use_tqdm=False))
-    refs = [{"prompt_token_ids": p, "output_token_ids": t} for p, t in zip(PROMPTS, long)]
-    return [t[:MAX_TOKENS] for t in long], refs
+    return greedy_with_references(tiny, PROMPTS, MAX_TOKENS, K)
 
 
 def _oracle(tiny, refs, **kw) -> LLM:
@@ -56,7 +49,7 @@ def test_tree_oracle_greedy_equals_plain(tiny, plain, batch):
     want, refs = plain
     llm = _oracle(tiny, refs, tree_width=2, rank_probs=[0.5, 0.3])
     prompts = PROMPTS[:batch]
-    out = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    out = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
     assert out == want[:batch]
     m = llm.get_metrics()
     assert m.num_tree_drafts == m.num_drafts > 0
@@ -88,7 +81,7 @@ def _ngram(tiny, branches: int, **kw) -> LLM:
 def test_ngram_tree_greedy_equals_plain(tiny, plain, batch):
     want, _ = plain
     llm = _ngram(tiny, 3, adaptive=batch > 1)  # adaptive: draft budgets follow tree acceptance
-    out = _tokens(llm.generate(PROMPTS[:batch], GREEDY, use_tqdm=False))
+    out = tokens(llm.generate(PROMPTS[:batch], GREEDY, use_tqdm=False))
     assert out == want[:batch]
     m = llm.get_metrics()
     assert m.num_tree_drafts > 0 and m.num_accepted_tokens > 0, m.as_dict()
@@ -260,7 +253,7 @@ def test_mixed_batch_of_trees_and_chains_equals_plain(tiny, plain, treey):
     llm = _treey(tiny, "mixed")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert _tokens(outs) == want
+    assert tokens(outs) == want
     m = llm.get_metrics()
     assert 0 < m.num_tree_drafts < m.num_drafts and m.num_faults == 0
     # the tree's true path sits at sibling ranks 1, 1, 0: 3 accepted per step at most
@@ -279,7 +272,7 @@ def test_hidden_states_of_the_accepted_path_reach_the_proposer(tiny, plain, tree
     the accepted nodes only (each gives back the token it produced), as after a chain step."""
     want, _ = plain
     llm = _treey(tiny, "hidden")
-    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
     strat = llm.engine.spec.strategy
     assert llm.get_metrics().num_tree_drafts > 0
     assert strat.checked > len(PROMPTS) * 10 and strat.wrong == [], strat.wrong[:5]
@@ -309,7 +302,7 @@ def test_a_bad_tree_is_its_sequences_fault(tiny, plain, treey, caplog, mode, pro
     assert len(marked) == 1
     llm = _treey(tiny, mode)
     with caplog.at_level(logging.WARNING, logger="speculant"):
-        out = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        out = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     assert out == want
     m = llm.get_metrics()
     assert m.num_faults == 1 and m.num_tree_drafts > 0, m.as_dict()
@@ -328,7 +321,7 @@ def small(tiny_factory):
     path = str(tiny_factory("llama", vocab_size=512, tokenizer=False))
     prompts = [[t % 512 for t in p] for p in PROMPTS]
     llm = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8)
-    long = _tokens(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30,
+    long = tokens(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30,
                                                         ignore_eos=True), use_tqdm=False))
     return path, prompts, [{"prompt_token_ids": p, "output_token_ids": t}
                            for p, t in zip(prompts, long)]
@@ -343,18 +336,18 @@ def test_seeded_tree_request_is_reproducible_alone_and_in_a_batch(small, treey, 
     else:
         def make():
             return _treey(path, how)
-    alone = _tokens(make().generate([prompts[2]], SAMPLED, use_tqdm=False))[0]
+    alone = tokens(make().generate([prompts[2]], SAMPLED, use_tqdm=False))[0]
     others = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=7 + i)
               if i % 2 else SamplingParams(temperature=0.7, max_tokens=24, ignore_eos=True)
               for i in range(len(prompts))]
     others[2] = SAMPLED
     llm = make()
-    batch = _tokens(llm.generate(prompts, others, use_tqdm=False))
+    batch = tokens(llm.generate(prompts, others, use_tqdm=False))
     assert batch[2] == alone
     assert llm.get_metrics().num_tree_drafts > 0
     if how != "sampled":  # point-mass trees: a seeded request's output is its plain output
         ref = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8)
-        assert _tokens(ref.generate([prompts[2]], SAMPLED, use_tqdm=False))[0] == alone
+        assert tokens(ref.generate([prompts[2]], SAMPLED, use_tqdm=False))[0] == alone
 
 
 @pytest.fixture(scope="module")
@@ -382,7 +375,7 @@ def _tree_samples(target, how: str) -> tuple[torch.Tensor, object]:
                   "method": "treey", "num_speculative_tokens": 4, "mode": how, "seed": 3})
     params = SamplingParams(temperature=td.TEMPERATURE, top_p=td.TOP_P, max_tokens=3,
                             ignore_eos=True)
-    toks = torch.tensor(_tokens(llm.generate([td.PROMPT] * td.N, params, use_tqdm=False)))
+    toks = torch.tensor(tokens(llm.generate([td.PROMPT] * td.N, params, use_tqdm=False)))
     assert toks.shape == (td.N, 3)
     return toks, llm.get_metrics()
 
@@ -430,7 +423,7 @@ def test_cuda_tree_steps_equal_plain(tiny, plain, treey, eager):
     kw = {"device": "cuda", "dtype": "float32", "enforce_eager": eager,
           "kv_cache_memory": 1 << 26}
     ref = LLM(model=tiny, skip_tokenizer_init=True, max_num_seqs=8, **kw)
-    want = _tokens(ref.generate(PROMPTS, GREEDY, use_tqdm=False))
+    want = tokens(ref.generate(PROMPTS, GREEDY, use_tqdm=False))
     _, refs = plain
     specs = [
         {"method": "oracle", "alpha": 0.7, "references": refs, "tree_width": 2,
@@ -442,7 +435,7 @@ def test_cuda_tree_steps_equal_plain(tiny, plain, treey, eager):
         for batch in (1, 8):
             llm = LLM(model=tiny, skip_tokenizer_init=True, max_num_seqs=8, **kw,
                       speculative_config={"num_speculative_tokens": K, **spec})
-            out = _tokens(llm.generate(PROMPTS[:batch], GREEDY, use_tqdm=False))
+            out = tokens(llm.generate(PROMPTS[:batch], GREEDY, use_tqdm=False))
             assert out == want[:batch], (spec["method"], batch)
             m = llm.get_metrics()
             assert m.num_tree_drafts > 0, (spec["method"], m.as_dict())
@@ -468,7 +461,7 @@ def test_default_model_tree_greedy_equals_plain(smollm, default_model_path):
         llm = LLM(model=str(default_model_path), max_num_seqs=8,
                   speculative_config={"num_speculative_tokens": K, **spec})
         for batch in (1, 8):
-            out = _tokens(llm.generate(texts[:batch], params, use_tqdm=False))
+            out = tokens(llm.generate(texts[:batch], params, use_tqdm=False))
             assert out == want[:batch], spec["method"]
         assert llm.get_metrics().num_tree_drafts > 0, spec["method"]
 
