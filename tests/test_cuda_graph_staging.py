@@ -488,3 +488,31 @@ def test_head_graph_rows_limit_the_startup_keys(monkeypatch):
     r.head_rows = 16
     assert r.head_fits(16) and not r.head_fits(24)
     assert {k[1] for k in r.startup_keys(8, 8, head=True) if k[4]} <= {2, 3, 4, 6, 8, 12, 16}
+
+
+def test_wide_verification_steps_get_decode_shaped_graphs(monkeypatch):
+    """Scored and tree steps (``wide``) of more than max_query and at most 64 tokens per
+    sequence plan (B, B * Q, Q) graphs of a WIDE_QUERY_BUCKETS Q (the tree attention's Q <= 64);
+    other steps of that length stay prefill-shaped, and a wide step whose rows exceed the static
+    buffers falls back to them too. A speculative engine of k + 1 > max_query captures the wide
+    graphs of its scored steps at start-up, head graphs where they fit."""
+    r = _prefill_runner(monkeypatch, 256)  # max_batch 8, max_query 8: 256 static rows
+    seq = [types.SimpleNamespace(block_table=[0])]
+    for q, Q in ((9, 24), (17, 24), (24, 24), (25, 32), (33, 48), (49, 64), (64, 64)):
+        assert r.plan(seq, [q], wide=True) == (1, Q, Q)
+        M = cuda_graph._bucket(q, r.p_buckets)
+        assert r.plan(seq, [q]) == (8, M, M)
+    assert r.plan(seq, [65], wide=True) == r.plan(seq, [65])  # past the tree limit: prefill
+    four = seq * 4
+    assert r.plan(four, [40, 1, 1, 1], wide=True) == (4, 192, 48)
+    assert r.plan(seq * 5, [64] * 5, wide=True) == r.plan(seq * 5, [64] * 5)  # 8 x 64 > 256
+    assert r.plan(seq, [3], wide=True) == r.plan(seq, [3]) == (1, 3, 3)
+    keys = r.startup_keys(max_seqs=3, max_query=30, head=True)
+    wide = {k for k in keys if k[2] > 8 and k[1] == k[0] * k[2]}  # not the prefill graphs
+    assert wide == {(B, B * Q, Q, (), B * Q <= cuda_graph.HEAD_MAX_ROWS)
+                    for Q in (24, 32) for B in (1, 2, 4)}
+    assert not any(k[2] > 8 and k[1] == k[0] * k[2]
+                   for k in r.startup_keys(max_seqs=3, max_query=30))
+    planned = {(*r.plan(seq * n, [q] + [1] * (n - 1), wide=True), (), True)
+               for n in (1, 2, 3) for q in range(9, 31)}
+    assert {(B, M, Q) for B, M, Q, _, _ in planned} == {k[:3] for k in wide}

@@ -47,7 +47,13 @@ replays a graph of its own, captured on first use, whose attention reads a stati
 ``tree_bits`` buffer (``[M]`` int64, one row's ancestor bits each); the step's per-row RoPE
 positions (``ctx_start + depth``) replace the consecutive ones in the staged inputs, and its bits
 are copied in from a pinned ring (``_stage_tree_bits``) before the replay. Chains of a tree step
-have causal bits. Tree steps whose shapes no verification graph covers run eagerly.
+have causal bits.
+
+Wide verification steps: a scored step or a tree step of more than ``max_query`` (16) and at
+most 64 tokens per sequence (a tree of up to ``MAX_TREE_NODES`` nodes, a chain of up to 63
+drafts) replays a decode-shaped graph of a ``WIDE_QUERY_BUCKETS`` query bucket (``plan(...,
+wide=True)``), a head graph when its rows fit ``HEAD_MAX_ROWS``; other steps of that length take
+prefill-shaped graphs. Tree steps that no graph covers run eagerly.
 
 Padding: a step with ``n <= B`` sequences and ``T <= M`` query tokens (any lengths up to
 ``Q``, flat in ``query_start_loc`` order) leaves rows ``T..`` as padding: token 0 at position 0
@@ -73,6 +79,10 @@ from speculant.models.attention import AttentionMetadata, ForwardContext
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 # tokens per sequence: decode (1), verification of k drafts (k + 1), draft catch-up (1..k+1)
 QUERY_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+# wide verification steps (``plan(..., wide=True)``: scored steps and token trees) of more than
+# ``max_query`` tokens per sequence, up to the tree attention's 64 rows (TREE_MAX_ROWS), replay
+# decode-shaped (B, B * Q, Q) graphs of these query buckets instead of prefill-shaped ones
+WIDE_QUERY_BUCKETS = (24, 32, 48, 64)
 # total tokens of a prefill step (each bucket at most 1.5x the one below, 1.25x from 128)
 PREFILL_BUCKETS = (32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
                    1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096)
@@ -231,16 +241,25 @@ class CudaGraphRunner:
         tables = self.dev32[t : t + B * self.W].view(B, self.W)  # [B, W] block tables
         return ids, pos, slots, ctx, qsl, tables
 
-    def plan(self, seqs, query_lens: list[int]) -> tuple[int, int, int] | None:
+    def plan(self, seqs, query_lens: list[int], wide: bool = False) -> tuple[int, int, int] | None:
         """(B, M, Q) of the graph that runs a step with these sequences and query lengths, or
         None when no graph can (the caller runs it eagerly): more sequences than ``max_batch``,
-        a block table wider than the graphs', or a prefill step over ``max_prefill`` tokens."""
+        a block table wider than the graphs', or a prefill step over ``max_prefill`` tokens.
+        ``wide`` (a verification step: scored, or a token tree): a step of more than
+        ``max_query`` and at most 64 tokens per sequence takes a decode-shaped (B, B * Q, Q)
+        graph of a ``WIDE_QUERY_BUCKETS`` Q when its rows fit the static buffers (a tree's
+        attention needs Q <= 64, which a prefill-shaped graph's Q = M breaks at batch > 1)."""
         n, longest = len(seqs), max(query_lens)
         if not 0 < n <= self.max_batch or any(len(s.block_table) > self.W for s in seqs):
             return None
         if longest <= self.max_query:
             B, Q = _bucket(n, self.buckets), _bucket(longest, self.q_buckets)
             return B, B * Q, Q
+        wide_q = _bucket(longest, tuple(q for q in WIDE_QUERY_BUCKETS if q > self.max_query))
+        if wide and wide_q is not None:
+            B = _bucket(n, self.buckets)
+            if B * wide_q <= self.max_tokens:
+                return B, B * wide_q, wide_q
         T = sum(query_lens)
         if T > self.max_prefill:
             return None
@@ -256,8 +275,10 @@ class CudaGraphRunner:
         tokens in all: each (batch bucket, query bucket) up to theirs, then each prefill token
         bucket up to that limit (at most ``max_prefill``); with ``head`` (a speculative engine's
         scored steps, ``run_head``) also the head graph of each verification bucket (Q >= 2) of
-        at most ``HEAD_MAX_ROWS`` rows. Prefill steps of prompts no longer than ``max_query``
-        (which take decode-shaped graphs) are not in it."""
+        at most ``HEAD_MAX_ROWS`` rows, and when ``max_query`` exceeds the runner's, the wide
+        graphs of its scored steps (``plan(..., wide=True)``; head graphs where they fit).
+        Prefill steps of prompts no longer than ``max_query`` (which take decode-shaped graphs)
+        and tree steps (captured on first use) are not in it."""
         top_b = _bucket(min(max_seqs, self.max_batch), self.buckets)
         top_q = _bucket(min(max_query, self.max_query), self.q_buckets)
         aux = tuple(aux_layers)
@@ -266,6 +287,12 @@ class CudaGraphRunner:
         if head:
             keys += [(B, M, Q, aux, True) for B, M, Q, _, _ in keys
                      if Q >= 2 and self.head_fits(M)]
+            # scored steps past max_query take wide graphs (``plan(..., wide=True)``)
+            wide = tuple(q for q in WIDE_QUERY_BUCKETS if q > self.max_query)
+            top_w = _bucket(max_query, wide) if max_query > self.max_query else None
+            keys += [(B, B * Q, Q, aux, self.head_fits(B * Q)) for Q in wide
+                     if top_w is not None and Q <= top_w
+                     for B in self.buckets if B <= top_b and B * Q <= self.max_tokens]
         limit = self.max_prefill if max_prefill_tokens is None else min(self.max_prefill,
                                                                          max_prefill_tokens)
         top_m = _bucket(limit, self.p_buckets) if limit > 0 else None

@@ -1,7 +1,8 @@
 """Owns a model and its paged KV cache; runs one flat forward over many sequences.
 
 On CUDA, decode and verification steps (at most ``max_graph_query`` tokens per sequence, at most
-``max_graph_batch`` sequences) and prefill steps of at most ``max_graph_prefill`` tokens replay
+``max_graph_batch`` sequences; scored verification steps and token trees up to 64 tokens per
+sequence: ``CudaGraphRunner.plan``'s ``wide``) and prefill steps of at most ``max_graph_prefill`` tokens replay
 CUDA graphs (:mod:`speculant.engine.cuda_graph`); larger prefills and everything on the CPU run
 eagerly. ``enforce_eager=True`` turns graphs off.
 """
@@ -14,6 +15,7 @@ from speculant.distributed import setup_fused_all_reduce
 from speculant.engine.sampler import greedy_pack
 from speculant.engine.sequence import Sequence
 from speculant.engine.staging import to_device
+from speculant.kernels.paged_attention import TREE_MAX_ROWS
 from speculant.kernels.tree_kv import compact_tree_kv, tree_row_bits, tree_row_depths
 from speculant.models.attention import AttentionMetadata, ForwardContext
 
@@ -106,8 +108,9 @@ class ModelRunner:
         query_lens = [len(t) for t in new_tokens]
         is_tree = trees is not None and any(t is not None for t in trees)
         tree = tree_step_rows(seqs, query_lens, trees) if is_tree else None
-        plan = self.graphs.plan(seqs, query_lens) if self.graphs is not None else None
-        if plan is not None and (tree is None or plan[2] <= self.graphs.max_query):
+        g = self.graphs
+        plan = g.plan(seqs, query_lens, wide=is_tree) if g is not None else None
+        if plan is not None and (tree is None or plan[2] <= TREE_MAX_ROWS):
             kw = {"tree": tree} if tree is not None else {}
             return self.graphs.run(seqs, new_tokens, tuple(aux_layers), token_ids, plan, **kw)
         ctx_lens = [s.num_cached_tokens + q for s, q in zip(seqs, query_lens)]
@@ -155,8 +158,8 @@ class ModelRunner:
         query_lens = [len(t) for t in new_tokens]
         g = self.graphs
         is_tree = trees is not None and any(t is not None for t in trees)
-        plan = g.plan(seqs, query_lens) if g is not None else None
-        if plan is not None and plan[2] >= 2 and plan[2] <= g.max_query and g.head_fits(plan[1]):
+        plan = g.plan(seqs, query_lens, wide=True) if g is not None else None
+        if plan is not None and 2 <= plan[2] <= TREE_MAX_ROWS and g.head_fits(plan[1]):
             kw = {"tree": tree_step_rows(seqs, query_lens, trees)} if is_tree else {}
             return g.run_head(seqs, new_tokens, tuple(aux_layers), plan, keep_hidden, **kw)
         hidden, aux = self.forward(seqs, new_tokens, aux_layers, trees=trees)
