@@ -1,7 +1,7 @@
 """Token trees on one GPU, Llama-3-8B geometry, batch 1 (issue 36's speed goals).
 
     python bench/gpu_tree.py --out OUT [--layers N] [--budget-s 540]
-    python bench/gpu_tree.py --out OUT --skip step_cost_graphs64,strategies
+    python bench/gpu_tree.py --out OUT --skip strategies
     python bench/gpu_tree.py --out OUT --replot OUT/gpu_tree.json      # the figure only, no GPU
     python bench/gpu_tree.py --device cpu --geometry tiny --out OUT    # the CPU smoke run
 
@@ -34,22 +34,19 @@ still runs; gpu_tree.json is rewritten after every phase, a phase's part file af
   EAGLE-3 with random synthetic heads: a dynamic tree, ``eagle_topk`` 4 x 4 levels,
   ``num_draft_tokens`` 16, and a static ``speculative_token_tree`` of 5 nodes; n-gram
   ``tree_branches`` 3 on a prompt with repeated segments): they must run and give plain's
-  tokens (acceptance ~0 for the heads);
-* ``step_cost_graphs64`` (an experiment, last): ``step_cost`` again with the target's CUDA-graph
-  query limit raised from ModelRunner's default 16 rows per sequence to 64 (this script patches
-  the default; the engine has no option for it), so that trees of 16-63 nodes replay graphs.
+  tokens (acceptance ~0 for the heads).
 
 Every cell records what the engine did: target steps that replayed a CUDA graph (chain / tree)
-and those that ran eagerly (``graph_counts``): with the default limit a tree step of more than
-15 nodes runs eagerly on CUDA (ModelRunner.forward replays tree graphs only up to
-``max_graph_query`` rows per sequence), while a chain of as many tokens replays a
-prefill-shaped graph. Every cell's greedy tokens are compared with plain decoding's.
+and those that ran eagerly (``graph_counts``). On CUDA the default engine replays tree steps
+of up to 63 nodes (64 rows per sequence, the root included), and chain steps of as many
+tokens, in CUDA graphs: up to 16 rows in a verification graph's query bucket, 17-64 rows in a
+decode-shaped graph of a ``WIDE_QUERY_BUCKETS`` bucket (framework/engine/cuda_graph.py); on
+the CPU every step runs eagerly. Every cell's greedy tokens are compared with plain decoding's.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import os
@@ -283,13 +280,9 @@ def summarize(result: dict) -> dict:
     phases = result.get("phases", {})
     s: dict = {"goals": GOALS}
     step_rows: list[dict] = []
-    for name in ("step_cost", "step_cost_graphs64"):
-        if name in phases and phases[name].get("cells"):
-            s[name] = step_cost_summary(phases[name])
-            if name == "step_cost":
-                step_rows = s[name]["rows"]
-    if not step_rows and "step_cost_graphs64" in s:
-        step_rows = s["step_cost_graphs64"]["rows"]
+    if phases.get("step_cost", {}).get("cells"):
+        s["step_cost"] = step_cost_summary(phases["step_cost"])
+        step_rows = s["step_cost"]["rows"]
     if phases.get("e2e", {}).get("runs"):
         s["e2e"] = e2e_summary(phases["e2e"], step_rows)
     st = phases.get("strategies", {})
@@ -319,19 +312,18 @@ def report(result: dict) -> str:
     """The summary as a few lines of text (the run's log: the JSON holds everything)."""
     s = result.get("summary") or summarize(result)
     lines = [f"== gpu_tree: {result.get('mode')} geometry, batch 1, {result.get('device')}"]
-    for name in ("step_cost", "step_cost_graphs64"):
-        for r in s.get(name, {}).get("rows", []):
-            if r["kind"] != "tree":
-                continue
-            oc = r.get("over_chain")
-            g = r.get("graph_steps_fraction")
-            lines.append(
-                f"{name}: {r['name']}: {r['ms_per_step']:.3f} ms/step, "
-                f"{_fmt(r['over_plain'])}x plain, "
-                + (f"{oc:.3f}x its chain ({r['chain_ms_per_step']:.3f} ms; goal <= "
-                   f"{GOALS['tree_over_chain_step_cost_max']}: {r['goal_met']})" if oc else
-                   "no chain")
-                + f", tree steps in graphs {_fmt(g)}, same tokens {r['same_tokens_as_plain']}")
+    for r in s.get("step_cost", {}).get("rows", []):
+        if r["kind"] != "tree":
+            continue
+        oc = r.get("over_chain")
+        g = r.get("graph_steps_fraction")
+        lines.append(
+            f"step_cost: {r['name']}: {r['ms_per_step']:.3f} ms/step, "
+            f"{_fmt(r['over_plain'])}x plain, "
+            + (f"{oc:.3f}x its chain ({r['chain_ms_per_step']:.3f} ms; goal <= "
+               f"{GOALS['tree_over_chain_step_cost_max']}: {r['goal_met']})" if oc else
+               "no chain")
+            + f", tree steps in graphs {_fmt(g)}, same tokens {r['same_tokens_as_plain']}")
     for a, b in s.get("e2e", {}).get("tree_vs_chain", {}).items():
         lines.append(f"e2e a={a}: best tree {b['best_tree']} {b['tree_tokens_per_s']:.1f} tok/s"
                      f" / best chain {b['best_chain']} {b['chain_tokens_per_s']:.1f} = "
@@ -375,18 +367,15 @@ def plot(result: dict, out_dir: str | Path, stem: str = "gpu_tree") -> Path:
     s = result.get("summary") or summarize(result)
     fig, axes = plt.subplots(2, 2, figsize=(13, 9.5))
     ax = axes[0][0]
-    for name, ls in (("step_cost", "-"), ("step_cost_graphs64", "--")):
-        rows = s.get(name, {}).get("rows", [])
-        groups: dict[str, list] = {}
-        for r in rows:
-            if r["over_plain"] is None:
-                continue
-            label = "chain" if r["kind"] == "chain" else f"tree W={r['width']}"
-            groups.setdefault(label, []).append((r["nodes"], r["over_plain"]))
-        for i, (label, pts) in enumerate(sorted(groups.items())):
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls=ls, color=f"C{i}",
-                    label=f"{label}" + (" (graphs to 64 rows)" if ls == "--" else ""))
+    groups: dict[str, list] = {}
+    for r in s.get("step_cost", {}).get("rows", []):
+        if r["over_plain"] is None:
+            continue
+        label = "chain" if r["kind"] == "chain" else f"tree W={r['width']}"
+        groups.setdefault(label, []).append((r["nodes"], r["over_plain"]))
+    for i, (label, pts) in enumerate(sorted(groups.items())):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}", label=label)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xlabel("draft nodes verified per step")
     ax.set_ylabel("target step time / plain decode step")
@@ -398,21 +387,17 @@ def plot(result: dict, out_dir: str | Path, stem: str = "gpu_tree") -> Path:
     ax = axes[0][1]
     rows = [r for r in s.get("step_cost", {}).get("rows", [])
             if r["kind"] == "tree" and r.get("over_chain")]
-    rows64 = {(r["nodes"], r["width"]): r for r in s.get("step_cost_graphs64", {}).get("rows", [])
-              if r["kind"] == "tree" and r.get("over_chain")}
     if rows:
         xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], [r["over_chain"] for r in rows], 0.4,
-               label="default engine", color=["C0" if r.get("graph_steps_fraction") else "C3"
-                                              for r in rows])
-        ax.bar([x + 0.2 for x in xs], [rows64.get((r["nodes"], r["width"]), {}).get(
-            "over_chain", 0) for r in rows], 0.4, label="graphs to 64 rows", color="C2")
+        ax.bar(list(xs), [r["over_chain"] for r in rows], 0.6,
+               color=["C0" if r.get("graph_steps_fraction") else "C3" for r in rows])
         ax.axhline(GOALS["tree_over_chain_step_cost_max"], color="tab:red", ls=":",
                    label=f"goal {GOALS['tree_over_chain_step_cost_max']}")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(list(xs), [f"{r['nodes']}:{r['width']}" for r in rows], fontsize=7)
         ax.set_ylabel("tree step / chain step, same node count")
-        ax.set_title("tree over chain (red bars: tree steps ran eagerly)", fontsize=9)
+        ax.set_title("tree over chain, default engine (red bars: tree steps ran eagerly)",
+                     fontsize=9)
         ax.legend(fontsize=7)
 
     ax = axes[1][0]
@@ -526,20 +511,6 @@ def _part_path(args) -> Path:
 
 def _save_part(args, part: dict) -> None:
     gpu_tp.save_json(_part_path(args), part)
-
-
-def _patch_graph_query(rows: int) -> None:
-    """ModelRunner's default ``max_graph_query`` (CUDA-graph rows per sequence) -> ``rows``
-    (the engine passes none: the default applies)."""
-    from speculant.engine.model_runner import ModelRunner
-
-    init = ModelRunner.__init__
-    params = [p for p in inspect.signature(init).parameters.values()
-              if p.default is not inspect.Parameter.empty]
-    names = [p.name for p in params]
-    defaults = list(init.__defaults__)
-    defaults[names.index("max_graph_query")] = rows
-    init.__defaults__ = tuple(defaults)
 
 
 def build_llm(args, tmp: Path, max_tokens: int):
@@ -968,10 +939,8 @@ def strategies_phase(args, part: dict, engine, counter: GraphCounter, prompt, tm
 def engine_phase(args) -> None:
     from speculant.bench import device_name, random_prompts
 
-    if args.graph_query:
-        _patch_graph_query(args.graph_query)
     tmp = Path(tempfile.mkdtemp(prefix=f"speculant-tree-{args.phase_name}-"))
-    part: dict = {"phase": args.phase_name, "graph_query": args.graph_query or 16, "errors": {}}
+    part: dict = {"phase": args.phase_name, "errors": {}}
     t0 = time.perf_counter()
     longest = max(max(step_tokens(args, n) for n in step_cells(args)[1]), args.e2e_tokens,
                   args.strategy_tokens + 64)
@@ -984,7 +953,7 @@ def engine_phase(args) -> None:
     _save_part(args, part)
     counter = GraphCounter(engine)
     prompt = random_prompts(1, args.prompt_len, engine.vocab_size, seed=0)[0]
-    if args.phase_name.startswith("step_cost"):
+    if args.phase_name == "step_cost":
         step_cost_phase(args, part, engine, counter, prompt)
     elif args.phase_name == "e2e":
         e2e_phase(args, part, engine, counter, prompt)
@@ -1045,9 +1014,7 @@ def run_phase(name: str, extra: list[str], args, timeout_s: float) -> dict:
 def plan(args) -> list[tuple[str, list[str], float]]:
     """The phases of a run: (name, extra argv, time limit in s)."""
     skip = set(filter(None, args.skip.split(",")))
-    phases = [("step_cost", [], 300), ("e2e", [], 150), ("strategies", [], 150),
-              ("step_cost_graphs64", ["--graph-query", "64", "--shapes", args.shapes_graphs64],
-               200)]
+    phases = [("step_cost", [], 300), ("e2e", [], 150), ("strategies", [], 150)]
     return [p for p in phases if p[0] not in skip]
 
 
@@ -1094,8 +1061,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--chains", default="16,32,64",
                     help="step-cost chains beside those of the trees' node counts (issue 36's "
                     "baseline: chains of 16 / 32 / 64 at 1.09x / 1.20x / 1.28x a plain step)")
-    ap.add_argument("--shapes-graphs64", default="16:2,16:4,32:2,32:4,62:2,63:9",
-                    help="the step_cost_graphs64 phase's trees")
     ap.add_argument("--step-tokens", type=int, default=256,
                     help="tokens per step-cost run (at least 16 x (nodes + 1))")
     ap.add_argument("--alphas", default=ALPHAS, help="e2e: the chains' alpha = the trees' "
@@ -1111,7 +1076,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup-tokens", type=int, default=24)
     ap.add_argument("--kv-cache-gib", type=float, default=4.0)
     ap.add_argument("--skip", default="",
-                    help="phases to leave out: step_cost, e2e, strategies, step_cost_graphs64")
+                    help="phases to leave out: step_cost, e2e, strategies")
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="wall-clock budget of the whole run; a phase is killed at the end of "
                     "it (or of its own limit)")
@@ -1120,7 +1085,6 @@ def parser() -> argparse.ArgumentParser:
     # internal: one phase's process (started by the run itself)
     ap.add_argument("--phase-name", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--part-dir", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--graph-query", type=int, default=None, help=argparse.SUPPRESS)
     return ap
 
 
@@ -1138,7 +1102,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--init scaled needs CUDA (the CPU path packs its weights at load time); use "
                  "--init dummy on the CPU")
     try:
-        for text in (args.shapes, args.e2e_trees, args.shapes_graphs64):
+        for text in (args.shapes, args.e2e_trees):
             parse_shapes(text)
         if any(not 1 <= k <= 64 for k in parse_ints(args.e2e_chains) + parse_ints(args.chains)):
             raise ValueError("--chains / --e2e-chains: chain lengths are 1 to 64 (the oracle's "

@@ -280,13 +280,12 @@ def test_write_result_and_replot(tmp_path):
 # ------------------------------------------------------------------------ command line
 def test_plan():
     args = gpu_tree.parser().parse_args([])
-    assert [p[0] for p in gpu_tree.plan(args)] == ["step_cost", "e2e", "strategies",
-                                                   "step_cost_graphs64"]
-    phases = {p[0]: p for p in gpu_tree.plan(args)}
-    extra = phases["step_cost_graphs64"][1]
-    assert extra[extra.index("--graph-query") + 1] == "64"
-    args = gpu_tree.parser().parse_args(["--skip", "strategies,step_cost_graphs64"])
+    assert [p[0] for p in gpu_tree.plan(args)] == ["step_cost", "e2e", "strategies"]
+    assert all(extra == [] for _, extra, _ in gpu_tree.plan(args))
+    args = gpu_tree.parser().parse_args(["--skip", "strategies"])
     assert [p[0] for p in gpu_tree.plan(args)] == ["step_cost", "e2e"]
+    args = gpu_tree.parser().parse_args(["--skip", "e2e,strategies"])
+    assert [p[0] for p in gpu_tree.plan(args)] == ["step_cost"]
 
 
 def test_the_documented_commands_parse():
@@ -316,7 +315,7 @@ def test_argument_errors(capsys):
 
 
 # ------------------------------------------------------------------------ the whole run
-@pytest.mark.slow  # four phases, each a process with its own tiny engine (~35 s on 2 cores)
+@pytest.mark.slow  # three phases, each a process with its own tiny engine (~35 s on 2 cores)
 def test_whole_run_on_the_cpu(tmp_path):
     """The bench's main path on the CPU: tiny Llama, 3 layers: every phase ends without errors,
     every cell's greedy tokens equal plain's, tree steps ran (counted, eagerly on the CPU), the
@@ -324,7 +323,7 @@ def test_whole_run_on_the_cpu(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, str(BENCH / "gpu_tree.py"), "--device", "cpu", "--geometry", "tiny",
            "--layers", "3", "--out", str(out), "--prompt-len", "16", "--shapes", "4:2,6:3",
-           "--shapes-graphs64", "4:2", "--e2e-chains", "2,4", "--e2e-trees", "4:2", "--chains", "3",
+           "--e2e-chains", "2,4", "--e2e-trees", "4:2", "--chains", "3",
            "--alphas", "0.6", "--step-tokens", "16", "--e2e-tokens", "24",
            "--strategy-tokens", "16", "--repeats", "1", "--step-repeats", "1",
            "--warmup-tokens", "2", "--kv-cache-gib", "0.01", "--budget-s", "500"]
