@@ -165,6 +165,8 @@ class DraftTreeError(ValueError):
 def _int_list(values: Any, name: str) -> list[int]:
     """``values`` (a list, tuple, 1-d tensor or array of integers) as a list of Python ints;
     :class:`DraftTreeError` naming ``DraftTree.<name>[i]`` for anything else (bools included)."""
+    if type(values) is list and all(type(v) is int for v in values):
+        return list(values)  # the common case, ~10x cheaper than the checks below
     if isinstance(values, torch.Tensor) or type(values).__module__ == "numpy":
         if getattr(values, "ndim", 1) != 1:
             raise DraftTreeError(f"DraftTree.{name} must be 1-d, got shape "

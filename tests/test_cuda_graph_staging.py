@@ -516,3 +516,22 @@ def test_wide_verification_steps_get_decode_shaped_graphs(monkeypatch):
     planned = {(*r.plan(seq * n, [q] + [1] * (n - 1), wide=True), (), True)
                for n in (1, 2, 3) for q in range(9, 31)}
     assert {(B, M, Q) for B, M, Q, _, _ in planned} == {k[:3] for k in wide}
+
+
+def test_tree_bits_are_staged_from_the_ring_slot_or_an_event_guarded_row(monkeypatch):
+    """A ring-staged tree step copies its bits from row ``slot`` of the pinned tree rows (no
+    event: the ring's own check covers it); any other tree step from rows R.., one after another,
+    each guarded by the event of its last copy. Rows past the step's bits are zero up to M."""
+    r = _runner(monkeypatch)
+    R = cuda_graph.STAGE_RING
+    assert r.tree_host.shape[0] == 2 * R
+    r.tree_bits.fill_(7)
+    r._stage_tree_bits([1, 3, 5], 6, ring_slot=2)
+    assert r.tree_bits[:6].tolist() == [1, 3, 5, 0, 0, 0] and r.tree_bits[6].item() == 7
+    assert r.tree_host[2, :3].tolist() == [1, 3, 5] and r.tree_steps == 0
+    assert all(e is None for e in r.tree_copied)
+    for i in range(R + 1):
+        r._stage_tree_bits([i + 1, -(2**63)], 4)
+        assert r.tree_bits[:4].tolist() == [i + 1, -(2**63), 0, 0]
+        assert r.tree_host[R + i % R, 0].item() == i + 1
+    assert r.tree_steps == R + 1 and all(e is not None for e in r.tree_copied)

@@ -46,8 +46,8 @@ Tree graphs (token trees, docs/trees.md): a tree step (``run`` / ``run_head`` wi
 replays a graph of its own, captured on first use, whose attention reads a static
 ``tree_bits`` buffer (``[M]`` int64, one row's ancestor bits each); the step's per-row RoPE
 positions (``ctx_start + depth``) replace the consecutive ones in the staged inputs, and its bits
-are copied in from a pinned ring (``_stage_tree_bits``) before the replay. Chains of a tree step
-have causal bits.
+are copied in from a pinned slot (``_stage_tree_bits``: the launch's ring slot for ring-staged
+steps) before the replay. Chains of a tree step have causal bits.
 
 Wide verification steps: a scored step or a tree step of more than ``max_query`` (16) and at
 most 64 tokens per sequence (a tree of up to ``MAX_TREE_NODES`` nodes, a chain of up to 63
@@ -222,7 +222,8 @@ class CudaGraphRunner:
         # a pinned ring those bits are copied from (each slot reused once its copy has run)
         self.tree_graphs: dict[tuple[int, int, int, tuple[int, ...], bool], _Graph] = {}
         self.tree_bits = torch.zeros(N, dtype=torch.int64, device=device)  # [N]
-        self.tree_host = torch.zeros(R, N, dtype=torch.int64, pin_memory=pin)  # [R, N]
+        # [2R, N]: rows 0..R-1 follow the ring slots, R..2R-1 the other (event-guarded) steps
+        self.tree_host = torch.zeros(2 * R, N, dtype=torch.int64, pin_memory=pin)
         self.tree_host_np = self.tree_host.numpy()
         self.tree_copied: list[torch.cuda.Event | None] = [None] * R
         self.tree_steps = 0
@@ -384,11 +385,14 @@ class CudaGraphRunner:
         graphs = self.graphs if tree is None else self.tree_graphs
         positions = tree[0] if tree is not None else None
         g = graphs.get(key)
-        if tree is not None:
-            self._stage_tree_bits(tree[1], M)
         if ring:
             slot = self._stage_ring(seqs, new_tokens, query_lens, B, M,
                                     T if token_ids is not None else 0, positions)
+            if tree is not None:
+                self._stage_tree_bits(tree[1], M, slot)
+        elif tree is not None:
+            self._stage_tree_bits(tree[1], M)
+        if ring:
             if g is None:  # the warm-up before the capture reads the device buffers
                 self.dev64.copy_(self.ring64[slot, : self.dev64.shape[0]])
                 self.dev32.copy_(self.ring32[slot])
@@ -406,22 +410,30 @@ class CudaGraphRunner:
         c, q, t = self.o32
         return StageLayout(n_max=self.max_tokens, m=M, c=c, q=q, t=t, b=B, w=self.W)
 
-    def _stage_tree_bits(self, bits: list[int], M: int) -> None:
-        """Copy a tree step's bits (``[T]``, then zeros up to ``M``) into ``tree_bits`` from
-        the next pinned ring slot, on the current stream (before the replay that reads them)."""
-        R = self.tree_host.shape[0]
-        slot = self.tree_steps % R
-        done = self.tree_copied[slot]
-        if done is not None:
-            done.synchronize()  # the copy that last read this slot has run
-        h = self.tree_host_np[slot]
+    def _stage_tree_bits(self, bits: list[int], M: int, ring_slot: int | None = None) -> None:
+        """Copy a tree step's bits (``[T]``, then zeros up to ``M``) into ``tree_bits`` from a
+        pinned slot, on the current stream (before the replay that reads them). A ring-staged
+        step uses row ``ring_slot`` (its launch's ring slot): ``_stage_ring`` has just checked
+        that the launch which last used that slot has run its first kernel, so the copy queued
+        before it has run too, and no event is needed. Other steps use the next of ``R`` rows
+        of their own, each reused once the event of its last copy has passed."""
+        R = STAGE_RING
+        if ring_slot is not None:
+            row = ring_slot
+        else:
+            row = R + self.tree_steps % R
+            done = self.tree_copied[row - R]
+            if done is not None:
+                done.synchronize()  # the copy that last read this slot has run
+        h = self.tree_host_np[row]
         T = len(bits)
         h[:T] = bits
         h[T:M] = 0
-        self.tree_bits[:M].copy_(self.tree_host[slot, :M], non_blocking=True)
-        ev = self.tree_copied[slot] = torch.cuda.Event()
-        ev.record()
-        self.tree_steps += 1
+        self.tree_bits[:M].copy_(self.tree_host[row, :M], non_blocking=True)
+        if ring_slot is None:
+            ev = self.tree_copied[row - R] = torch.cuda.Event()
+            ev.record()
+            self.tree_steps += 1
 
     def _stage_ring(self, seqs, new_tokens, query_lens, B: int, M: int, ids_on_device: int,
                     positions: list[int] | None = None) -> int:
