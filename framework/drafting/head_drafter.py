@@ -308,10 +308,10 @@ class HeadDrafter:
     def capture_graphs(self, max_num_seqs: int, progress: bool) -> int:
         """The ``capture_graphs`` hook: the one-graph greedy proposes and draft-step chains of
         up to ``max_num_seqs`` sequences, captured now on padding inputs (nothing written to the
-        cache). Returns how many graphs were captured: none in tree mode (its levels run
-        eagerly)."""
+        cache); in tree mode the tree graphs instead (``HeadTreeDrafter.capture_graphs``: a
+        propose's tree levels, one graph per batch bucket). Returns how many were captured."""
         if self.tree is not None:
-            return 0
+            return self.tree.capture_graphs(max_num_seqs, progress)
         return head_graph.capture_all(self, max_num_seqs, progress)
 
 
@@ -372,7 +372,8 @@ class HeadStrategy(Strategy):
     @hookimpl
     @torch.inference_mode()
     def capture_graphs(self, max_num_seqs: int, progress: bool) -> int:
-        """The drafter's one-graph proposes and chains, captured at start-up."""
+        """The drafter's one-graph proposes and chains (tree mode: its tree graphs), captured
+        at start-up."""
         return self.drafter.capture_graphs(max_num_seqs, progress)
 
 

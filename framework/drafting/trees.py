@@ -24,8 +24,14 @@ nodes) is run as its own chain of rows in one forward, every row seeing the sequ
 context and the earlier rows of its own path only (``AttentionMetadata.tree_bits``, the tree
 mask of the paged-attention kernel). Ancestors shared by several frontier nodes are recomputed
 once per path: ``F * d`` rows per sequence at level ``d`` (``F`` frontier nodes), at most
-``TREE_MAX_ROWS`` (64), in exchange for no per-node K/V bookkeeping between levels. The levels
-run eagerly (no CUDA graph), with one host read per call at the end.
+``TREE_MAX_ROWS`` (64), in exchange for no per-node K/V bookkeeping between levels.
+
+A propose runs the drafter's catch-up eagerly, then all levels as one function of static
+device buffers (:meth:`HeadTreeDrafter.draft`: the inputs of every level staged up front as one
+int64 vector, :class:`TreeInputs`): on a GPU one CUDA graph replay per call
+(:mod:`speculant.drafting.tree_graph`, captured at start-up for every batch bucket), on the CPU,
+with ``enforce_eager`` or for calls no graph fits the same function eagerly. One host read per
+call at the end.
 """
 
 from __future__ import annotations
@@ -36,11 +42,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import BaseModel, Field, model_validator
 
+from speculant.drafting import tree_graph
 from speculant.drafting.graphs import to_device_async
-from speculant.drafting.kv_cache import cache_slot
 from speculant.engine.staging import read_back
 from speculant.models.attention import AttentionMetadata, ForwardContext
 from speculant.spec_types import MAX_TREE_NODES, DraftTree, Proposal, SpecBatch
@@ -66,19 +73,28 @@ def parse_token_tree(value: Any, name: str = "speculative_token_tree") -> list[t
         try:
             value = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            raise TokenTreeError(f"{name}={value!r} is not a Python literal; write it as a list "
-                                 "of tuples of sibling ranks, e.g. [(0,), (1,), (0, 0)]") from None
+            raise TokenTreeError(
+                f"{name}={value!r} is not a Python literal; write it as a list "
+                "of tuples of sibling ranks, e.g. [(0,), (1,), (0, 0)]"
+            ) from None
     if not isinstance(value, (list, tuple)) or not value:
-        raise TokenTreeError(f"{name} must be a non-empty list of paths (tuples of sibling "
-                             f"ranks, e.g. [(0,), (1,), (0, 0)]), got {value!r}")
+        raise TokenTreeError(
+            f"{name} must be a non-empty list of paths (tuples of sibling "
+            f"ranks, e.g. [(0,), (1,), (0, 0)]), got {value!r}"
+        )
     paths: list[tuple[int, ...]] = []
     for p in value:
         if isinstance(p, int) and not isinstance(p, bool):
             p = (p,)
-        if not isinstance(p, (list, tuple)) or not p or not all(
-                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p):
-            raise TokenTreeError(f"{name}: path {p!r} is not a non-empty tuple of sibling ranks "
-                                 ">= 0 (rank 0 = the parent's most likely child)")
+        if (
+            not isinstance(p, (list, tuple))
+            or not p
+            or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p)
+        ):
+            raise TokenTreeError(
+                f"{name}: path {p!r} is not a non-empty tuple of sibling ranks "
+                ">= 0 (rank 0 = the parent's most likely child)"
+            )
         paths.append(tuple(p))
     if len(set(paths)) != len(paths):
         dup = next(p for p in paths if paths.count(p) > 1)
@@ -86,11 +102,14 @@ def parse_token_tree(value: Any, name: str = "speculative_token_tree") -> list[t
     have = set(paths)
     for p in paths:
         if len(p) > 1 and p[:-1] not in have:
-            raise TokenTreeError(f"{name}: path {p} has no parent {p[:-1]} in the list; list "
-                                 "every node's parent too")
+            raise TokenTreeError(
+                f"{name}: path {p} has no parent {p[:-1]} in the list; list every node's parent too"
+            )
     if len(paths) > MAX_TREE_NODES:
-        raise TokenTreeError(f"{name} has {len(paths)} nodes; a tree has at most "
-                             f"{MAX_TREE_NODES} (MAX_TREE_NODES); use fewer paths")
+        raise TokenTreeError(
+            f"{name} has {len(paths)} nodes; a tree has at most "
+            f"{MAX_TREE_NODES} (MAX_TREE_NODES); use fewer paths"
+        )
     return paths
 
 
@@ -177,8 +196,10 @@ def select_tree(
             kept.add(c)
     nodes = sorted(kept)
     new = {c: i for i, c in enumerate(nodes)}
-    return DraftTree([int(token_ids[c]) for c in nodes],
-                     [new[int(parents[c])] if parents[c] >= 0 else -1 for c in nodes])
+    return DraftTree(
+        [int(token_ids[c]) for c in nodes],
+        [new[int(parents[c])] if parents[c] >= 0 else -1 for c in nodes],
+    )
 
 
 @dataclass(frozen=True)
@@ -195,13 +216,16 @@ class DynamicTree:
         if self.topk < 1 or self.depth < 1 or self.budget < 1:
             raise TokenTreeError(f"{self}: topk, depth and budget must be >= 1")
         if self.budget > MAX_TREE_NODES:
-            raise TokenTreeError(f"num_draft_tokens={self.budget}: a tree has at most "
-                                 f"{MAX_TREE_NODES} nodes (MAX_TREE_NODES)")
+            raise TokenTreeError(
+                f"num_draft_tokens={self.budget}: a tree has at most "
+                f"{MAX_TREE_NODES} nodes (MAX_TREE_NODES)"
+            )
         if self.max_rows() > TREE_MAX_ROWS:
             raise TokenTreeError(
                 f"eagle_topk={self.topk} x (num_speculative_tokens - 1 = {self.depth - 1}) = "
                 f"{self.max_rows()} query rows per sequence in the head's last level; the tree "
-                f"mask covers at most {TREE_MAX_ROWS}: lower eagle_topk or num_speculative_tokens")
+                f"mask covers at most {TREE_MAX_ROWS}: lower eagle_topk or num_speculative_tokens"
+            )
 
     @property
     def num_candidates(self) -> int:
@@ -221,18 +245,28 @@ class TreeOptions(BaseModel):
     static tree. :meth:`tree_shape` gives the shape (None: a chain)."""
 
     eagle_topk: int = Field(
-        1, ge=1, le=TREE_MAX_ROWS, description="EAGLE-2 dynamic tree (SGLang's "
+        1,
+        ge=1,
+        le=TREE_MAX_ROWS,
+        description="EAGLE-2 dynamic tree (SGLang's "
         "speculative_eagle_topk): children drafted per expanded node and nodes expanded per "
-        "level, num_speculative_tokens levels; 1: a chain")
+        "level, num_speculative_tokens levels; 1: a chain",
+    )
     num_draft_tokens: int | None = Field(
-        None, ge=2, le=MAX_TREE_NODES + 1, description="tokens verified per step with a dynamic "
+        None,
+        ge=2,
+        le=MAX_TREE_NODES + 1,
+        description="tokens verified per step with a dynamic "
         "tree, the last token included (SGLang's speculative_num_draft_tokens): the tree keeps "
         "the best num_draft_tokens - 1 nodes by cumulative draft probability; default "
-        "min(eagle_topk * num_speculative_tokens, 63) + 1")
+        "min(eagle_topk * num_speculative_tokens, 63) + 1",
+    )
     speculative_token_tree: str | list[tuple[int, ...]] | None = Field(
-        None, description="a static tree (vLLM's option): its nodes as paths of sibling "
+        None,
+        description="a static tree (vLLM's option): its nodes as paths of sibling "
         "ranks from the root, e.g. [(0,), (1,), (0, 0)] or its string form; each node's "
-        "children are the top ranks of the head's output after its path")
+        "children are the top ranks of the head's output after its path",
+    )
 
     @model_validator(mode="after")
     def _check_tree(self) -> TreeOptions:
@@ -248,26 +282,33 @@ class TreeOptions(BaseModel):
             if topk > 1 or n is not None:
                 raise TokenTreeError(
                     "speculative_token_tree gives a static tree; eagle_topk and "
-                    "num_draft_tokens shape a dynamic one: set one or the other")
+                    "num_draft_tokens shape a dynamic one: set one or the other"
+                )
             shape = TokenTreeShape(self.speculative_token_tree)
-            if k is not None and "num_speculative_tokens" in self.model_fields_set and \
-                    k != shape.num_nodes:
+            if (
+                k is not None
+                and "num_speculative_tokens" in self.model_fields_set
+                and k != shape.num_nodes
+            ):
                 raise TokenTreeError(
                     f"num_speculative_tokens={k} but speculative_token_tree has "
                     f"{shape.num_nodes} nodes: with a token tree it is the node count (as in "
-                    f"vLLM); set num_speculative_tokens={shape.num_nodes} or leave it out")
+                    f"vLLM); set num_speculative_tokens={shape.num_nodes} or leave it out"
+                )
             if shape.max_rows() > TREE_MAX_ROWS:
                 raise TokenTreeError(
                     f"speculative_token_tree: a level needs {shape.max_rows()} head rows per "
                     f"sequence (expanded nodes x depth), more than {TREE_MAX_ROWS}; use a "
-                    "narrower or shallower tree")
+                    "narrower or shallower tree"
+                )
             return shape
         if topk == 1:
             if n is not None and k is not None and n != k + 1:
                 raise TokenTreeError(
                     f"num_draft_tokens={n} with eagle_topk=1: the drafts are a chain of "
                     f"num_speculative_tokens={k}, so {k + 1} tokens are verified; set "
-                    "eagle_topk > 1 for a tree, or leave num_draft_tokens out")
+                    "eagle_topk > 1 for a tree, or leave num_draft_tokens out"
+                )
             return None
         if k is None:
             raise TokenTreeError("eagle_topk > 1 needs num_speculative_tokens (the depth)")
@@ -276,7 +317,8 @@ class TreeOptions(BaseModel):
             raise TokenTreeError(
                 f"num_draft_tokens={n}: eagle_topk={topk} and num_speculative_tokens={k} make "
                 f"at most {tree.num_candidates} candidate nodes; set num_draft_tokens <= "
-                f"{tree.num_candidates + 1}")
+                f"{tree.num_candidates + 1}"
+            )
         return tree
 
 
@@ -287,17 +329,99 @@ def _signed(b: int) -> int:
     return b - (1 << 64) if b >= 1 << 63 else b
 
 
+@dataclass(frozen=True)
+class TreeInputs:
+    """The int64 inputs of one call of :meth:`HeadTreeDrafter.draft`, views into its staged
+    vector (``Bp`` sequences, the drafting ones first, then padding; block tables ``W`` wide).
+    Layout of the vector::
+
+        first positions [Bp] | cache indices [Bp] | live [Bp] | block tables [Bp, W] | constants
+
+    A sequence's first in-step row (its last token) is at position ``pos0`` and cache index
+    ``base``; the constants (the tree shape's, the same every call) are each level's path-row
+    indices and tree bits, and a static tree's node indices (``HeadTreeDrafter`` keeps their
+    offsets). A padding sequence (``live`` 0) writes no K/V and attends nothing."""
+
+    pos0: torch.Tensor  # [Bp] int64: position of the sequence's first in-step row (n - 1)
+    base: torch.Tensor  # [Bp] int64: its cache index (n - 1 - the cache's offset)
+    live: torch.Tensor  # [Bp] int64: 1 a drafting sequence, 0 padding
+    tables: torch.Tensor  # [Bp, W] int64: the draft cache's block tables, zero-padded
+    tables32: torch.Tensor  # [Bp, W] int32: the same, for the attention kernel
+    consts: torch.Tensor  # [n_consts] int64: the tree shape's constants
+
+    @classmethod
+    def views(cls, ints: torch.Tensor, Bp: int, W: int) -> TreeInputs:
+        """The parts of ``ints`` (``[3 * Bp + Bp * W + n_consts]``)."""
+        t = 3 * Bp + Bp * W
+        tables = ints[3 * Bp : t].view(Bp, W)
+        return cls(
+            ints[:Bp],
+            ints[Bp : 2 * Bp],
+            ints[2 * Bp : 3 * Bp],
+            tables,
+            tables.to(torch.int32),
+            ints[t:],
+        )
+
+
 class HeadTreeDrafter:
     """Trees drafted with a :class:`~speculant.drafting.HeadDrafter`'s head (``drafter``), in
     the shape ``tree`` (:class:`DynamicTree` or :class:`TokenTreeShape`). Set it as
     ``drafter.tree`` and the drafter's ``propose`` returns its proposals. Every drafting
     sequence gets a :class:`DraftTree` of at most ``min(max_draft, tree budget)`` nodes; the
     head's cache must hold ``max_rows()`` positions past a sequence's context
-    (``DraftKVCache.for_head(ctx, head, max_rows() + 1)``)."""
+    (``DraftKVCache.for_head(ctx, head, max_rows() + 1)``).
+
+    A call runs the drafter's (eager) catch-up, then :meth:`draft`: every level of the tree as
+    a pure function of one staged int64 vector (:meth:`write_ints`, :class:`TreeInputs`) and the
+    catch-up's states, with shapes fixed by the padded batch ``Bp`` and the block-table width
+    ``W``. On a GPU with the drafter's ``graphs`` enabled it is one CUDA graph replay per call
+    (:mod:`speculant.drafting.tree_graph`; ``Bp`` a batch bucket, ``W`` = ``graph_width``);
+    elsewhere the same function runs eagerly (``Bp`` = the drafting sequences)."""
 
     def __init__(self, drafter: Any, tree: DynamicTree | TokenTreeShape) -> None:
         self.drafter = drafter
         self.tree = tree
+        # block-table width of the graphs: the drafter's, plus the blocks of a level's rows
+        self.graph_width: int = drafter.graph_width + -(
+            -self.max_rows() // drafter.cache.block_size
+        )
+        self._levels: list[tuple[int, int, int]] = []  # per head level: (F, d, constants offset)
+        self._fills: list[tuple[int, int, int]] = []  # static, per depth: (lo, hi, offset)
+        consts: list[int] = []
+
+        def level(F: int, D: int, paths: list[int]) -> None:
+            self._levels.append((F, D, len(consts)))
+            consts.extend(j for _ in range(F) for j in range(D))  # [F * D] row in the path
+            consts.extend(
+                _signed(((1 << (j + 1)) - 1) << (f * D))  # [F * D] tree bits
+                for f in range(F)
+                for j in range(D)
+            )
+            consts.extend(paths)  # [F * D] static: the node of each row
+
+        if isinstance(tree, DynamicTree):
+            for D in range(1, tree.depth):
+                level(tree.topk, D, [])
+        else:
+            s = tree
+            for depth in range(1, s.depth + 1):
+                lo = s.depths.index(depth)
+                hi = lo + s.depths.count(depth)  # nodes are sorted by depth
+                parents = sorted({s.parents[i] for i in range(lo, hi)})
+                if depth > 1:
+                    level(
+                        len(parents),
+                        depth - 1,
+                        list(
+                            itertools.chain.from_iterable(self._path(s.parents, q) for q in parents)
+                        ),
+                    )
+                where, w = {q: f for f, q in enumerate(parents)}, s.width(depth)
+                self._fills.append((lo, hi, len(consts)))
+                consts.extend(where[s.parents[i]] * w + s.ranks[i] for i in range(lo, hi))
+                consts.extend(where[s.parents[i]] for i in range(lo, hi))
+        self.consts = np.asarray(consts, dtype=np.int64)  # [n_consts]
 
     @property
     def budget(self) -> int:
@@ -309,45 +433,87 @@ class HeadTreeDrafter:
     def max_rows(self) -> int:
         return self.tree.max_rows()
 
-    # -- one level's forward -------------------------------------------------------------------
+    # -- the staged inputs (host) ---------------------------------------------------------------
+    def num_ints(self, Bp: int, W: int) -> int:
+        """The length of the staged vector of ``Bp`` sequences and tables ``W`` wide."""
+        return 3 * Bp + Bp * W + self.consts.size
+
+    def write_ints(
+        self,
+        out: np.ndarray,  # [num_ints(Bp, W)] int64, written in full
+        rows: list,  # the drafting sequences (CatchUp), at most Bp, tables at most W wide
+        Bp: int,
+        W: int,
+    ) -> None:
+        """The staged vector (:class:`TreeInputs`) of ``rows`` padded to ``Bp`` sequences."""
+        A, pad = len(rows), [0] * (Bp - len(rows))
+        out[: 3 * Bp] = (
+            [p.n - 1 for p in rows]
+            + pad
+            + [p.n - 1 - p.st.offset for p in rows]
+            + pad
+            + [1] * A
+            + pad
+        )
+        t = 3 * Bp + Bp * W
+        out[3 * Bp : t] = 0
+        for r, p in enumerate(rows):
+            o = 3 * Bp + r * W
+            out[o : o + len(p.st.table)] = p.st.table
+        out[t:] = self.consts
+
+    def padding_ints(self, out: np.ndarray, Bp: int, W: int) -> None:
+        """The staged vector of a call whose ``Bp`` sequences are all padding (graph capture)."""
+        self.write_ints(out, [], Bp, W)
+
+    # -- the device part ------------------------------------------------------------------------
+    def draft(
+        self,
+        ints: torch.Tensor,  # [num_ints(Bp, W)] int64 on the device (write_ints)
+        x: torch.Tensor,  # [Bp, H] each sequence's catch-up state (padding rows: anything)
+        W: int,
+    ) -> torch.Tensor:  # dynamic: [Bp, 3, C] float64; static: [Bp, nodes] int64
+        """Every level of the tree, on the device only (no host reads, shapes fixed by ``Bp``,
+        ``W`` and the tree): what the CUDA graph captures. Dynamic trees give each sequence's
+        candidates (tokens, cumulative log-probabilities, parent candidates) for
+        :func:`select_tree`, static ones each node's token. Padding rows: garbage."""
+        st = TreeInputs.views(ints, x.shape[0], W)
+        if isinstance(self.tree, DynamicTree):
+            return self._dynamic(st, x)
+        return self._static(st, x)
+
     def _level(
         self,
-        rows: list,  # the plan's drafting sequences (CatchUp)
-        tok: torch.Tensor,  # [A, F, d] int64: each frontier path's tokens, root side first
-        xin: torch.Tensor,  # [A, F, d, H] the state that chose each of them
-        W: int,
-    ) -> torch.Tensor:  # [A, F, H] each frontier node's output state
+        st: TreeInputs,
+        level: int,  # index into self._levels
+        tok: torch.Tensor,  # [Bp, F, d] int64: each frontier path's tokens, root side first
+        xin: torch.Tensor,  # [Bp, F, d, H] the state that chose each of them
+    ) -> torch.Tensor:  # [Bp, F, H] each frontier node's output state
         """The head over every frontier path (``F * d`` rows a sequence, a path's rows seeing
         the context and the path's earlier rows only), writing K/V past the context."""
         d = self.drafter
-        A, F, D = tok.shape
-        bs = d.cache.block_size
-        pos, slots, ctxs, tables, bits = [], [], [], [], []
-        row_bits = [_signed(((1 << (j + 1)) - 1) << (f * D)) for f in range(F) for j in range(D)]
-        for p in rows:
-            base = p.n - 1 - p.st.offset  # cache index of the first in-step row
-            pos.extend(p.n - 1 + j for _ in range(F) for j in range(D))
-            slots.extend(cache_slot(p.st.table, base + r, bs) for r in range(F * D))
-            ctxs.append(base + F * D)
-            tables.append(p.st.table + [0] * (W - len(p.st.table)))
-            bits.extend(row_bits)
-        dev = tok.device
-        ints = to_device_async(list(itertools.chain(pos, slots, ctxs, bits,
-                                                    itertools.chain.from_iterable(tables))),
-                               torch.long, dev)
-        n = A * F * D
-        pos_t, slots_t = ints[:n], ints[n:2 * n]
-        ctx_t, bits_t = ints[2 * n:2 * n + A], ints[2 * n + A:3 * n + A]
-        tab_t = ints[3 * n + A:].view(A, W)
-        meta = AttentionMetadata(
-            slot_mapping=slots_t, block_tables=tab_t.to(torch.int32),
-            context_lens=ctx_t.to(torch.int32),
-            query_start_loc=torch.arange(0, n + 1, F * D, device=dev, dtype=torch.int32),
-            query_lens=[F * D] * A, context_lens_list=ctxs, block_size=bs,
-            tree_bits=bits_t.contiguous())
+        Bp, F, D = tok.shape
+        W, bs, R = st.tables.shape[1], d.cache.block_size, F * D
+        o = self._levels[level][2]
+        jrow, bits = st.consts[o : o + R], st.consts[o + R : o + 2 * R]  # [R] each
+        pos = (st.pos0[:, None] + jrow).reshape(-1)  # [Bp * R]
+        idx = st.base[:, None] + torch.arange(R, device=tok.device)  # [Bp, R] cache indices
+        blocks = st.tables.gather(1, (idx // bs).clamp(max=W - 1))  # [Bp, R]
+        slots = torch.where(st.live[:, None] > 0, blocks * bs + idx % bs, -1)  # padding: -1
+        ctx = torch.where(st.live > 0, st.base + R, 0).to(torch.int32)  # [Bp]
+        qsl = torch.nn.functional.pad(torch.cumsum(st.live * R, 0), (1, 0))  # [Bp + 1]
+        meta = AttentionMetadata.padded(
+            slots.reshape(-1),
+            st.tables32,
+            ctx,
+            qsl.to(torch.int32),
+            R,
+            bs,
+            tree_bits=bits.expand(Bp, R).reshape(-1),  # [Bp * R], contiguous
+        )
         fctx = ForwardContext(meta=meta, kv_caches=d.cache.kv_caches)
-        out = d.head.step(tok.reshape(n), xin.reshape(n, -1), pos_t, fctx)  # [n, H]
-        return out.view(A, F, D, -1)[:, :, D - 1]
+        out = d.head.step(tok.reshape(-1), xin.reshape(Bp * R, -1), pos, fctx)  # [Bp * R, H]
+        return out.view(Bp, F, D, -1)[:, :, D - 1]
 
     def _ranked(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's ``k`` best tokens after states ``x [..., H]`` and their log-probabilities:
@@ -357,28 +523,28 @@ class HeadTreeDrafter:
         return v.view(*x.shape[:-1], k), t.view(*x.shape[:-1], k)
 
     # -- the two shapes -------------------------------------------------------------------------
-    def _dynamic(self, rows: list, x: torch.Tensor, W: int, budgets: list[int]
-                 ) -> list[DraftTree]:
+    def _dynamic(self, st: TreeInputs, x: torch.Tensor) -> torch.Tensor:  # [Bp, 3, C] float64
         """EAGLE-2: per level, the ``topk`` best children of each of the ``topk`` frontier
         nodes; the new frontier is the ``topk`` best of those by cumulative log-probability."""
         t: DynamicTree = self.tree  # type: ignore[assignment]
-        k, A = t.topk, x.shape[0]
-        score, tok = self._ranked(x, k)  # [A, k] each: the root's children
+        k, (Bp, H) = t.topk, x.shape
+        score, tok = self._ranked(x, k)  # [Bp, k] each: the root's children
         c_tok, c_score = [tok], [score]
-        c_par = [torch.full((A, k), -1, dtype=torch.long, device=x.device)]
-        front = torch.arange(k, device=x.device).expand(A, k)  # [A, k] candidate index
-        path_tok = tok[:, :, None]  # [A, k, 1]
-        path_x = x[:, None, None, :].expand(A, k, 1, x.shape[-1])  # [A, k, 1, H]
+        c_par = [torch.full((Bp, k), -1, dtype=torch.long, device=x.device)]
+        front = torch.arange(k, device=x.device).expand(Bp, k)  # [Bp, k] candidate index
+        path_tok = tok[:, :, None]  # [Bp, k, 1]
+        path_x = x[:, None, None, :].expand(Bp, k, 1, H)  # [Bp, k, 1, H]
         made = k
-        for _ in range(t.depth - 1):
-            state = self._level(rows, path_tok, path_x, W)  # [A, k, H]
-            v, ct = self._ranked(state, k)  # [A, k, k]
-            cum = (score[:, :, None] + v).reshape(A, k * k)  # [A, k * k]
-            ct = ct.reshape(A, k * k)
+        for level in range(t.depth - 1):
+            state = self._level(st, level, path_tok, path_x)  # [Bp, k, H]
+            v, ct = self._ranked(state, k)  # [Bp, k, k]
+            cum = (score[:, :, None] + v).reshape(Bp, k * k)  # [Bp, k * k]
+            ct = ct.reshape(Bp, k * k)
             c_tok.append(ct)
             c_score.append(cum)
-            c_par.append(front.repeat_interleave(k, dim=1))  # child j * k + i: parent slot j
-            score, sel = cum.topk(k, dim=1)  # [A, k] the new frontier, best first
+            # child j * k + i: parent slot j
+            c_par.append(front[:, :, None].expand(Bp, k, k).reshape(Bp, k * k))
+            score, sel = cum.topk(k, dim=1)  # [Bp, k] the new frontier, best first
             j = sel // k  # its parents' frontier slots
             front = made + sel
             made += k * k
@@ -388,41 +554,49 @@ class HeadTreeDrafter:
             hx = j[:, :, None, None].expand(-1, -1, path_x.shape[2], path_x.shape[3])
             parent_state = state.gather(1, j[:, :, None].expand(-1, -1, state.shape[2]))
             path_x = torch.cat([path_x.gather(1, hx), parent_state[:, :, None]], dim=2)
-        # one read: tokens, scores and parents as float64 (exact for ids)
-        toks, scores, pars = read_back(torch.stack([torch.cat(c, 1).double()
-                                                    for c in (c_tok, c_score, c_par)]))
-        toks = [[int(v) for v in r] for r in toks]
-        pars = [[int(v) for v in r] for r in pars]
-        return [select_tree(toks[a], scores[a], pars[a], n) for a, n in enumerate(budgets)]
+        # tokens, scores and parents as float64 (exact for ids): one host read
+        return torch.stack([torch.cat(c, 1).double() for c in (c_tok, c_score, c_par)], dim=1)
 
-    def _static(self, rows: list, x: torch.Tensor, W: int, budgets: list[int]
-                ) -> list[DraftTree]:
+    def _static(self, st: TreeInputs, x: torch.Tensor) -> torch.Tensor:  # [Bp, nodes] int64
         """A :class:`TokenTreeShape`: each expanded node's children are the top ranks of the
         head's output after its path."""
         s: TokenTreeShape = self.tree  # type: ignore[assignment]
-        A, H = x.shape
-        node_tok = torch.zeros(A, s.num_nodes, dtype=torch.long, device=x.device)
-        node_in = x.new_zeros(A, s.num_nodes, H)  # the state that chose each node
-        for depth in range(1, s.depth + 1):
-            level = [i for i in range(s.num_nodes) if s.depths[i] == depth]
-            parents = sorted({s.parents[i] for i in level})
+        Bp, H = x.shape
+        node_tok = torch.zeros(Bp, s.num_nodes, dtype=torch.long, device=x.device)
+        node_in = x.new_zeros(Bp, s.num_nodes, H)  # the state that chose each node
+        for depth, (lo, hi, o) in enumerate(self._fills, start=1):
             if depth == 1:
-                states = x[:, None]  # [A, 1, H] the root's
+                states = x[:, None]  # [Bp, 1, H] the root's
             else:  # run the head over the parents' root paths
-                chains = [self._path(s.parents, q) for q in parents]  # [F][depth - 1]
-                idx = to_device_async(list(itertools.chain.from_iterable(chains)), torch.long,
-                                      x.device).view(len(parents), depth - 1)  # [F, d]
-                ptok = node_tok[:, idx]  # [A, F, d]
-                pin = node_in[:, idx]  # [A, F, d, H]
-                states = self._level(rows, ptok, pin, W)  # [A, F, H]
-            _, ranked = self._ranked(states, s.width(depth))  # [A, F, width]
-            where = {q: f for f, q in enumerate(parents)}
-            for i in level:
-                f = where[s.parents[i]]
-                node_tok[:, i] = ranked[:, f, s.ranks[i]]
-                node_in[:, i] = states[:, f]
-        toks = read_back(node_tok)  # [A][n]
-        return [DraftTree(toks[a][:n], s.parents[:n]) for a, n in enumerate(budgets)]
+                F, D, p = self._levels[depth - 2]
+                paths = st.consts[p + 2 * F * D : p + 3 * F * D]  # [F * d] node of each row
+                ptok = node_tok.index_select(1, paths).view(Bp, F, D)  # [Bp, F, d]
+                pin = node_in.index_select(1, paths).view(Bp, F, D, H)  # [Bp, F, d, H]
+                states = self._level(st, depth - 2, ptok, pin)  # [Bp, F, H]
+            _, ranked = self._ranked(states, s.width(depth))  # [Bp, F, width]
+            n = hi - lo
+            fill, src = st.consts[o : o + n], st.consts[o + n : o + 2 * n]  # [n] each
+            node_tok[:, lo:hi] = ranked.reshape(Bp, -1).index_select(1, fill)
+            node_in[:, lo:hi] = states.index_select(1, src)
+        return node_tok
+
+    # -- the host part --------------------------------------------------------------------------
+    def trees(
+        self,
+        out: torch.Tensor,  # [A, ...] draft()'s rows of the drafting sequences
+        budgets: list[int],  # [A] the most nodes of each one's tree
+    ) -> list[DraftTree]:
+        """The trees of :meth:`draft`'s output: one device read, then (dynamic) EAGLE-2's
+        :func:`select_tree` per sequence or (static) the shape's first nodes."""
+        if isinstance(self.tree, DynamicTree):
+            trees = []
+            for (toks, scores, pars), n in zip(read_back(out), budgets):
+                trees.append(select_tree([int(v) for v in toks], scores, [int(v) for v in pars], n))
+        else:
+            parents = self.tree.parents
+            trees = [DraftTree(toks[:n], parents[:n]) for toks, n in zip(read_back(out), budgets)]
+        self.drafter.graphs.consumed()  # the read waited for the last replay
+        return trees
 
     @staticmethod
     def _path(parents: list[int], node: int) -> list[int]:
@@ -448,11 +622,21 @@ class HeadTreeDrafter:
         rows = [p for p in plan if p.k > 0]
         if not rows:
             return Proposal(token_ids=out)
-        build = self._dynamic if isinstance(self.tree, DynamicTree) else self._static
+        drafted = tree_graph.draft_graph(self, x, rows)  # [A, ...] or None: not in a graph
+        if drafted is None:  # eagerly: the same function, unpadded
+            host = np.empty(self.num_ints(len(rows), W), dtype=np.int64)
+            self.write_ints(host, rows, len(rows), W)
+            drafted = self.draft(to_device_async(host, torch.long, x.device), x, W)
         budgets = [min(batch.seqs[p.i].max_draft, self.budget) for p in rows]
-        for p, tree in zip(rows, build(rows, x, W, budgets)):
+        for p, tree in zip(rows, self.trees(drafted, budgets)):
             out[p.i] = tree
         return Proposal(token_ids=out)
+
+    def capture_graphs(self, max_num_seqs: int, progress: bool) -> int:
+        """Capture now, on padding inputs, the tree graph of every batch bucket up to
+        ``max_num_seqs`` sequences (``HeadDrafter.capture_graphs`` in tree mode). Returns how
+        many were captured."""
+        return tree_graph.capture_all(self, max_num_seqs, progress)
 
 
 __all__ = [
