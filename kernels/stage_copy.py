@@ -19,10 +19,12 @@ slot's header, copies, and then acknowledges: ``ack[slot] = s``, ``count = s``.
 
 Ring slot layout (``StageLayout``; the device buffers have the same layout without the header):
 
-* ``ring64 [R, 3 * n_max + 2]`` int64: ``ids [n_max] | positions [n_max] | slots [n_max] |
-  launch number s | ids_on_device``; the first ``m`` entries of each of the three regions are
-  copied, except the first ``ids_on_device`` ids, which the caller already wrote on the device
-  (a previous step's tokens, fed without a read-back).
+* ``ring64 [R, 4 * n_max + 2]`` int64: ``ids [n_max] | positions [n_max] | slots [n_max] |
+  tree bits [n_max] | launch number s | ids_on_device``; the first ``m`` entries of each of the
+  ``REGIONS`` regions are copied, except the first ``ids_on_device`` ids, which the caller
+  already wrote on the device (a previous step's tokens, fed without a read-back). The tree bits
+  (a token-tree step's ancestor bits, ``AttentionMetadata.tree_bits``) ride along in every
+  launch, so a tree step needs no copy of its own; other steps' graphs never read them.
 * ``ring32 [R, l32]`` int32: ``ctx`` at ``c`` (``b`` entries), ``qsl`` at ``q`` (``b + 1``),
   block ``tables`` at ``t`` (``b * w``); only those entries are copied.
 
@@ -55,11 +57,13 @@ __all__ = [
     "stage_copy",
     "stage_copy_reference",
     "HEADER",
+    "REGIONS",
     "pinned_copy",
     "pinned_copy_reference",
 ]
 
-HEADER = 2  # int64 entries after the three regions of a ring64 slot: launch number, ids on device
+REGIONS = 4  # int64 regions of n_max entries in a ring64 slot: ids, positions, slots, tree bits
+HEADER = 2  # int64 entries after the regions of a ring64 slot: launch number, ids on device
 
 
 @dataclass(frozen=True)
@@ -93,9 +97,9 @@ class StageLayout:
 
 
 def stage_copy_reference(
-    ring64: torch.Tensor,  # [R, 3 * n_max + HEADER] int64
+    ring64: torch.Tensor,  # [R, REGIONS * n_max + HEADER] int64
     ring32: torch.Tensor,  # [R, l32] int32
-    dst64: torch.Tensor,  # [3 * n_max] int64
+    dst64: torch.Tensor,  # [REGIONS * n_max] int64
     dst32: torch.Tensor,  # [l32] int32
     count: torch.Tensor,  # [1] int64: launches consumed so far
     ack: torch.Tensor,  # [R] int64
@@ -108,12 +112,12 @@ def stage_copy_reference(
     s = int(count[0]) + 1
     slot = (s - 1) % R
     src = ring64[slot]
-    if int(src[3 * n]) != s:
+    if int(src[REGIONS * n]) != s:
         err[0] = s
         return
-    skip = min(int(src[3 * n + 1]), m)
+    skip = min(int(src[REGIONS * n + 1]), m)
     dst64[skip:m] = src[skip:m]
-    for lo in (n, 2 * n):
+    for lo in range(n, REGIONS * n, n):
         dst64[lo : lo + m] = src[lo : lo + m]
     for lo, k in ((layout.c, layout.b), (layout.q, layout.b + 1), (layout.t, layout.b * layout.w)):
         dst32[lo : lo + k] = ring32[slot, lo : lo + k]
@@ -126,9 +130,9 @@ if tl is not None:
     # one binary for every step shape: the staging kernel is compiled once, outside captures
     @lazy_jit(do_not_specialize=("N_MAX", "M", "L32", "C", "Q", "T", "B", "BW"))
     def _stage_copy_kernel(
-        ring64_ptr,  # [R, 3 * N_MAX + 2] int64, pinned host memory
+        ring64_ptr,  # [R, 4 * N_MAX + 2] int64, pinned host memory (REGIONS = 4)
         ring32_ptr,  # [R, L32] int32, pinned host memory
-        dst64_ptr,  # [3 * N_MAX] int64, device
+        dst64_ptr,  # [4 * N_MAX] int64, device
         dst32_ptr,  # [L32] int32, device
         count_ptr,  # [1] int64, device: launches consumed
         ack_ptr,  # [R] int64, pinned host memory
@@ -150,9 +154,9 @@ if tl is not None:
         z64 = r64 * 0
         s = tl.load(count_ptr + z64) + 1  # [BLOCK64] this launch's number (all equal)
         slot = (s - 1) % R
-        src64 = ring64_ptr + slot * (3 * N_MAX + 2)  # [BLOCK64] pointers to the slot
-        ok = tl.load(src64 + 3 * N_MAX) == s  # [BLOCK64] the slot holds this launch
-        skip = tl.load(src64 + 3 * N_MAX + 1)  # [BLOCK64] leading ids already on the device
+        src64 = ring64_ptr + slot * (4 * N_MAX + 2)  # [BLOCK64] pointers to the slot
+        ok = tl.load(src64 + 4 * N_MAX) == s  # [BLOCK64] the slot holds this launch
+        skip = tl.load(src64 + 4 * N_MAX + 1)  # [BLOCK64] leading ids already on the device
         for lo in range(0, M, BLOCK64):
             o = lo + r64
             mk = ok & (o < M)
@@ -162,10 +166,12 @@ if tl is not None:
             tl.store(dst64_ptr + N_MAX + o, v, mask=mk)
             v = tl.load(src64 + 2 * N_MAX + o, mask=mk)
             tl.store(dst64_ptr + 2 * N_MAX + o, v, mask=mk)
+            v = tl.load(src64 + 3 * N_MAX + o, mask=mk)  # tree bits
+            tl.store(dst64_ptr + 3 * N_MAX + o, v, mask=mk)
         # the same scalars as [BLOCK32] blocks for the int32 loops
         s32 = tl.load(count_ptr + r32 * 0) + 1
         slot32 = (s32 - 1) % R
-        ok32 = tl.load(ring64_ptr + slot32 * (3 * N_MAX + 2) + 3 * N_MAX) == s32
+        ok32 = tl.load(ring64_ptr + slot32 * (4 * N_MAX + 2) + 4 * N_MAX) == s32
         src32 = ring32_ptr + slot32 * L32  # [BLOCK32]
         for lo in range(0, B + 1, BLOCK32):  # ctx (B) and qsl (B + 1)
             o = lo + r32
@@ -241,17 +247,17 @@ def _check(ring64, ring32, dst64, dst32, count, ack, err, layout: StageLayout) -
     check_tensor("ring64", ring64, ndim=2, dtypes=(torch.int64,))
     R = ring64.shape[0]
     n = layout.n_max
-    if ring64.shape[1] != 3 * n + HEADER:
+    if ring64.shape[1] != REGIONS * n + HEADER:
         raise ValueError(
-            f"ring64 must have shape (R, 3 * n_max + {HEADER}) = (R, {3 * n + HEADER}), "
-            f"got {tuple(ring64.shape)}"
+            f"ring64 must have shape (R, {REGIONS} * n_max + {HEADER}) = "
+            f"(R, {REGIONS * n + HEADER}), got {tuple(ring64.shape)}"
         )
     check_tensor("ring32", ring32, ndim=2, dtypes=(torch.int32,))
     if ring32.shape[0] != R:
         raise ValueError(f"ring32 must have {R} slots like ring64, got {ring32.shape[0]}")
     l32 = ring32.shape[1]
     dev = dst64.device
-    check_tensor("dst64", dst64, shape=(3 * n,), dtypes=(torch.int64,))
+    check_tensor("dst64", dst64, shape=(REGIONS * n,), dtypes=(torch.int64,))
     check_tensor("dst32", dst32, shape=(l32,), dtypes=(torch.int32,), device=dev)
     check_tensor("count", count, shape=(1,), dtypes=(torch.int64,), device=dev)
     check_tensor("ack", ack, shape=(R,), dtypes=(torch.int64,))
@@ -267,9 +273,9 @@ def _check(ring64, ring32, dst64, dst32, count, ack, err, layout: StageLayout) -
 
 
 def stage_copy(
-    ring64: torch.Tensor,  # [R, 3 * n_max + HEADER] int64 (pinned host memory on CUDA)
+    ring64: torch.Tensor,  # [R, REGIONS * n_max + HEADER] int64 (pinned host memory on CUDA)
     ring32: torch.Tensor,  # [R, l32] int32 (pinned host memory on CUDA)
-    dst64: torch.Tensor,  # [3 * n_max] int64 (device)
+    dst64: torch.Tensor,  # [REGIONS * n_max] int64 (device)
     dst32: torch.Tensor,  # [l32] int32 (device)
     count: torch.Tensor,  # [1] int64 (device)
     ack: torch.Tensor,  # [R] int64 (pinned host memory on CUDA)

@@ -227,7 +227,7 @@ def test_prefill_staging_pads_a_flat_token_bucket(monkeypatch, seed, staging):
     for i, s in enumerate(seqs):
         assert tables[i, : len(s.block_table)].tolist() == s.block_table
     assert [s.num_cached_tokens for s in seqs] == [st + q for st, q in zip(starts, query_lens)]
-    assert r.dev64.shape[0] == 3 * N
+    assert r.dev64.shape[0] == cuda_graph.REGIONS * N
 
 
 def test_prefill_graph_limit_from_argument_or_default():
@@ -518,20 +518,22 @@ def test_wide_verification_steps_get_decode_shaped_graphs(monkeypatch):
     assert {(B, M, Q) for B, M, Q, _, _ in planned} == {k[:3] for k in wide}
 
 
-def test_tree_bits_are_staged_from_the_ring_slot_or_an_event_guarded_row(monkeypatch):
-    """A ring-staged tree step copies its bits from row ``slot`` of the pinned tree rows (no
-    event: the ring's own check covers it); any other tree step from rows R.., one after another,
-    each guarded by the event of its last copy. Rows past the step's bits are zero up to M."""
+def test_tree_steps_stage_positions_and_bits_with_the_other_inputs(monkeypatch):
+    """A tree step writes its RoPE positions over the consecutive ones and its tree bits (then
+    zeros up to M) into the fourth int64 region of the same staging (a ring slot, or the one
+    pinned buffer of larger steps), which the graph's own copy brings to ``tree_bits``."""
     r = _runner(monkeypatch)
-    R = cuda_graph.STAGE_RING
-    assert r.tree_host.shape[0] == 2 * R
-    r.tree_bits.fill_(7)
-    r._stage_tree_bits([1, 3, 5], 6, ring_slot=2)
-    assert r.tree_bits[:6].tolist() == [1, 3, 5, 0, 0, 0] and r.tree_bits[6].item() == 7
-    assert r.tree_host[2, :3].tolist() == [1, 3, 5] and r.tree_steps == 0
-    assert all(e is None for e in r.tree_copied)
-    for i in range(R + 1):
-        r._stage_tree_bits([i + 1, -(2**63)], 4)
-        assert r.tree_bits[:4].tolist() == [i + 1, -(2**63), 0, 0]
-        assert r.tree_host[R + i % R, 0].item() == i + 1
-    assert r.tree_steps == R + 1 and all(e is not None for e in r.tree_copied)
+    N = r.max_tokens
+    seqs = [types.SimpleNamespace(num_cached_tokens=20, block_table=[3, 4])]
+    tree = ([20, 21, 21, 22], [1, 3, 5, -(2**63)])
+    slot = r._stage_ring(seqs, [[7, 8, 9, 10]], [4], 1, 6, 0, tree)
+    h64 = r.ring64[slot]
+    assert h64[N : N + 4].tolist() == tree[0] and h64[3 * N : 3 * N + 6].tolist() == tree[1] + [0, 0]
+    assert h64[cuda_graph.REGIONS * N].item() == 1  # the launch number after the regions
+    r.np64[3 * N : 4 * N] = 9  # stale bits of an earlier step
+    seqs[0].num_cached_tokens = 20
+    r._stage(seqs, [[7, 8, 9, 10]], [4], 1, 6, tree=tree)
+    assert r.np64[N : N + 4].tolist() == tree[0]
+    assert r.np64[3 * N : 3 * N + 7].tolist() == tree[1] + [0, 0, 9]
+    assert r.tree_bits.data_ptr() == r.dev64[3 * N :].data_ptr() and r.tree_bits.shape[0] == N
+    assert r.dev64[3 * N : 3 * N + 6].tolist() == tree[1] + [0, 0]  # the copy (on the CPU)

@@ -14,8 +14,8 @@ prompt is bound by the host's ~300 kernel launches from Python; a replay is not 
 Llama-3-8B geometry, time to first token of a 128-token prompt: 42 ms eager, 9.2 ms replayed;
 ``bench/prefill_graphs.py``).
 
-All inputs live in static device buffers that the graphs read: token ids, positions and slot
-mapping (int64, ``M`` rows), and context lengths, query start offsets and
+All inputs live in static device buffers that the graphs read: token ids, positions, slot
+mapping and tree bits (int64, ``M`` rows), and context lengths, query start offsets and
 block tables (int32). A step writes them into pinned host memory and replays the graph: no
 device read, no ``.item()``, no per-layer launch. Graphs of up to ``ZERO_COPY_MAX_ROWS`` rows copy
 their inputs themselves: the host writes the next slot of a pinned ring (``_stage_ring``) and the
@@ -46,8 +46,8 @@ Tree graphs (token trees, docs/trees.md): a tree step (``run`` / ``run_head`` wi
 replays a graph of its own, captured on first use, whose attention reads a static
 ``tree_bits`` buffer (``[M]`` int64, one row's ancestor bits each); the step's per-row RoPE
 positions (``ctx_start + depth``) replace the consecutive ones in the staged inputs, and its bits
-are copied in from a pinned slot (``_stage_tree_bits``: the launch's ring slot for ring-staged
-steps) before the replay. Chains of a tree step have causal bits.
+travel in the staged inputs' fourth region (``kernels.stage_copy.REGIONS``), so a tree step
+stages with no copy of its own. Chains of a tree step have causal bits.
 
 Wide verification steps: a scored step or a tree step of more than ``max_query`` (16) and at
 most 64 tokens per sequence (a tree of up to ``MAX_TREE_NODES`` nodes, a chain of up to 63
@@ -73,7 +73,7 @@ import torch
 
 from speculant.engine.sampler import greedy_pack
 from speculant.engine.staging import staging_ext
-from speculant.kernels.stage_copy import HEADER, StageLayout, stage_copy
+from speculant.kernels.stage_copy import HEADER, REGIONS, StageLayout, stage_copy
 from speculant.models.attention import AttentionMetadata, ForwardContext
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -149,6 +149,16 @@ def segment_starts(num_layers: int) -> frozenset[int]:
 HEAD_MAX_ROWS = 64
 
 
+def _stage_tree(h64, N: int, M: int, tree: tuple[list[int], list[int]]) -> None:
+    """Write a tree step's RoPE positions (``[T]``, over the staged consecutive ones) and its
+    tree bits (``[T]``, then zeros up to ``M``) into an int64 staging region ``h64``."""
+    positions, bits = tree
+    T = len(bits)
+    h64[N : N + T] = positions
+    h64[3 * N : 3 * N + T] = bits
+    h64[3 * N + T : 3 * N + M] = 0
+
+
 @dataclass
 class _Graph:
     graphs: list[torch.cuda.CUDAGraph]  # the forward's segments, replayed in this order
@@ -190,25 +200,26 @@ class CudaGraphRunner:
         self.max_prefill = max_prefill
         self.max_tokens = max(max_batch * max_query, max_prefill)  # rows of the static buffers
         N, B, W = self.max_tokens, max_batch, self.W
-        # int64 region: [ids | positions | slots], N each; int32 region: [ctx | qsl | tables]
+        # int64 region: [ids | positions | slots | tree bits], N each (REGIONS);
+        # int32 region: [ctx | qsl | tables]
         self.o32 = (0, B, 2 * B + 1)
         self.len32 = 2 * B + 1 + B * W
         # one pinned staging buffer and one device buffer, each viewed as the int64 region
         # followed by the int32 region: a step stages its inputs with ONE host-to-device copy
-        nbytes = 8 * 3 * N + 4 * self.len32
+        nbytes = 8 * REGIONS * N + 4 * self.len32
         self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.host64 = self.host[: 8 * 3 * N].view(torch.int64)  # [3 * N]
-        self.host32 = self.host[8 * 3 * N :].view(torch.int32)  # [len32]
+        self.host64 = self.host[: 8 * REGIONS * N].view(torch.int64)  # [REGIONS * N]
+        self.host32 = self.host[8 * REGIONS * N :].view(torch.int32)  # [len32]
         self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
-        self.dev64 = self.dev[: 8 * 3 * N].view(torch.int64)  # [3 * N]
-        self.dev32 = self.dev[8 * 3 * N :].view(torch.int32)  # [len32]
+        self.dev64 = self.dev[: 8 * REGIONS * N].view(torch.int64)  # [REGIONS * N]
+        self.dev32 = self.dev[8 * REGIONS * N :].view(torch.int32)  # [len32]
         self.copied = torch.cuda.Event()  # staging may be rewritten once this has passed
         # small steps: a ring of pinned slots, each laid out as [host64 | header] and host32,
         # that the first kernel of their graph copies from (kernels/stage_copy.py)
         pin = device.type == "cuda"
         R = STAGE_RING
-        self.ring64 = torch.zeros(R, 3 * N + HEADER, dtype=torch.int64, pin_memory=pin)
+        self.ring64 = torch.zeros(R, REGIONS * N + HEADER, dtype=torch.int64, pin_memory=pin)
         self.ring32 = torch.zeros(R, self.len32, dtype=torch.int32, pin_memory=pin)
         self.ack = torch.zeros(R, dtype=torch.int64, pin_memory=pin)  # [R] written by the GPU
         self.err = torch.zeros(1, dtype=torch.int64, pin_memory=pin)  # [1] written by the GPU
@@ -218,15 +229,10 @@ class CudaGraphRunner:
         self.launches = 0  # ring launches issued by the host
         self._stage_warm = False
         self.graphs: dict[tuple[int, int, int, tuple[int, ...], bool], _Graph] = {}  # (B, M, Q, aux, head)
-        # tree steps: their own graphs (same keys), the static tree-attention bits they read and
-        # a pinned ring those bits are copied from (each slot reused once its copy has run)
+        # tree steps: their own graphs (same keys), which read the tree bits of the staged
+        # inputs' fourth int64 region (``_stage_ring`` / ``_stage`` write them)
         self.tree_graphs: dict[tuple[int, int, int, tuple[int, ...], bool], _Graph] = {}
-        self.tree_bits = torch.zeros(N, dtype=torch.int64, device=device)  # [N]
-        # [2R, N]: rows 0..R-1 follow the ring slots, R..2R-1 the other (event-guarded) steps
-        self.tree_host = torch.zeros(2 * R, N, dtype=torch.int64, pin_memory=pin)
-        self.tree_host_np = self.tree_host.numpy()
-        self.tree_copied: list[torch.cuda.Event | None] = [None] * R
-        self.tree_steps = 0
+        self.tree_bits = self.dev64[3 * N : 4 * N]  # [N]
         self.pool = None
         self.head_rows = HEAD_MAX_ROWS  # verification graphs of up to this many rows are head graphs
 
@@ -383,21 +389,15 @@ class CudaGraphRunner:
         key = (B, M, Q, tuple(aux_layers), head)
         ring = M <= ZERO_COPY_MAX_ROWS
         graphs = self.graphs if tree is None else self.tree_graphs
-        positions = tree[0] if tree is not None else None
         g = graphs.get(key)
         if ring:
             slot = self._stage_ring(seqs, new_tokens, query_lens, B, M,
-                                    T if token_ids is not None else 0, positions)
-            if tree is not None:
-                self._stage_tree_bits(tree[1], M, slot)
-        elif tree is not None:
-            self._stage_tree_bits(tree[1], M)
-        if ring:
+                                    T if token_ids is not None else 0, tree)
             if g is None:  # the warm-up before the capture reads the device buffers
                 self.dev64.copy_(self.ring64[slot, : self.dev64.shape[0]])
                 self.dev32.copy_(self.ring32[slot])
         else:
-            self._stage(seqs, new_tokens, query_lens, B, M, token_ids is not None, positions)
+            self._stage(seqs, new_tokens, query_lens, B, M, token_ids is not None, tree)
         if token_ids is not None:  # after the staged placeholder ids (the ring skips them)
             self.dev64[:T].copy_(token_ids)
         g = g or self._capture(*key, tree=tree is not None)
@@ -410,33 +410,8 @@ class CudaGraphRunner:
         c, q, t = self.o32
         return StageLayout(n_max=self.max_tokens, m=M, c=c, q=q, t=t, b=B, w=self.W)
 
-    def _stage_tree_bits(self, bits: list[int], M: int, ring_slot: int | None = None) -> None:
-        """Copy a tree step's bits (``[T]``, then zeros up to ``M``) into ``tree_bits`` from a
-        pinned slot, on the current stream (before the replay that reads them). A ring-staged
-        step uses row ``ring_slot`` (its launch's ring slot): ``_stage_ring`` has just checked
-        that the launch which last used that slot has run its first kernel, so the copy queued
-        before it has run too, and no event is needed. Other steps use the next of ``R`` rows
-        of their own, each reused once the event of its last copy has passed."""
-        R = STAGE_RING
-        if ring_slot is not None:
-            row = ring_slot
-        else:
-            row = R + self.tree_steps % R
-            done = self.tree_copied[row - R]
-            if done is not None:
-                done.synchronize()  # the copy that last read this slot has run
-        h = self.tree_host_np[row]
-        T = len(bits)
-        h[:T] = bits
-        h[T:M] = 0
-        self.tree_bits[:M].copy_(self.tree_host[row, :M], non_blocking=True)
-        if ring_slot is None:
-            ev = self.tree_copied[row - R] = torch.cuda.Event()
-            ev.record()
-            self.tree_steps += 1
-
     def _stage_ring(self, seqs, new_tokens, query_lens, B: int, M: int, ids_on_device: int,
-                    positions: list[int] | None = None) -> int:
+                    tree: tuple[list[int], list[int]] | None = None) -> int:
         """Write this step's inputs into the next ring slot (the graph's first kernel copies
         them); returns the slot. Waits only if the launch that last used the slot has not
         copied it yet (``STAGE_RING`` launches ahead)."""
@@ -456,22 +431,21 @@ class CudaGraphRunner:
         h64, h32 = self.ring64_np[slot], self.ring32_np[slot]
         self._fill_small(seqs, new_tokens, query_lens, B, M, ids_on_device > 0, h64, h32)
         N = self.max_tokens
-        if positions is not None:  # a tree step: RoPE positions ctx_start + depth
-            h64[N : N + len(positions)] = positions
-        h64[3 * N] = n
-        h64[3 * N + 1] = ids_on_device
+        if tree is not None:  # a tree step: RoPE positions ctx_start + depth, its tree bits
+            _stage_tree(h64, N, M, tree)
+        h64[REGIONS * N] = n
+        h64[REGIONS * N + 1] = ids_on_device
         for s, ql in zip(seqs, query_lens):
             s.num_cached_tokens += ql
         return slot
 
     def _stage(self, seqs, new_tokens, query_lens, B: int, M: int, on_device: bool = False,
-               positions: list[int] | None = None) -> None:
+               tree: tuple[list[int], list[int]] | None = None) -> None:
         self.copied.synchronize()  # the previous step's copy has read the staging buffers
         fill = self._fill_small if sum(query_lens) <= SMALL_STAGE_TOKENS else self._fill
         fill(seqs, new_tokens, query_lens, B, M, on_device)
-        if positions is not None:  # a tree step: RoPE positions ctx_start + depth
-            N = self.max_tokens
-            self.np64[N : N + len(positions)] = positions
+        if tree is not None:  # a tree step: RoPE positions ctx_start + depth, its tree bits
+            _stage_tree(self.np64, self.max_tokens, M, tree)
         self.dev.copy_(self.host, non_blocking=True)
         self.copied.record()
         for s, ql in zip(seqs, query_lens):
@@ -617,7 +591,7 @@ class CudaGraphRunner:
             return
         R, pin = self.ring64.shape[0], True
         ring64 = torch.zeros_like(self.ring64, pin_memory=pin)
-        ring64[0, 3 * self.max_tokens] = 1  # launch 1 in slot 0
+        ring64[0, REGIONS * self.max_tokens] = 1  # launch 1 in slot 0
         ring32 = torch.zeros_like(self.ring32, pin_memory=pin)
         ack = torch.zeros(R, dtype=torch.int64, pin_memory=pin)
         err = torch.zeros(1, dtype=torch.int64, pin_memory=pin)

@@ -8,6 +8,7 @@ import torch
 
 from speculant.kernels.stage_copy import (
     HEADER,
+    REGIONS,
     StageLayout,
     pinned_copy,
     pinned_copy_reference,
@@ -22,15 +23,15 @@ DEV = torch.device("cuda" if CUDA else "cpu")
 def _buffers(R: int, n_max: int, l32: int, g: torch.Generator):
     pin = CUDA
     ring64 = (
-        torch.randint(1, 1 << 40, (R, 3 * n_max + HEADER), generator=g).pin_memory()
+        torch.randint(1, 1 << 40, (R, REGIONS * n_max + HEADER), generator=g).pin_memory()
         if pin
-        else torch.randint(1, 1 << 40, (R, 3 * n_max + HEADER), generator=g)
+        else torch.randint(1, 1 << 40, (R, REGIONS * n_max + HEADER), generator=g)
     )
     ring32 = torch.randint(1, 1 << 30, (R, l32), generator=g, dtype=torch.int32)
     ring32 = ring32.pin_memory() if pin else ring32
     ack = torch.zeros(R, dtype=torch.int64, pin_memory=pin)
     err = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
-    dst64 = torch.randint(1, 1 << 40, (3 * n_max,), generator=g).to(DEV)
+    dst64 = torch.randint(1, 1 << 40, (REGIONS * n_max,), generator=g).to(DEV)
     dst32 = torch.randint(1, 1 << 30, (l32,), generator=g, dtype=torch.int32).to(DEV)
     count = torch.zeros(1, dtype=torch.int64, device=DEV)
     return ring64, ring32, dst64, dst32, count, ack, err
@@ -50,13 +51,13 @@ def test_launch_sequence_matches_reference(R, n_max, m, b, w):
     ref = [x.clone().cpu() for x in kern]
     for s in range(1, 2 * R + 3):  # wraps around the ring twice
         slot = (s - 1) % R
-        vals64 = torch.randint(1, 1 << 40, (3 * n_max,), generator=g)
+        vals64 = torch.randint(1, 1 << 40, (REGIONS * n_max,), generator=g)
         vals32 = torch.randint(1, 1 << 30, (l32,), generator=g, dtype=torch.int32)
         skip = [0, 1, m][s % 3] if m > 1 else 0  # leading ids already on the device
         for ring64, ring32 in ((kern[0], kern[1]), (ref[0], ref[1])):
-            ring64[slot, : 3 * n_max] = vals64
-            ring64[slot, 3 * n_max] = s
-            ring64[slot, 3 * n_max + 1] = skip
+            ring64[slot, : REGIONS * n_max] = vals64
+            ring64[slot, REGIONS * n_max] = s
+            ring64[slot, REGIONS * n_max + 1] = skip
             ring32[slot] = vals32
         stage_copy(*kern, layout, force_triton=True)
         stage_copy_reference(*ref, layout)
@@ -70,6 +71,8 @@ def test_launch_sequence_matches_reference(R, n_max, m, b, w):
         assert torch.equal(d64[skip:m], vals64[skip:m])
         assert torch.equal(d64[n_max : n_max + m], vals64[n_max : n_max + m])
         assert torch.equal(d64[2 * n_max : 2 * n_max + m], vals64[2 * n_max : 2 * n_max + m])
+        assert torch.equal(d64[3 * n_max : 3 * n_max + m], vals64[3 * n_max : 3 * n_max + m])
+        assert REGIONS == 4  # ids, positions, slots, tree bits
         assert torch.equal(ref[3][t : t + b * w], vals32[t : t + b * w])
         assert torch.equal(ref[3][q : q + b + 1], vals32[q : q + b + 1])
 
@@ -79,7 +82,7 @@ def test_stale_slot_is_not_copied_and_flags_the_error():
     layout = StageLayout(n_max=16, m=4, c=0, q=2, t=5, b=2, w=3)
     kern = _buffers(2, 16, 12, g)
     ring64, _, dst64, dst32, count, ack, err = kern
-    ring64[0, 48] = 7  # the slot holds launch 7, the device expects launch 1
+    ring64[0, REGIONS * 16] = 7  # the slot holds launch 7, the device expects launch 1
     before = (dst64.clone(), dst32.clone())
     stage_copy(*kern, layout, force_triton=True)
     if CUDA:
