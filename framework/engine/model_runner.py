@@ -15,6 +15,7 @@ from speculant.distributed import setup_fused_all_reduce
 from speculant.engine.sampler import greedy_pack
 from speculant.engine.sequence import Sequence
 from speculant.engine.staging import to_device
+from speculant.engine.tree_compaction import CompactionGraphs
 from speculant.kernels.paged_attention import TREE_MAX_ROWS
 from speculant.kernels.tree_kv import compact_tree_kv, tree_row_bits, tree_row_depths
 from speculant.models.attention import AttentionMetadata, ForwardContext
@@ -33,10 +34,26 @@ def tree_step_rows(seqs: list[Sequence], query_lens: list[int],
         if len(parents) + 1 != q:
             raise ValueError(f"a tree step's sequence feeds {q} rows for a tree of "
                              f"{len(parents)} nodes (the root and one row per node)")
+        depths, row_bits = _tree_rows(tuple(parents))
         c0 = s.num_cached_tokens
-        positions.extend(c0 + d for d in tree_row_depths(parents))
-        bits.extend(tree_row_bits(parents))
+        positions.extend([c0 + d for d in depths])
+        bits.extend(row_bits)
     return positions, bits
+
+
+_TREE_ROWS: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}
+
+
+def _tree_rows(parents: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """(row depths, row bits) of a tree shape, remembered: a strategy's trees mostly repeat a
+    few shapes (static trees, the oracle's), and building them cost ~15 us a step on the H100
+    machine's host."""
+    got = _TREE_ROWS.get(parents)
+    if got is None:
+        if len(_TREE_ROWS) >= 1024:
+            _TREE_ROWS.clear()
+        got = _TREE_ROWS[parents] = (tree_row_depths(list(parents)), tree_row_bits(list(parents)))
+    return got
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -61,6 +78,7 @@ class ModelRunner:
         if getattr(getattr(model, "tp", None), "enabled", False) and device.type == "cuda":
             setup_fused_all_reduce(model.config.hidden_size, dtype, device)
         self.graphs = None
+        self.compactions: CompactionGraphs | None = None  # tree steps' K/V moves, on CUDA
         if device.type == "cuda" and not enforce_eager:
             from speculant.engine.cuda_graph import CudaGraphRunner, max_prefill_tokens
 
@@ -171,10 +189,16 @@ class ModelRunner:
                      paths: list[list[int]]) -> None:
         """After a tree step: move the K/V of each sequence's accepted nodes (``paths[i]``,
         in-step rows >= 1, increasing) to the positions right after its root at
-        ``ctx_starts[i]``, in every layer (``kernels.tree_kv.compact_tree_kv``). Sequences whose
-        path is already in place need not be passed."""
+        ``ctx_starts[i]``, in every layer (``kernels.tree_kv.compact_tree_kv``; with CUDA graphs
+        a replay of ``engine.tree_compaction``'s). Sequences whose path is already in place need
+        not be passed."""
         if not seqs:
             return
+        if self.graphs is not None:  # CUDA graphs: a replay, no launch or copy call
+            if self.compactions is None:
+                self.compactions = CompactionGraphs(self.kv_cache, self.graphs.W)
+            if self.compactions.run([s.block_table for s in seqs], ctx_starts, paths):
+                return
         S = len(seqs)
         W = max(len(s.block_table) for s in seqs)
         P = max(len(p) for p in paths)
