@@ -1,0 +1,117 @@
+"""The K/V compaction after a token-tree step as CUDA graph replays.
+
+After a tree step the accepted path's K/V must move next to the root (``kernels.tree_kv.
+compact_tree_kv``). Launched eagerly that costs the host a Triton launch plus a host-to-device
+copy of its inputs (~60 us on the H100 machine, measured in bench/gpu_tree.py's pieces and a
+step profile), and that host time sits between one step's read-back and the next step's launch,
+where the GPU waits. Here each (sequence bucket ``S``, path bucket ``P``) has a CUDA graph whose
+first node copies the inputs from a pinned host vector (``kernels.stage_copy.pinned_copy``) and
+whose second is the compaction kernel: the host writes the vector and replays.
+
+The vector ([S + S * P + S * W] int64) holds each sequence's root position, its accepted rows
+(-1 padding) and its block table padded to ``W`` entries; padded sequences have no rows, so
+they move nothing (they repeat sequence 0's root and table: a slot no one writes). Before rewriting a vector the host checks the event of that graph's last
+replay (its copy has run long before: the step after a compaction reads its results back).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from speculant.kernels.stage_copy import pinned_copy
+from speculant.kernels.tree_kv import compact_tree_kv
+
+SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PATH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # accepted nodes of one tree: at most MAX_TREE_NODES
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+class _Entry:
+    def __init__(self, S: int, P: int, W: int, device: torch.device) -> None:
+        n = S + S * P + S * W
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)  # [n] pinned
+        self.np = self.host.numpy()
+        self.dev = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
+        self.starts = self.dev[:S]  # [S]
+        self.rows = self.dev[S : S + S * P].view(S, P)  # [S, P]
+        self.tables = self.dev[S + S * P :].view(S, W)  # [S, W]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.done: torch.cuda.Event | None = None  # recorded after the last replay
+
+
+class CompactionGraphs:
+    """Compactions of up to 256 sequences, paths of up to 64 nodes and block tables of up to
+    ``width`` blocks, replayed from CUDA graphs on CUDA (captured on first use); on the CPU the
+    same staging runs the function eagerly (tests)."""
+
+    def __init__(self, kv_cache: torch.Tensor, width: int) -> None:
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, d]
+        self.W = width
+        self.device = kv_cache.device
+        self.entries: dict[tuple[int, int], _Entry] = {}
+        self.pool = None
+
+    def run(self, tables: list[list[int]], ctx_starts: list[int], paths: list[list[int]]
+            ) -> bool:
+        """Compact (``compact_tree_kv``'s arguments as lists); False when the call does not fit
+        the graphs (the caller compacts eagerly)."""
+        S = _bucket(len(tables), SEQ_BUCKETS)
+        P = _bucket(max(len(p) for p in paths), PATH_BUCKETS)
+        if S is None or P is None or any(len(t) > self.W for t in tables):
+            return False
+        e = self.entries.get((S, P))
+        if e is None:
+            e = self.entries[(S, P)] = _Entry(S, P, self.W, self.device)
+        if e.done is not None and not e.done.query():
+            e.done.synchronize()  # the last replay's copy has read the vector
+        self._write(e.np, S, P, tables, ctx_starts, paths)
+        if self.device.type != "cuda":
+            self._fn(e)
+            return True
+        if e.graph is None:
+            self._capture(e)  # its warm-up run is this call's compaction
+        else:
+            e.graph.replay()
+        if e.done is None:
+            e.done = torch.cuda.Event()
+        e.done.record()
+        return True
+
+    def _write(self, h: np.ndarray, S: int, P: int, tables, ctx_starts, paths) -> None:
+        W, n = self.W, len(tables)
+        h[:] = 0
+        h[:n] = ctx_starts
+        rows = h[S : S + S * P].reshape(S, P)
+        rows[:] = -1
+        tab = h[S + S * P :].reshape(S, W)
+        for i, (t, p) in enumerate(zip(tables, paths)):
+            rows[i, : len(p)] = p
+            tab[i, : len(t)] = t
+        # padded sequences: sequence 0's root and table with no rows, so that where padding
+        # copies a slot onto itself (the CPU path) that is a slot no one writes (a root)
+        h[n:S] = ctx_starts[0]
+        tab[n:] = tab[0]
+
+    def _fn(self, e: _Entry) -> None:
+        pinned_copy(e.host, e.dev)  # the graph's first node: [n] pinned -> device
+        compact_tree_kv(self.kv_cache, e.tables, e.starts, e.rows)
+
+    def _capture(self, e: _Entry) -> None:
+        cur = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(cur)
+        # the warm-up compiles the kernels and is this call's compaction (a compaction is not
+        # idempotent: a moved entry's old slot may be a later source); the capture runs nothing
+        with torch.cuda.stream(stream):
+            self._fn(e)
+        cur.wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        e.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(e.graph, pool=self.pool):
+            self._fn(e)
