@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import BIG_V, make_medusa
+from fake_graphs import replay_on_cpu
 from test_distribution import K, N, checks, joint, sample, target  # noqa: F401 (fixtures)
 from test_mlp_speculator import (
     generate_ids,
@@ -402,18 +403,8 @@ def _tree_batch(n: int, device: str = "cpu"):
 
 
 def _as_graph_on_cpu(monkeypatch, strategy) -> list:
-    """Run the tree graphs' path on the CPU (as tests/test_tree_drafting.py does for EAGLE):
-    ``graphs.enabled``, a "replay" that runs the captured function on the key's static buffers
-    (the padded batch bucket). Returns the keys replayed."""
-    graphs, keys = strategy.graphs, []
-
-    def replay(key, fn):
-        keys.append(key)
-        return fn(*graphs.inputs[key])
-
-    monkeypatch.setattr(graphs, "enabled", True)
-    monkeypatch.setattr(graphs, "replay", replay)
-    return keys
+    """The tree graphs' path on the CPU (tests/fake_graphs.py); the keys replayed."""
+    return replay_on_cpu(monkeypatch, strategy.graphs)
 
 
 @torch.inference_mode()

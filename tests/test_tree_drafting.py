@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import make_eagle1, make_eagle3
+from fake_graphs import replay_on_cpu
 from test_eagle import SMALL_V, TARGET_LAYERS, generate_ids, greedy_params, prompts_for
 
 from speculant import LLM, SamplingParams
@@ -396,18 +397,8 @@ def _legacy_trees(tree: HeadTreeDrafter, batch: SpecBatch, feats: torch.Tensor) 
 
 
 def _as_graph_on_cpu(monkeypatch, drafter) -> list:
-    """Run the tree graphs' path on the CPU: ``graphs.enabled``, a "replay" that runs the
-    captured function on the key's static buffers (padded batch bucket, pinned-copy staging,
-    ``graph_width`` tables). Returns the keys replayed."""
-    graphs, keys = drafter.graphs, []
-
-    def replay(key, fn):
-        keys.append(key)
-        return fn(*graphs.inputs[key])
-
-    monkeypatch.setattr(graphs, "enabled", True)
-    monkeypatch.setattr(graphs, "replay", replay)
-    return keys
+    """The tree graphs' path on the CPU (tests/fake_graphs.py); the keys replayed."""
+    return replay_on_cpu(monkeypatch, drafter.graphs)
 
 
 @pytest.mark.parametrize("shape", ["dynamic", "static"])
