@@ -1,6 +1,6 @@
 """Host timeline of speculative steps at Llama-3-8B scale: where the GPU waits for the host.
 
-    python bench/spec_timeline.py --out OUT_DIR [--layers 32] [--tokens 128]
+    python bench/spec_timeline.py --out OUT_DIR [--layers 32] [--tokens 128] [--trees 16:2,16:8]
 
 A verification step cannot be launched before the previous step's accepted tokens are known, so
 everything the host does between reading them back and launching the next forward leaves the GPU
@@ -9,6 +9,12 @@ batch-1 decoding and the oracle (a = 0.8, k = 5 and a = 0.9, k = 3) exactly as `
 bench`` does, then reruns the oracle with timestamps (``time.perf_counter_ns``) at the entry and
 exit of each phase of the step (engine step, propose, staging, graph launch, verify) and reports
 the median time between consecutive marks. Writes spec_timeline.json.
+
+``--trees N:W,...``: token trees (issue 36) against chains of as many nodes, each with every
+level accepted (oracle, alpha 1; W siblings a level, the true token's rank drawn uniformly), one
+timeline each (``tree_timelines``, with the tree step's own marks: ``check``, ``compact``): the
+median step of each and the host work between a step's read-back and the next launch that only
+the tree steps do.
 """
 
 from __future__ import annotations
@@ -116,20 +122,69 @@ def instrument(tl: Timeline) -> None:
     cuda_graph._Graph.replay = replay
 
 
+def tree_timelines(engine, prompt: list[int], shapes: list[tuple[int, int]], tokens: int,
+                   tl: Timeline, warmup: int = 32) -> dict:
+    """For each (nodes N, width W) of ``shapes``: the oracle's chain of N and its tree N:W at
+    alpha 1 over the same recorded continuation, ``tokens`` tokens each after ``warmup``: median
+    step (ms) and the timeline's intervals. ``instrument(tl)`` must have run; this adds the tree
+    marks. Works on any device (the CPU smoke test)."""
+    from gpu_tree import default_rank_probs
+
+    from speculant.bench import _decode_run, _set_strategy
+    from speculant.engine import spec_decode
+
+    for attr, name in (("_compact", "compact"), ("_check", "check")):
+        if not hasattr(getattr(spec_decode.SpecDecoder, attr), "__wrapped__"):
+            tl.wrap(spec_decode.SpecDecoder, attr, name)
+    _set_strategy(engine, None)
+    longest = max(n for n, _ in shapes) + 1
+    rec = _decode_run(engine, [prompt], warmup + tokens + 2 * longest)["tokens"][0]
+    refs = [{"prompt_token_ids": prompt, "output_token_ids": rec}]
+    out: dict = {}
+    for n, w in shapes:
+        for name, extra in ((f"chain k={n}", {}),
+                            (f"tree {n}:{w}", {"tree_width": w,
+                                               "rank_probs": default_rank_probs(1.0, w)})):
+            if name in out:
+                continue
+            _set_strategy(engine, dict(method="oracle", alpha=1.0, num_speculative_tokens=n,
+                                       references=refs, **extra))
+            _decode_run(engine, [prompt], warmup)
+            tl.steps, tl.on = [], True
+            r = _decode_run(engine, [prompt], tokens)
+            tl.on = False
+            times = sorted(r["step_times"])
+            out[name] = {"median_step_ms": 1e3 * times[len(times) // 2] if times else None,
+                         "steps": r["steps"], "intervals": tl.intervals()}
+            print(f"\n== {name}: {r['steps']} steps, median {out[name]['median_step_ms']:.3f} ms")
+            for row in out[name]["intervals"]:
+                us = row["median_us"]
+                print(f"  {row['interval']:<40} {'' if us is None else f'{us:9.1f} us'}")
+    _set_strategy(engine, None)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--trees", default="", help="N:W,...: also token trees against chains of N "
+                    "(see the module doc), e.g. 16:2,16:8")
     args = ap.parse_args()
+    from gpu_tree import parse_shapes
+
+    trees = parse_shapes(args.trees)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     from speculant.bench import _decode_run, random_prompts, run_bench, table
 
     bw = copy_bandwidth()
-    llm = synthetic_target(args.layers, args.prompt_len + args.tokens + 64, "speculant-tl-")
+    longest = max((n for n, _ in trees), default=0) + 1
+    llm = synthetic_target(args.layers, args.prompt_len + 2 * args.tokens + 4 * longest + 64,
+                           "speculant-tl-")
     engine = llm.engine
     prompts = random_prompts(1, args.prompt_len, engine.vocab_size, seed=0)
     specs = [
@@ -169,6 +224,8 @@ def main() -> int:
             us = row["median_us"]
             print(f"  {row['interval']:<40} {'' if us is None else f'{us:9.1f} us'}  n={row['n']}")
     _set_strategy(engine, None)
+    if trees:
+        timelines["trees"] = tree_timelines(engine, prompts[0], trees, args.tokens, tl)
     doc = {
         "copy_bandwidth_Bps": bw,
         "device": torch.cuda.get_device_name(),
