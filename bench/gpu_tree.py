@@ -14,7 +14,8 @@ limit (``--budget-s`` in all), so that a phase that fails or hangs is recorded a
 still runs; gpu_tree.json is rewritten after every phase, a phase's part file after every cell:
 
 * ``step_cost``: ms per target step (median over the run's steps) of plain decoding, of chains
-  (the oracle at alpha 1, k = n: every draft accepted) and of oracle trees of the same node
+  (the oracle at alpha 1, k = n: every draft accepted; measured right before the trees of
+  their node count and again right after, the median over both) and of oracle trees of the same node
   count n (``--shapes`` N:W, W siblings per level, N // W levels, the true token's rank drawn
   uniformly: every level accepted, so the accepted path moves and its K/V is compacted on
   nearly every step); a tree and its chain run the same number of tokens from the same prompt
@@ -697,6 +698,23 @@ def step_tokens(args, nodes: int) -> int:
     return max(args.step_tokens, 16 * (nodes + 1))
 
 
+def _merge_visits(first: dict, again: dict) -> dict:
+    """A chain cell measured before and after its trees: ``first`` updated in place with the
+    median over both visits' runs (each run's median step), and each visit's figure kept."""
+    import statistics
+
+    runs = first.get("ms_per_step_runs", []) + again.get("ms_per_step_runs", [])
+    first["ms_per_step_visits"] = [first.get("ms_per_step"), again.get("ms_per_step")]
+    if runs:
+        first["ms_per_step_runs"] = runs
+        first["ms_per_step"] = statistics.median(runs)
+    if "error" in again:
+        first.setdefault("error", again["error"])
+    first["same_tokens_as_plain"] = bool(first.get("same_tokens_as_plain")) and bool(
+        again.get("same_tokens_as_plain"))
+    return first
+
+
 def step_cost_phase(args, part: dict, engine, counter: GraphCounter, prompt) -> None:
     from speculant.bench import _decode_run, _set_strategy
 
@@ -712,16 +730,22 @@ def step_cost_phase(args, part: dict, engine, counter: GraphCounter, prompt) -> 
     todo: list[tuple[str, dict | None, int, dict]] = []
     for T in sorted({tokens_for(n) for n in node_counts}):
         todo.append(("plain", None, T, {"kind": "plain", "name": "plain", "nodes": 0}))
+    # each chain right before the trees of its node count and again right after them (its cost
+    # is the median over both visits), so that a drift over the run (the GPU's clocks, the
+    # process's growing heap) weighs on a tree and its chain alike
     for n in node_counts:
-        todo.append(("chain", _oracle_spec(refs, n), tokens_for(n),
-                     {"kind": "chain", "name": f"chain k={n}", "nodes": n, "width": 1,
-                      "levels": n}))
-    for budget, w, levels, n in trees:
-        spec = _oracle_spec(refs, budget, w, rank_probs=[1.0 / w] * w)
-        todo.append(("tree", spec, tokens_for(n),
-                     {"kind": "tree", "name": f"tree n={n} w={w}", "nodes": n, "width": w,
-                      "levels": levels, "budget": budget}))
-    for _kind, spec, T, meta in todo:
+        chain = ("chain", _oracle_spec(refs, n), tokens_for(n),
+                 {"kind": "chain", "name": f"chain k={n}", "nodes": n, "width": 1, "levels": n})
+        todo.append(chain)
+        mine = [t for t in trees if t[3] == n]
+        for budget, w, levels, _ in mine:
+            spec = _oracle_spec(refs, budget, w, rank_probs=[1.0 / w] * w)
+            todo.append(("tree", spec, tokens_for(n),
+                         {"kind": "tree", "name": f"tree n={n} w={w}", "nodes": n, "width": w,
+                          "levels": levels, "budget": budget}))
+        if mine:
+            todo.append(("chain again", *chain[1:]))
+    for kind, spec, T, meta in todo:
         cell = dict(meta, tokens=T)
         try:
             cell.update(_cell(engine, counter, prompt, spec, T, args.step_repeats, reference,
@@ -732,7 +756,11 @@ def step_cost_phase(args, part: dict, engine, counter: GraphCounter, prompt) -> 
             traceback.print_exc()
         finally:
             _set_strategy(engine, None)
-        part["cells"].append(cell)
+        if kind == "chain again":
+            cell = _merge_visits(next(c for c in part["cells"] if c["name"] == meta["name"]
+                                      and c["tokens"] == T), cell)
+        else:
+            part["cells"].append(cell)
         _save_part(args, part)
         print(f"[{args.phase_name} {time.perf_counter() - t0:5.0f}s] {meta['name']:>16} T={T} "
               f"{_fmt(cell.get('ms_per_step'))} ms/step, same {cell.get('same_tokens_as_plain')}"

@@ -364,3 +364,15 @@ def test_e2e_row_takes_the_step_cost_of_its_real_node_count():
     assert row["step_cost_ratio"] == pytest.approx(1.1)
     assert row["theoretical_speedup"] == pytest.approx(
         gpu_tree.expected_tokens_oracle_tree(2, 15, [0.6, 0.24]) / 1.1)
+
+
+def test_a_chain_measured_around_its_trees_takes_the_median_of_both_visits():
+    first = {"name": "chain k=16", "ms_per_step": 6.5, "ms_per_step_runs": [6.4, 6.5, 6.6],
+             "same_tokens_as_plain": True}
+    again = {"ms_per_step": 6.9, "ms_per_step_runs": [6.8, 6.9, 7.0], "same_tokens_as_plain": True}
+    got = gpu_tree._merge_visits(first, again)
+    assert got is first and got["ms_per_step"] == pytest.approx(6.7)
+    assert got["ms_per_step_visits"] == [6.5, 6.9]
+    assert len(got["ms_per_step_runs"]) == 6 and got["same_tokens_as_plain"]
+    bad = gpu_tree._merge_visits(dict(first), {"error": "boom", "same_tokens_as_plain": False})
+    assert bad["error"] == "boom" and not bad["same_tokens_as_plain"]
