@@ -165,6 +165,9 @@ def _demo(monkeypatch, capsys, costs, cpu_costs=None, **kw):
     clock, cpu_clock, calls = _Clock(), _Clock(), {}
     monkeypatch.setattr(demo.time, "perf_counter", clock)
     monkeypatch.setattr(demo.time, "process_time", cpu_clock)
+    # the demo collects garbage before each timed run: with the test run's heap that costs
+    # 0.2-0.6 s a call and nothing here, where the runs and the clocks are fakes
+    monkeypatch.setattr(demo.gc, "collect", lambda *a: 0)
     monkeypatch.setattr(speculant, "LLM", _fake_llm(clock, costs, calls, cpu_clock, cpu_costs),
                         raising=False)
     rc = demo.run_demo(**kw)
@@ -187,10 +190,6 @@ def test_demo_keeps_each_sides_fastest_run(monkeypatch, capsys):
     assert calls[("none", "qa", 128)] == calls[("ngram", "qa", 128)] == 3  # same work both sides
 
 
-# slow: each demo test costs ~30 gc.collect() calls of the demo's timing loop (5-20 s with the
-# default run's heap); the re-timing loop runs in the default run through
-# test_demo_flags_a_lasting_slowdown (re-timed, still slower, flagged)
-@pytest.mark.slow
 def test_demo_retimes_a_slower_category(monkeypatch, capsys):
     # qa's speculative runs are disturbed in the first 3 repeats only: re-timed, both sides
     def costs(method, cat, n):
@@ -253,8 +252,7 @@ def test_demo_on_a_starved_cpu_reports_cpu_time(monkeypatch, capsys):
     assert _line(out, "none").split()[1] == "10.0"  # 10 tokens per run, 1.0 s of CPU
 
 
-# slow (see above): the wall clock is the clock of every other demo test but the starved one
-@pytest.mark.slow
+# the wall clock is the clock of every other demo test but the starved one
 def test_demo_keeps_the_wall_clock_with_a_core_to_itself(monkeypatch, capsys):
     # CPU time ~ wall time: the wall clock, which here shows qa slower: re-timed, then flagged
     def wall(method, cat, n):

@@ -150,6 +150,7 @@ def test_each_method_learns_and_its_checkpoint_runs_losslessly(method, target, d
     assert m.num_draft_tokens > 0
 
 
+@pytest.mark.slow  # two short training runs: CI's slow run keeps it
 def test_resume_continues_exactly(target, data, tmp_path):
     def run(out: Path, resume: bool, stop_at: int | None = None) -> dict:
         torch.manual_seed(0)
