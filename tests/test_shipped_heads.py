@@ -99,6 +99,7 @@ def test_a_recipe_fixes_its_settings(registry, target, tmp_path):
         main(["train", "eagle", "--model", "default", "--recipe", "tiny-eagle", "--out", "x"])
 
 
+@pytest.mark.slow  # a whole demo run (6 s): CI's slow run keeps it
 def test_demo_shows_an_installed_head_beside_ngram(registry, target, tmp_path, capsys):
     from speculant.demo import default_methods, run_demo
 
