@@ -55,3 +55,19 @@ def test_calls_that_do_not_fit_are_refused():
     assert not graphs.run([[0]] * 257, [0] * 257, [[1]] * 257)  # more sequences
     assert not graphs.run([[0]], [0], [list(range(1, 66))])  # a path past 64 nodes
     assert not graphs.entries
+
+
+def test_eager_compactions_match_the_reference():
+    """The path of calls no graph fits (and of every call without CUDA graphs): the same
+    vector, unpadded, in one copy."""
+    rng = random.Random(1)
+    kv0 = torch.randn(2, 2, 40, 4, 2, 8)
+    graphs = CompactionGraphs(kv0.clone(), width=0)
+    want = kv0.clone()
+    for step in range(6):
+        _, tables, starts, paths = _case(rng, rng.choice([1, 3, 5]), 6)
+        paths[0] = paths[0] or [2]
+        graphs.eager(tables, starts, paths)
+        _ref(want, tables, starts, paths)
+        assert torch.equal(graphs.kv_cache, want), f"step {step}"
+    assert not graphs.entries

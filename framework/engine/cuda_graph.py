@@ -262,11 +262,11 @@ class CudaGraphRunner:
         if longest <= self.max_query:
             B, Q = _bucket(n, self.buckets), _bucket(longest, self.q_buckets)
             return B, B * Q, Q
-        wide_q = _bucket(longest, tuple(q for q in WIDE_QUERY_BUCKETS if q > self.max_query))
-        if wide and wide_q is not None:
+        if wide:
+            Q = _bucket(longest, tuple(q for q in WIDE_QUERY_BUCKETS if q > self.max_query))
             B = _bucket(n, self.buckets)
-            if B * wide_q <= self.max_tokens:
-                return B, B * wide_q, wide_q
+            if Q is not None and B * Q <= self.max_tokens:
+                return B, B * Q, Q
         T = sum(query_lens)
         if T > self.max_prefill:
             return None

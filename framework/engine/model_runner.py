@@ -14,10 +14,9 @@ import torch
 from speculant.distributed import setup_fused_all_reduce
 from speculant.engine.sampler import greedy_pack
 from speculant.engine.sequence import Sequence
-from speculant.engine.staging import to_device
 from speculant.engine.tree_compaction import CompactionGraphs
 from speculant.kernels.paged_attention import TREE_MAX_ROWS
-from speculant.kernels.tree_kv import compact_tree_kv, tree_row_bits, tree_row_depths
+from speculant.kernels.tree_kv import tree_row_bits, tree_row_depths
 from speculant.models.attention import AttentionMetadata, ForwardContext
 
 
@@ -78,7 +77,7 @@ class ModelRunner:
         if getattr(getattr(model, "tp", None), "enabled", False) and device.type == "cuda":
             setup_fused_all_reduce(model.config.hidden_size, dtype, device)
         self.graphs = None
-        self.compactions: CompactionGraphs | None = None  # tree steps' K/V moves, on CUDA
+        self.compactions: CompactionGraphs | None = None  # tree steps' K/V moves
         if device.type == "cuda" and not enforce_eager:
             from speculant.engine.cuda_graph import CudaGraphRunner, max_prefill_tokens
 
@@ -194,28 +193,12 @@ class ModelRunner:
         not be passed."""
         if not seqs:
             return
-        if self.graphs is not None:  # CUDA graphs: a replay, no launch or copy call
-            if self.compactions is None:
-                self.compactions = CompactionGraphs(self.kv_cache, self.graphs.W)
-            if self.compactions.run([s.block_table for s in seqs], ctx_starts, paths):
-                return
-        S = len(seqs)
-        W = max(len(s.block_table) for s in seqs)
-        P = max(len(p) for p in paths)
-        # one int64 copy through pinned memory (no stream synchronisation on CUDA), viewed as
-        # [S] starts | [S, P] rows | [S, W] tables: each copy call costs the host ~20 us
-        flat = [int(c) for c in ctx_starts]
-        for p in paths:
-            flat.extend(p)
-            flat.extend([-1] * (P - len(p)))
-        for s in seqs:
-            flat.extend(s.block_table)
-            flat.extend([0] * (W - len(s.block_table)))
-        ints = to_device(flat, torch.int64, self.device)  # [S + S * P + S * W]
-        starts = ints[:S]  # [S]
-        rows = ints[S : S + S * P].view(S, P)  # [S, P]
-        tables = ints[S + S * P :].view(S, W)  # [S, W]
-        compact_tree_kv(self.kv_cache, tables, starts, rows)
+        if self.compactions is None:
+            self.compactions = CompactionGraphs(self.kv_cache, self.graphs.W if self.graphs else 0)
+        tables = [s.block_table for s in seqs]
+        # with CUDA graphs a replay (no launch or copy call), else one pinned copy and a launch
+        if self.graphs is None or not self.compactions.run(tables, ctx_starts, paths):
+            self.compactions.eager(tables, ctx_starts, paths)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

@@ -10,8 +10,10 @@ whose second is the compaction kernel: the host writes the vector and replays.
 
 The vector ([S + S * P + S * W] int64) holds each sequence's root position, its accepted rows
 (-1 padding) and its block table padded to ``W`` entries; padded sequences have no rows, so
-they move nothing (they repeat sequence 0's root and table: a slot no one writes). Before rewriting a vector the host checks the event of that graph's last
-replay (its copy has run long before: the step after a compaction reads its results back).
+they move nothing (they repeat sequence 0's root and table: a slot no one writes). Before
+rewriting a vector the host checks the event of that graph's last replay (its copy has run long
+before: the step after a compaction reads its results back). Calls that fit no graph, and every
+call without CUDA graphs, take ``eager``: the same vector, unpadded, in one pinned copy.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from speculant.engine.cuda_graph import _bucket, gc_paused
+from speculant.engine.staging import to_device
 from speculant.kernels.stage_copy import pinned_copy
 from speculant.kernels.tree_kv import compact_tree_kv
 
@@ -26,8 +30,9 @@ SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PATH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # accepted nodes of one tree: at most MAX_TREE_NODES
 
 
-def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
-    return next((b for b in buckets if b >= n), None)
+def _views(ints: torch.Tensor, S: int, P: int, W: int):
+    """(starts [S], rows [S, P], tables [S, W]): the parts of one staged int64 vector."""
+    return ints[:S], ints[S : S + S * P].view(S, P), ints[S + S * P :].view(S, W)
 
 
 class _Entry:
@@ -37,9 +42,7 @@ class _Entry:
         self.host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)  # [n] pinned
         self.np = self.host.numpy()
         self.dev = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
-        self.starts = self.dev[:S]  # [S]
-        self.rows = self.dev[S : S + S * P].view(S, P)  # [S, P]
-        self.tables = self.dev[S + S * P :].view(S, W)  # [S, W]
+        self.starts, self.rows, self.tables = _views(self.dev, S, P, W)  # [S], [S, P], [S, W]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.done: torch.cuda.Event | None = None  # recorded after the last replay
 
@@ -69,7 +72,7 @@ class CompactionGraphs:
             e = self.entries[(S, P)] = _Entry(S, P, self.W, self.device)
         if e.done is not None and not e.done.query():
             e.done.synchronize()  # the last replay's copy has read the vector
-        self._write(e.np, S, P, tables, ctx_starts, paths)
+        self._write(e.np, S, P, self.W, tables, ctx_starts, paths)
         if self.device.type != "cuda":
             self._fn(e)
             return True
@@ -82,8 +85,20 @@ class CompactionGraphs:
         e.done.record()
         return True
 
-    def _write(self, h: np.ndarray, S: int, P: int, tables, ctx_starts, paths) -> None:
-        W, n = self.W, len(tables)
+    def eager(self, tables: list[list[int]], ctx_starts: list[int], paths: list[list[int]]
+              ) -> None:
+        """Compact without a graph: the vector of ``run``, unpadded, in one copy through pinned
+        memory (no stream synchronisation on CUDA; each copy call costs the host ~20 us)."""
+        S, P, W = len(tables), max(len(p) for p in paths), max(len(t) for t in tables)
+        h = np.empty(S + S * P + S * W, dtype=np.int64)
+        self._write(h, S, P, W, tables, ctx_starts, paths)
+        ints = to_device(torch.from_numpy(h), torch.int64, self.device)  # [S + S * P + S * W]
+        starts, rows, tables_t = _views(ints, S, P, W)
+        compact_tree_kv(self.kv_cache, tables_t, starts, rows)
+
+    @staticmethod
+    def _write(h: np.ndarray, S: int, P: int, W: int, tables, ctx_starts, paths) -> None:
+        n = len(tables)
         h[:] = 0
         h[:n] = ctx_starts
         rows = h[S : S + S * P].reshape(S, P)
@@ -113,5 +128,5 @@ class CompactionGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         e.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(e.graph, pool=self.pool):
+        with gc_paused(), torch.cuda.graph(e.graph, pool=self.pool):
             self._fn(e)
