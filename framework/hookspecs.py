@@ -134,7 +134,8 @@ def verify(batch: SpecBatch, proposal: Proposal, scores: ScoreResult) -> VerifyR
     :return: a :class:`~speculant.spec_types.VerifyResult`: per sequence the list of emitted
         tokens (accepted drafts followed by exactly one bonus/recovered token; for a
         :class:`~speculant.spec_types.DraftTree`, the tokens of one root path of the tree, then
-        one token: ``verify_tree_greedy`` / ``verify_tree_sampled`` give them).
+        one token: ``verify_tree_greedy`` / ``verify_tree_sampled`` give them; optionally
+        ``tree_paths``, the accepted nodes, which spares the engine finding the path).
     """
 
 

@@ -145,6 +145,10 @@ class VerifyResult:
     # optional: the target's log-probability (log_softmax of the raw score logits) of each token
     # in token_ids, same shape; when None the engine computes them (one batched gather)
     logprobs: list[list[float]] | None = None
+    # optional, for token trees: per sequence, the accepted nodes of its DraftTree (node indices,
+    # root side first; num_accepted[i] of them; None for a chain). The engine checks that they
+    # are a root path spelling the accepted tokens; when None it finds that path itself
+    tree_paths: list[list[int] | None] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,10 +166,13 @@ class DraftTreeError(ValueError):
     sequence it was drafted for. The message names the field, the node and the fix."""
 
 
+_INT_TYPE = {int}
+
+
 def _int_list(values: Any, name: str) -> list[int]:
     """``values`` (a list, tuple, 1-d tensor or array of integers) as a list of Python ints;
     :class:`DraftTreeError` naming ``DraftTree.<name>[i]`` for anything else (bools included)."""
-    if type(values) is list and all(type(v) is int for v in values):
+    if type(values) is list and set(map(type, values)) <= _INT_TYPE:
         return list(values)  # the common case, ~10x cheaper than the checks below
     if isinstance(values, torch.Tensor) or type(values).__module__ == "numpy":
         if getattr(values, "ndim", 1) != 1:
@@ -222,6 +229,8 @@ class DraftTree:
         if len(self.parents) != n:
             raise DraftTreeError(f"DraftTree has {n} token_ids but {len(self.parents)} parents: "
                                  "give one parent per node")
+        if all(map(int.__lt__, self.parents, range(n))) and min(self.parents, default=0) >= -1:
+            return  # the common case in one pass; the loop below names the first bad node
         for i, p in enumerate(self.parents):
             if not -1 <= p < i:
                 raise DraftTreeError(
@@ -248,8 +257,16 @@ class DraftTree:
         return self.parents == list(range(-1, self.num_nodes - 1))
 
     def children(self, node: int = -1) -> list[int]:
-        """The children of ``node`` (-1: the root), in index (drawing) order."""
-        return [i for i, p in enumerate(self.parents) if p == node]
+        """The children of ``node`` (-1: the root), in index (drawing) order. The first call
+        builds a map of every node's children, which later calls read: modify a tree's
+        ``parents`` only by building a new ``DraftTree``."""
+        kids = self.__dict__.get("_kids")
+        if kids is None or kids[0] is not self.parents:
+            m: dict[int, list[int]] = {}
+            for c, p in enumerate(self.parents):
+                m.setdefault(p, []).append(c)
+            kids = self.__dict__["_kids"] = (self.parents, m)
+        return list(kids[1].get(node, ()))
 
     def depths(self) -> list[int]:
         """Each node's depth: 1 for children of the root. Node ``i``'s token would sit at
@@ -303,7 +320,8 @@ class DraftTree:
         if max_nodes is not None and n > max_nodes:
             raise DraftTreeError(f"{who}: a DraftTree of {n} nodes, more than the sequence's "
                                  f"limit of {max_nodes} (SpecSequence.max_draft): propose fewer")
-        for i, t in enumerate(self.token_ids):
+        ok = not self.token_ids or (min(self.token_ids) >= 0 and max(self.token_ids) < vocab_size)
+        for i, t in enumerate(() if ok else self.token_ids):
             if not 0 <= t < vocab_size:
                 raise DraftTreeError(f"{who}: DraftTree.token_ids[{i}] = {t} is outside the "
                                      f"vocabulary [0, {vocab_size})")

@@ -44,6 +44,8 @@ decodes plainly. ``speculant bench`` records the references itself.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import random
@@ -171,25 +173,29 @@ class OracleStrategy(Strategy):
         return j
 
     def _tree(self, true: list[int], budget: int) -> DraftTree | list[int]:
-        """Tree mode's draft over the true continuation ``true`` (module doc)."""
+        """Tree mode's draft over the true continuation ``true`` (module doc). A level's
+        corrupted siblings are distinct tokens other than the true one, from one random offset
+        (a tree's draw costs two random numbers per level, not one per node)."""
         w = min(self.tree_width, budget)
         levels = min(len(true), budget // w)
+        V = self.vocab_size
         ids: list[int] = []
         parents: list[int] = []
         parent = -1
+        cum = list(itertools.accumulate(self.rank_probs[:w]))
         for d in range(levels):
-            u, rank, acc = self.rng.random(), -1, 0.0
-            for j, p in enumerate(self.rank_probs[:w]):
-                acc += p
-                if u < acc:
-                    rank = j
-                    break
-            first = len(ids)
-            for j in range(w):
-                ids.append(true[d] if j == rank else self._corrupt(true[d]))
-                parents.append(parent)
-            self.num_corrupted += w - (rank >= 0)
-            parent = first + max(rank, 0)
+            rank = bisect.bisect_right(cum, self.rng.random())  # w: none of the siblings
+            t = true[d]
+            off = t + 1 + self.rng.randrange(max(V - w, 1))  # corrupted sibling m: off + m (mod V), != t
+            level = [(off + m) % V for m in range(w)]
+            if rank < w:
+                level[rank] = t
+                self.num_corrupted += w - 1
+            else:
+                self.num_corrupted += w
+            ids += level
+            parents += [parent] * w
+            parent = len(ids) - w + (rank if rank < w else 0)
         self.num_proposed += len(ids)
         return DraftTree(ids, parents) if ids else []
 

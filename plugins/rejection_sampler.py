@@ -117,8 +117,9 @@ class RejectionSampler(Strategy):
                                    [scores.logits[starts[i] : starts[i] + lengths[i] + 1]
                                     for i in trees])
         lp_rows, lp_ids = [], []
+        tree_paths: list[list[int] | None] = [None] * B
         for i, (path, toks) in zip(trees, paths):
-            tokens[i], accepted[i] = toks, len(path)
+            tokens[i], accepted[i], tree_paths[i] = toks, len(path), list(path)
             lp_rows += [starts[i], *(starts[i] + c + 1 for c in path)]
             lp_ids += toks
         if lp_rows:  # the target's log-probability (raw logits) of each tree token: one read
@@ -129,7 +130,8 @@ class RejectionSampler(Strategy):
             for i in trees:
                 logprobs[i] = lp[pos : pos + len(tokens[i])]
                 pos += len(tokens[i])
-        return VerifyResult(token_ids=tokens, num_accepted=accepted, logprobs=logprobs)
+        return VerifyResult(token_ids=tokens, num_accepted=accepted, logprobs=logprobs,
+                            tree_paths=tree_paths)
 
     def _verify_trees(self, seqs: list[SpecSequence], trees: list[DraftTree],
                       logits: list[torch.Tensor]) -> list[tuple[list[int], list[int]]]:
@@ -343,7 +345,7 @@ def verify_greedy_trees(
         raise ValueError(f"ScoreResult.greedy must have shape [sum(k_i + 1), 2] = [{rows}, 2], "
                          f"got {list(greedy.shape)}")
     packed = read_back(greedy)  # [[argmax, logprob], ...]
-    tokens, accepted, logprobs = [], [], []
+    tokens, accepted, logprobs, paths = [], [], [], []
     r0 = 0
     for d in drafts:
         tree = d if isinstance(d, DraftTree) else DraftTree.chain(d)
@@ -362,8 +364,10 @@ def verify_greedy_trees(
         tokens.append([int(packed[r][0]) for r in used])
         logprobs.append([packed[r][1] for r in used])
         accepted.append(len(path))
+        paths.append(path if d is tree else None)
         r0 += tree.num_nodes + 1
-    return VerifyResult(token_ids=tokens, num_accepted=accepted, logprobs=logprobs)
+    return VerifyResult(token_ids=tokens, num_accepted=accepted, logprobs=logprobs,
+                        tree_paths=paths)
 
 
 def _starts(lengths: list[int]) -> list[int]:

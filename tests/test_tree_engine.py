@@ -218,10 +218,16 @@ class Treey(Strategy):
 
     @hookimpl
     def verify(self, batch, proposal, scores):
-        if self.config.mode != "bad_verify":
+        if self.config.mode not in ("bad_verify", "bad_path"):
             return None  # the built-in verifier
         from speculant.spec_types import VerifyResult
 
+        if self.config.mode == "bad_path":  # right tokens, a node list that is not their path
+            trees = proposal.token_ids
+            toks = [[d.token_ids[0], 0] if isinstance(d, DraftTree) else [0] for d in trees]
+            return VerifyResult(token_ids=toks, num_accepted=[len(t) - 1 for t in toks],
+                                tree_paths=[[d.num_nodes] if isinstance(d, DraftTree) else None
+                                            for d in trees])
         # a tree sequence "accepts" a token that no child of the root holds
         toks = [[self.V - 1, 0] if isinstance(d, DraftTree) else [0] for d in proposal.token_ids]
         return VerifyResult(token_ids=toks, num_accepted=[len(t) - 1 for t in toks])
@@ -278,13 +284,17 @@ def test_hidden_states_of_the_accepted_path_reach_the_proposer(tiny, plain, tree
     assert strat.checked > len(PROMPTS) * 10 and strat.wrong == [], strat.wrong[:5]
 
 
-def test_a_verify_result_off_the_tree_is_the_verifiers_fault(tiny, treey):
+@pytest.mark.parametrize("mode,problem", [
+    ("bad_verify", "are not a root path of its DraftTree"),
+    ("bad_path", "VerifyResult.tree_paths[0] = "),
+])
+def test_a_verify_result_off_the_tree_is_the_verifiers_fault(tiny, treey, mode, problem):
     from speculant.engine.spec_decode import StrategyFault
 
-    llm = _treey(tiny, "bad_verify")
+    llm = _treey(tiny, mode)
     with pytest.raises(StrategyFault) as e:
         llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
-    assert "verify()" in str(e.value) and "not a root path of its DraftTree" in str(e.value)
+    assert "verify()" in str(e.value) and problem in str(e.value)
     assert all(o.outputs[0].finish_reason == "abort" for o in e.value.outputs)
 
 
@@ -494,6 +504,7 @@ def test_packed_greedy_tree_verification_matches_the_rule():
                 ref = verify_tree_greedy(d, logits[r0 : r0 + d.num_nodes + 1])
                 assert (got.token_ids[i], got.num_accepted[i]) == (ref.token_ids,
                                                                     ref.num_accepted)
+                assert got.tree_paths[i] == ref.path
                 r0 += d.num_nodes + 1
             else:
                 ref = verify_greedy([d], greedy_pack(logits[r0 : r0 + len(d) + 1]))

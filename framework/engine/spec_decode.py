@@ -123,6 +123,10 @@ def _tree_paths(proposal: Proposal, result: VerifyResult) -> dict[int, list[int]
     first that matches the whole run). ValueError when the verifier's tokens are no root path
     of the tree (a verifier's fault: nothing was appended yet)."""
     out: dict[int, list[int]] = {}
+    given = result.tree_paths
+    if given is not None and (not isinstance(given, list) or len(given) != len(result.token_ids)):
+        raise ValueError(f"VerifyResult.tree_paths must be a list with one entry per sequence "
+                         f"({len(result.token_ids)}) or None")
     for i, tree in enumerate(proposal.token_ids):
         if not isinstance(tree, DraftTree):
             continue
@@ -130,7 +134,12 @@ def _tree_paths(proposal: Proposal, result: VerifyResult) -> dict[int, list[int]
         if not 0 <= acc < len(toks) or acc > tree.num_nodes:
             raise ValueError(f"VerifyResult of tree sequence {i}: num_accepted={acc} with "
                              f"{len(toks)} tokens for a DraftTree of {tree.num_nodes} nodes")
-        path = _match_path(tree, toks[:acc])
+        path = given[i] if given is not None else None
+        if path is not None and not _spells(tree, path, toks[:acc]):
+            raise ValueError(f"VerifyResult.tree_paths[{i}] = {path} is not a root path of its "
+                             f"DraftTree spelling the accepted tokens {toks[:acc]}")
+        if path is None:
+            path = _match_path(tree, toks[:acc])
         if path is None:
             raise ValueError(f"VerifyResult of tree sequence {i}: accepted tokens {toks[:acc]} "
                              "are not a root path of its DraftTree")
@@ -138,18 +147,29 @@ def _tree_paths(proposal: Proposal, result: VerifyResult) -> dict[int, list[int]
     return out
 
 
+def _spells(tree: DraftTree, path: object, want: list[int]) -> bool:
+    """Whether ``path`` is a root path of ``tree`` (each node the child of the one before, the
+    first a child of the root) whose tokens are ``want``."""
+    if type(path) is not list or len(path) != len(want):
+        return False
+    parent, n = -1, tree.num_nodes
+    for node, tok in zip(path, want):
+        if type(node) is not int or not 0 <= node < n or tree.parents[node] != parent or \
+                tree.token_ids[node] != tok:
+            return False
+        parent = node
+    return True
+
+
 def _match_path(tree: DraftTree, want: list[int]) -> list[int] | None:
     """A root path of ``tree`` whose tokens are ``want`` (depth first, siblings in index order),
     or None."""
-    kids: dict[int, list[int]] = {}
-    for n, p in enumerate(tree.parents):
-        kids.setdefault(p, []).append(n)
     stack = [(-1, [])]
     while stack:
         node, path = stack.pop()
         if len(path) == len(want):
             return path
-        for c in reversed(kids.get(node, ())):
+        for c in reversed(tree.children(node)):
             if tree.token_ids[c] == want[len(path)]:
                 stack.append((c, [*path, c]))
     return None
