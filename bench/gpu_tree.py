@@ -14,10 +14,10 @@ limit (``--budget-s`` in all), so that a phase that fails or hangs is recorded a
 still runs; gpu_tree.json is rewritten after every phase, a phase's part file after every cell:
 
 * ``step_cost``: ms per target step (median over the run's steps) of plain decoding, of chains
-  (the oracle at alpha 1, k = n: every draft accepted; measured right before the trees of
-  their node count and again right after, the median over both) and of oracle trees of the same node
-  count n (``--shapes`` N:W, W siblings per level, N // W levels, the true token's rank drawn
-  uniformly: every level accepted, so the accepted path moves and its K/V is compacted on
+  (the oracle at alpha 1, k = n: every draft accepted) and of oracle trees of the same node
+  count n, a chain and its trees in ``--step-repeats`` rounds of one run each (a tree's cost
+  over its chain: the median over rounds of the two runs' ratio); trees of ``--shapes``
+  N:W, W siblings per level, N // W levels, the true token's rank drawn uniformly: every level accepted, so the accepted path moves and its K/V is compacted on
   nearly every step); a tree and its chain run the same number of tokens from the same prompt
   (the same context sweep). Each step's ratio to plain and the tree / chain ratio (goal <=
   1.03). Then the tree pieces alone: the host's tree mask build (``tree_step_rows``), one
@@ -52,6 +52,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -190,9 +191,13 @@ def step_cost_summary(ph: dict) -> dict:
         if c["kind"] == "tree":
             ch = chains.get((c["nodes"], c["tokens"]))
             row["chain_ms_per_step"] = ch["ms_per_step"] if ch else None
-            row["over_chain"] = c["ms_per_step"] / ch["ms_per_step"] if ch else None
+            rounds = c.get("over_chain_rounds")
+            row["over_chain_rounds"] = rounds
+            # measured in rounds: the median of the per-round ratios (tree run / chain run)
+            row["over_chain"] = (statistics.median(rounds) if rounds else
+                                 c["ms_per_step"] / ch["ms_per_step"] if ch else None)
             row["goal_met"] = (row["over_chain"] <= GOALS["tree_over_chain_step_cost_max"]
-                               if ch else None)
+                               if row["over_chain"] is not None else None)
         rows.append(row)
     return {"rows": rows, "pieces": ph.get("pieces", {})}
 
@@ -698,21 +703,25 @@ def step_tokens(args, nodes: int) -> int:
     return max(args.step_tokens, 16 * (nodes + 1))
 
 
-def _merge_visits(first: dict, again: dict) -> dict:
-    """A chain cell measured before and after its trees: ``first`` updated in place with the
-    median over both visits' runs (each run's median step), and each visit's figure kept."""
+def _merge_round(cell: dict, got: dict) -> dict:
+    """Add one round's timed run (``got``, a ``_cell`` of one repeat) to ``cell``: its runs, the
+    median over them, graph counts summed, tokens equal to plain only if every round's were."""
     import statistics
 
-    runs = first.get("ms_per_step_runs", []) + again.get("ms_per_step_runs", [])
-    first["ms_per_step_visits"] = [first.get("ms_per_step"), again.get("ms_per_step")]
-    if runs:
-        first["ms_per_step_runs"] = runs
-        first["ms_per_step"] = statistics.median(runs)
-    if "error" in again:
-        first.setdefault("error", again["error"])
-    first["same_tokens_as_plain"] = bool(first.get("same_tokens_as_plain")) and bool(
-        again.get("same_tokens_as_plain"))
-    return first
+    if not cell:
+        cell.update(got)
+        cell["ms_per_step_runs"] = list(got.get("ms_per_step_runs", []))
+        return cell
+    cell["ms_per_step_runs"] = cell.get("ms_per_step_runs", []) + got.get("ms_per_step_runs", [])
+    if cell["ms_per_step_runs"]:
+        cell["ms_per_step"] = statistics.median(cell["ms_per_step_runs"])
+    for k, v in (got.get("graph_counts") or {}).items():
+        cell.setdefault("graph_counts", {})[k] = cell["graph_counts"].get(k, 0) + v
+    if "error" in got:
+        cell.setdefault("error", got["error"])
+    cell["same_tokens_as_plain"] = bool(cell.get("same_tokens_as_plain")) and bool(
+        got.get("same_tokens_as_plain"))
+    return cell
 
 
 def step_cost_phase(args, part: dict, engine, counter: GraphCounter, prompt) -> None:
@@ -727,28 +736,11 @@ def step_cost_phase(args, part: dict, engine, counter: GraphCounter, prompt) -> 
     part["plain_tokens"] = reference[:64]
     part["cells"] = []
     t0 = time.perf_counter()
-    todo: list[tuple[str, dict | None, int, dict]] = []
-    for T in sorted({tokens_for(n) for n in node_counts}):
-        todo.append(("plain", None, T, {"kind": "plain", "name": "plain", "nodes": 0}))
-    # each chain right before the trees of its node count and again right after them (its cost
-    # is the median over both visits), so that a drift over the run (the GPU's clocks, the
-    # process's growing heap) weighs on a tree and its chain alike
-    for n in node_counts:
-        chain = ("chain", _oracle_spec(refs, n), tokens_for(n),
-                 {"kind": "chain", "name": f"chain k={n}", "nodes": n, "width": 1, "levels": n})
-        todo.append(chain)
-        mine = [t for t in trees if t[3] == n]
-        for budget, w, levels, _ in mine:
-            spec = _oracle_spec(refs, budget, w, rank_probs=[1.0 / w] * w)
-            todo.append(("tree", spec, tokens_for(n),
-                         {"kind": "tree", "name": f"tree n={n} w={w}", "nodes": n, "width": w,
-                          "levels": levels, "budget": budget}))
-        if mine:
-            todo.append(("chain again", *chain[1:]))
-    for kind, spec, T, meta in todo:
+
+    def measure(spec: dict | None, T: int, meta: dict, repeats: int) -> dict:
         cell = dict(meta, tokens=T)
         try:
-            cell.update(_cell(engine, counter, prompt, spec, T, args.step_repeats, reference,
+            cell.update(_cell(engine, counter, prompt, spec, T, repeats, reference,
                               args.warmup_tokens))
         except Exception as e:  # noqa: BLE001 - reported in the JSON
             cell["error"] = f"{type(e).__name__}: {e}"
@@ -756,15 +748,46 @@ def step_cost_phase(args, part: dict, engine, counter: GraphCounter, prompt) -> 
             traceback.print_exc()
         finally:
             _set_strategy(engine, None)
-        if kind == "chain again":
-            cell = _merge_visits(next(c for c in part["cells"] if c["name"] == meta["name"]
-                                      and c["tokens"] == T), cell)
-        else:
-            part["cells"].append(cell)
+        return cell
+
+    def report(cell: dict, note: str = "") -> None:
         _save_part(args, part)
-        print(f"[{args.phase_name} {time.perf_counter() - t0:5.0f}s] {meta['name']:>16} T={T} "
-              f"{_fmt(cell.get('ms_per_step'))} ms/step, same {cell.get('same_tokens_as_plain')}"
-              f", graphs {cell.get('graph_counts')}", flush=True)
+        print(f"[{args.phase_name} {time.perf_counter() - t0:5.0f}s] {cell['name']:>16} "
+              f"T={cell['tokens']}{note} {_fmt(cell.get('ms_per_step'))} ms/step, same "
+              f"{cell.get('same_tokens_as_plain')}, graphs {cell.get('graph_counts')}", flush=True)
+
+    for T in sorted({tokens_for(n) for n in node_counts}):
+        cell = measure(None, T, {"kind": "plain", "name": "plain", "nodes": 0}, args.step_repeats)
+        part["cells"].append(cell)
+        report(cell)
+    # a chain and the trees of its node count in rounds: each round times one run of each, and
+    # a tree's cost over its chain is the median over rounds of its run / the chain's run of
+    # the same round, so that a drift over the run (the GPU's clocks, the host's load, the
+    # process's heap) weighs on a tree and its chain alike
+    for n in node_counts:
+        T = tokens_for(n)
+        chain_meta = {"kind": "chain", "name": f"chain k={n}", "nodes": n, "width": 1,
+                      "levels": n}
+        group = [(_oracle_spec(refs, n), chain_meta)]
+        for budget, w, levels, nodes in trees:
+            if nodes == n:
+                group.append((_oracle_spec(refs, budget, w, rank_probs=[1.0 / w] * w),
+                              {"kind": "tree", "name": f"tree n={n} w={w}", "nodes": n,
+                               "width": w, "levels": levels, "budget": budget}))
+        cells: list[dict] = [{} for _ in group]
+        for rnd in range(max(1, args.step_repeats) if len(group) > 1 else 1):
+            chain_ms = None
+            for (spec, meta), cell in zip(group, cells):
+                got = measure(spec, T, meta, 1 if len(group) > 1 else args.step_repeats)
+                _merge_round(cell, got)
+                ms = got.get("ms_per_step")
+                if meta["kind"] == "chain":
+                    chain_ms = ms
+                elif ms and chain_ms:
+                    cell.setdefault("over_chain_rounds", []).append(ms / chain_ms)
+                if rnd == 0:
+                    part["cells"].append(cell)
+                report(cell, f" round {rnd + 1}")
     if args.phase_name == "step_cost":
         try:
             paths = sorted({min(lv, 31) for _, _, lv, _ in trees} | {1, 4})
@@ -1100,7 +1123,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--strategy-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per e2e / strategy cell")
     ap.add_argument("--step-repeats", type=int, default=2,
-                    help="timed runs per step-cost cell (each reports its median step)")
+                    help="step-cost rounds: each times one run (its median step) of a chain "
+                    "and of every tree of its node count (plain and tree-less chains: this "
+                    "many runs)")
     ap.add_argument("--warmup-tokens", type=int, default=24)
     ap.add_argument("--kv-cache-gib", type=float, default=4.0)
     ap.add_argument("--skip", default="",

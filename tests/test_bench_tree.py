@@ -366,13 +366,22 @@ def test_e2e_row_takes_the_step_cost_of_its_real_node_count():
         gpu_tree.expected_tokens_oracle_tree(2, 15, [0.6, 0.24]) / 1.1)
 
 
-def test_a_chain_measured_around_its_trees_takes_the_median_of_both_visits():
-    first = {"name": "chain k=16", "ms_per_step": 6.5, "ms_per_step_runs": [6.4, 6.5, 6.6],
-             "same_tokens_as_plain": True}
-    again = {"ms_per_step": 6.9, "ms_per_step_runs": [6.8, 6.9, 7.0], "same_tokens_as_plain": True}
-    got = gpu_tree._merge_visits(first, again)
-    assert got is first and got["ms_per_step"] == pytest.approx(6.7)
-    assert got["ms_per_step_visits"] == [6.5, 6.9]
-    assert len(got["ms_per_step_runs"]) == 6 and got["same_tokens_as_plain"]
-    bad = gpu_tree._merge_visits(dict(first), {"error": "boom", "same_tokens_as_plain": False})
-    assert bad["error"] == "boom" and not bad["same_tokens_as_plain"]
+def test_step_cost_rounds_merge_and_the_ratio_is_the_median_over_rounds():
+    cell: dict = {}
+    for ms, same in ((6.5, True), (6.9, True), (6.6, True)):
+        gpu_tree._merge_round(cell, {"name": "tree n=16 w=2", "kind": "tree", "nodes": 16,
+                                     "tokens": 272, "ms_per_step": ms, "ms_per_step_runs": [ms],
+                                     "same_tokens_as_plain": same,
+                                     "graph_counts": {"tree_steps": 10, "tree_graph_steps": 10}})
+    assert cell["ms_per_step"] == pytest.approx(6.6) and len(cell["ms_per_step_runs"]) == 3
+    assert cell["graph_counts"] == {"tree_steps": 30, "tree_graph_steps": 30}
+    gpu_tree._merge_round(cell, {"error": "boom", "same_tokens_as_plain": False})
+    assert cell["error"] == "boom" and not cell["same_tokens_as_plain"]
+    # the summary takes the median of the per-round ratios, not the ratio of the medians
+    chain = {"name": "chain k=16", "kind": "chain", "nodes": 16, "tokens": 272,
+             "ms_per_step": 6.0}
+    tree = {"name": "tree n=16 w=2", "kind": "tree", "nodes": 16, "tokens": 272, "width": 2,
+            "ms_per_step": 9.0, "over_chain_rounds": [1.01, 1.05, 1.02]}
+    (_, row) = gpu_tree.step_cost_summary({"cells": [chain, tree]})["rows"]
+    assert row["over_chain"] == pytest.approx(1.02) and row["goal_met"] is True
+
