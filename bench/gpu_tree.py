@@ -1065,7 +1065,7 @@ def run_phase(name: str, extra: list[str], args, timeout_s: float) -> dict:
 def plan(args) -> list[tuple[str, list[str], float]]:
     """The phases of a run: (name, extra argv, time limit in s)."""
     skip = set(filter(None, args.skip.split(",")))
-    phases = [("step_cost", [], 300), ("e2e", [], 150), ("strategies", [], 150)]
+    phases = [("step_cost", [], 360), ("e2e", [], 150), ("strategies", [], 150)]
     return [p for p in phases if p[0] not in skip]
 
 
