@@ -325,7 +325,7 @@ def test_whole_run_on_the_cpu(tmp_path):
            "--layers", "3", "--out", str(out), "--prompt-len", "16", "--shapes", "4:2,6:3",
            "--e2e-chains", "2,4", "--e2e-trees", "4:2", "--chains", "3",
            "--alphas", "0.6", "--step-tokens", "16", "--e2e-tokens", "24",
-           "--strategy-tokens", "16", "--repeats", "1", "--step-repeats", "1",
+           "--strategy-tokens", "16", "--repeats", "1", "--step-repeats", "2",
            "--warmup-tokens", "2", "--kv-cache-gib", "0.01", "--budget-s", "500"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -338,6 +338,7 @@ def test_whole_run_on_the_cpu(tmp_path):
     trees = [r for r in s["step_cost"]["rows"] if r["kind"] == "tree"]
     assert {(r["nodes"], r["width"]) for r in trees} == {(4, 2), (6, 3)}
     assert all(r["over_chain"] and r["graph_steps_fraction"] == 0.0 for r in trees)  # CPU: eager
+    assert all(len(r["over_chain_rounds"]) == 2 for r in trees)  # two rounds of chain and trees
     pieces = s["step_cost"]["pieces"]
     assert pieces["compaction"] and pieces["attention"] and pieces["mask_build"]
     e2e = {r["kind"]: r for r in s["e2e"]["rows"]}
