@@ -715,8 +715,9 @@ def _merge_round(cell: dict, got: dict) -> dict:
     cell["ms_per_step_runs"] = cell.get("ms_per_step_runs", []) + got.get("ms_per_step_runs", [])
     if cell["ms_per_step_runs"]:
         cell["ms_per_step"] = statistics.median(cell["ms_per_step_runs"])
-    for k, v in (got.get("graph_counts") or {}).items():
-        cell.setdefault("graph_counts", {})[k] = cell["graph_counts"].get(k, 0) + v
+    for k, v in (got.get("graph_counts") or {}).items():  # a count per run, or a total so far
+        gc = cell.setdefault("graph_counts", {})
+        gc[k] = v if k == "tree_graphs_captured" else gc.get(k, 0) + v
     if "error" in got:
         cell.setdefault("error", got["error"])
     cell["same_tokens_as_plain"] = bool(cell.get("same_tokens_as_plain")) and bool(

@@ -373,9 +373,11 @@ def test_step_cost_rounds_merge_and_the_ratio_is_the_median_over_rounds():
         gpu_tree._merge_round(cell, {"name": "tree n=16 w=2", "kind": "tree", "nodes": 16,
                                      "tokens": 272, "ms_per_step": ms, "ms_per_step_runs": [ms],
                                      "same_tokens_as_plain": same,
-                                     "graph_counts": {"tree_steps": 10, "tree_graph_steps": 10}})
+                                     "graph_counts": {"tree_steps": 10, "tree_graph_steps": 10,
+                                                      "tree_graphs_captured": 5}})
     assert cell["ms_per_step"] == pytest.approx(6.6) and len(cell["ms_per_step_runs"]) == 3
-    assert cell["graph_counts"] == {"tree_steps": 30, "tree_graph_steps": 30}
+    assert cell["graph_counts"] == {"tree_steps": 30, "tree_graph_steps": 30,
+                                    "tree_graphs_captured": 5}  # a total, not summed
     gpu_tree._merge_round(cell, {"error": "boom", "same_tokens_as_plain": False})
     assert cell["error"] == "boom" and not cell["same_tokens_as_plain"]
     # the summary takes the median of the per-round ratios, not the ratio of the medians
