@@ -190,27 +190,28 @@ def test_tp2_tree_greedy_equals_tp1_plain(tiny, plain, how, batch, monkeypatch):
 def test_tp2_seeded_sampled_tree_request_equals_tp1(tiny_factory):
     path = str(tiny_factory("llama", vocab_size=512, tokenizer=False))
     prompts = [[t % 512 for t in p] for p in PROMPTS]
-    llm = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8)
-    long = tokens(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30,
-                                                        ignore_eos=True), use_tqdm=False))
-    refs = [{"prompt_token_ids": p, "output_token_ids": t} for p, t in zip(prompts, long)]
-    spec = {"method": "oracle", "num_speculative_tokens": K, "alpha": 0.7, "references": refs,
-            "tree_width": 3}
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_TOKENS,
                              ignore_eos=True, seed=123 + i) for i in range(len(prompts))]
+    # the oracle replays the plain seeded outputs: its true siblings are the tokens the seeded
+    # draws pick, so trees are accepted (the greedy continuation would match only by chance)
+    llm = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8)
+    plain = tokens(llm.generate(prompts, params, use_tqdm=False))
+    refs = [{"prompt_token_ids": p, "output_token_ids": t} for p, t in zip(prompts, plain)]
+    spec = {"method": "oracle", "num_speculative_tokens": K, "alpha": 0.7, "references": refs,
+            "tree_width": 3}
 
     def run(tp: int) -> tuple[list[list[int]], int]:
         with LLM(model=path, skip_tokenizer_init=True, max_num_seqs=8, tensor_parallel_size=tp,
                  speculative_config=spec) as llm:
             out = tokens(llm.generate(prompts, params, use_tqdm=False))
             m = llm.get_metrics()
-            assert m.num_tree_drafts > 0 and m.num_accepted_tokens > 0, m.as_dict()
+            assert m.num_tree_drafts > 0 and m.num_accepted_tokens > m.num_drafts // 2, m.as_dict()
             return out, m.num_faults
 
     one, faults_one = run(1)
     two, faults_two = run(2)
     assert faults_one == faults_two == 0
-    assert two == one
+    assert two == one == plain
 
 
 # ------------------------------------------------------- sampled drafts (trees with probs)
