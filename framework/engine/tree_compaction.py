@@ -10,12 +10,13 @@ whose second is the compaction kernel: the host writes the vector and replays.
 
 The vector ([S + S * P + S * W] int64) holds each sequence's root position, its accepted rows
 (-1 padding) and its block table padded to ``W`` entries; padded sequences have no rows, so
-they move nothing (they repeat sequence 0's root and table: a slot no one writes). The host rewrites a vector
-without waiting on the GPU: a compaction follows a verification, which read back the scores of a
-forward enqueued on the same stream after the previous compaction, so that compaction's copy has
-run. (An event query and record per replay cost the host ~40 us a step inside the engine,
-measured on an H100 machine.) Calls that fit no graph, and every call
-without CUDA graphs, take ``eager``: the same vector, unpadded, in one pinned copy.
+they move nothing (they repeat sequence 0's root and table: a slot no one writes). The host
+rewrites a vector without waiting on the GPU: a compaction follows a verification, which read
+back the scores of a forward enqueued on the same stream after the previous compaction, so that
+compaction's copy has run (on a tensor-parallel worker, rank 0's read-back needed the worker's
+all-reduces of that forward). An event query and record per replay cost the host ~40 us a step
+inside the engine (H100 machine). Calls that fit no graph, and every call without CUDA graphs,
+take ``eager``: the same vector, unpadded, in one pinned copy.
 """
 
 from __future__ import annotations
