@@ -257,16 +257,8 @@ class DraftTree:
         return self.parents == list(range(-1, self.num_nodes - 1))
 
     def children(self, node: int = -1) -> list[int]:
-        """The children of ``node`` (-1: the root), in index (drawing) order. The first call
-        builds a map of every node's children, which later calls read: modify a tree's
-        ``parents`` only by building a new ``DraftTree``."""
-        kids = self.__dict__.get("_kids")
-        if kids is None or kids[0] is not self.parents:
-            m: dict[int, list[int]] = {}
-            for c, p in enumerate(self.parents):
-                m.setdefault(p, []).append(c)
-            kids = self.__dict__["_kids"] = (self.parents, m)
-        return list(kids[1].get(node, ()))
+        """The children of ``node`` (-1: the root), in index (drawing) order."""
+        return [i for i, p in enumerate(self.parents) if p == node]
 
     def depths(self) -> list[int]:
         """Each node's depth: 1 for children of the root. Node ``i``'s token would sit at

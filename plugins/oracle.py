@@ -150,6 +150,7 @@ class OracleStrategy(Strategy):
         self.num_corrupted = 0
         self.tree_width = config.tree_width
         self.rank_probs = config.tree_rank_probs() if config.tree_width > 1 else []
+        self.rank_cum = list(itertools.accumulate(self.rank_probs))  # for the rank draws
 
     def _reference(self, seq) -> list[int] | None:
         if seq.seq_id not in self._ref:
@@ -182,7 +183,7 @@ class OracleStrategy(Strategy):
         ids: list[int] = []
         parents: list[int] = []
         parent = -1
-        cum = list(itertools.accumulate(self.rank_probs[:w]))
+        cum = self.rank_cum[:w]
         for d in range(levels):
             rank = bisect.bisect_right(cum, self.rng.random())  # w: none of the siblings
             t = true[d]

@@ -164,12 +164,15 @@ def _spells(tree: DraftTree, path: object, want: list[int]) -> bool:
 def _match_path(tree: DraftTree, want: list[int]) -> list[int] | None:
     """A root path of ``tree`` whose tokens are ``want`` (depth first, siblings in index order),
     or None."""
+    kids: dict[int, list[int]] = {}
+    for n, p in enumerate(tree.parents):
+        kids.setdefault(p, []).append(n)
     stack = [(-1, [])]
     while stack:
         node, path = stack.pop()
         if len(path) == len(want):
             return path
-        for c in reversed(tree.children(node)):
+        for c in reversed(kids.get(node, ())):
             if tree.token_ids[c] == want[len(path)]:
                 stack.append((c, [*path, c]))
     return None

@@ -33,14 +33,10 @@ SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PATH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # accepted nodes of one tree: at most MAX_TREE_NODES
 
 
-def _views(ints: torch.Tensor, S: int, P: int, W: int):
-    """(starts [S], rows [S, P], tables [S, W]): the parts of one staged int64 vector."""
-    return ints[:S], ints[S : S + S * P].view(S, P), ints[S + S * P :].view(S, W)
-
-
-def _views_np(h: np.ndarray, S: int, P: int, W: int):
-    """``_views`` of a host vector: (starts [S], rows [S, P], tables [S, W])."""
-    return h[:S], h[S : S + S * P].reshape(S, P), h[S + S * P :].reshape(S, W)
+def _views(ints, S: int, P: int, W: int):
+    """(starts [S], rows [S, P], tables [S, W]): the parts of one staged int64 vector (a tensor
+    or the host's numpy array; views, not copies)."""
+    return ints[:S], ints[S : S + S * P].reshape(S, P), ints[S + S * P :].reshape(S, W)
 
 
 class _Entry:
@@ -49,7 +45,7 @@ class _Entry:
         cuda = device.type == "cuda"
         self.host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)  # [n] pinned
         self.np = self.host.numpy()
-        self.host_views = _views_np(self.np, S, P, W)  # the same parts of the host vector
+        self.host_views = _views(self.np, S, P, W)  # the same parts of the host vector
         self.dev = torch.zeros(n, dtype=torch.int64, device=device)  # [n]
         self.starts, self.rows, self.tables = _views(self.dev, S, P, W)  # [S], [S, P], [S, W]
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -93,7 +89,7 @@ class CompactionGraphs:
         memory (no stream synchronisation on CUDA; each copy call costs the host ~20 us)."""
         S, P, W = len(tables), max(len(p) for p in paths), max(len(t) for t in tables)
         h = np.zeros(S + S * P + S * W, dtype=np.int64)
-        _write(*_views_np(h, S, P, W), tables, ctx_starts, paths)
+        _write(*_views(h, S, P, W), tables, ctx_starts, paths)
         ints = to_device(torch.from_numpy(h), torch.int64, self.device)  # [S + S * P + S * W]
         starts, rows, tables_t = _views(ints, S, P, W)
         compact_tree_kv(self.kv_cache, tables_t, starts, rows)
