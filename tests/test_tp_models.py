@@ -491,3 +491,34 @@ def test_cpu_all_reduce_of_three_ranks_is_in_rank_order(tmp_path):
     want = (xs[0] + xs[1]) + xs[2]
     for r in range(3):
         assert torch.equal(torch.load(f"{out}{r}.pt"), want)
+
+
+def _symm_mem_agreement_rank(rank: int, size: int, init: str, out: str) -> None:
+    import speculant.distributed.comm as comm
+
+    made = []
+
+    class Rendezvous:  # stands for _OneShot: a rank that gets here would rendezvous
+        def __init__(self, group, device) -> None:
+            made.append(rank)
+
+    tp = init_tensor_parallel(rank, size, "cpu", init)
+    try:
+        comm._OneShot = Rendezvous
+        comm.torch.cuda.get_device_capability = lambda device: (9, 0)
+        # rank 0 made symmetric memory for an earlier LLM of its process; the workers are new
+        comm._symm_mem_used = rank == 0
+        got = comm._setup_one_shot(tp, torch.device("cpu"))
+        Path(f"{out}{rank}").write_text(f"{got} {made}")
+    finally:
+        shutdown_tensor_parallel()
+
+
+def test_a_second_llm_of_a_process_skips_symmetric_memory_on_every_rank(tmp_path):
+    """torch numbers a process's symmetric-memory rendezvous, so rank 0 of a second tensor-
+    parallel LLM and its new workers would wait on different keys forever: every rank agrees
+    (before any rendezvous) to all-reduce with NCCL instead."""
+    out = str(tmp_path / "got")
+    mp.start_processes(_symm_mem_agreement_rank, args=(2, f"file://{tmp_path / 'init'}", out),
+                       nprocs=2, start_method="spawn")
+    assert [Path(f"{out}{r}").read_text() for r in range(2)] == ["None []", "None []"]

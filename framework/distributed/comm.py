@@ -35,6 +35,7 @@ _ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)
 CONTROL_TIMEOUT = timedelta(days=365)
 
 _owns_process_group = False  # init_tensor_parallel called init_process_group
+_symm_mem_used = False  # this process rendezvoused symmetric memory (for an earlier LLM)
 _one_shot: _OneShot | None = None
 # the fused all-reduce + residual add + RMSNorm of the target's layers (kernels/tp_allreduce.py)
 _fused = None
@@ -79,11 +80,22 @@ def _setup_one_shot(tp: TensorParallel, device: torch.device) -> _OneShot | None
     """The one-shot all-reduce where every rank could set it up and a probe sums right (each
     step agreed over the gloo group, so no rank takes a path the others do not, nor waits in a
     kernel for a peer that never launches it), else None: NCCL for every size."""
+    global _symm_mem_used
     one_shot, why = None, ""
+    # torch numbers a process's symmetric-memory rendezvous (the keys of their store exchange):
+    # rank 0 of a second LLM, which made an earlier one, and its new workers would wait on
+    # different keys forever. So that LLM takes NCCL (under torchrun every rank is as old).
+    if not _all_ranks(tp, not (_symm_mem_used and _owns_process_group)):
+        logger.warning("tensor parallel: this process set up symmetric memory for an earlier "
+                       "tensor-parallel LLM, so this one all-reduces with NCCL (slower at small "
+                       "batches: docs/tensor_parallel.md); make each tensor-parallel LLM in a "
+                       "process of its own for the fast path")
+        return None
     try:
         if torch.cuda.get_device_capability(device)[0] < 9:
             why = "needs compute capability 9.0+"
         else:
+            _symm_mem_used = True
             one_shot = _OneShot(tp.group, device)
     except Exception as e:  # noqa: BLE001 - no P2P, an old driver, a torch without symm_mem
         one_shot, why = None, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
@@ -156,10 +168,14 @@ def init_tensor_parallel(
     # the runner's control broadcasts wait for rank 0's next call however long it idles (a
     # server without requests): no timeout ends them (a dead peer is noticed by gloo at once)
     cpu_group = dist.new_group(ranks, backend="gloo", timeout=CONTROL_TIMEOUT)
-    tp = TensorParallel(rank, size, group, cpu_group)
+    # CUDA: the runner's messages (engine/tp_runner.Channel); a worker waits in it while rank 0
+    # idles, so it has the control groups' time-out
+    messages = dist.new_group(ranks, backend=backend, timeout=CONTROL_TIMEOUT) if cuda else None
+    tp = TensorParallel(rank, size, group, cpu_group, messages)
     if cuda:
         warm = torch.ones(1, device=device)
         dist.all_reduce(warm, group=group)  # the NCCL communicator made now, not in a capture
+        dist.all_reduce(warm, group=messages)
         torch.cuda.synchronize(device)
         _one_shot = _setup_one_shot(tp, device)
     set_tensor_parallel(tp)
@@ -175,7 +191,7 @@ def shutdown_tensor_parallel() -> None:
     _one_shot = _fused = None
     if not tp.enabled or not dist.is_initialized():
         return
-    for g in (tp.group, tp.cpu_group):
+    for g in (tp.group, tp.cpu_group, tp.message_group):
         if g is not None:
             dist.destroy_process_group(g)
     if _owns_process_group:

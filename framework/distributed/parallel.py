@@ -21,12 +21,15 @@ class TensorParallel:
 
     ``rank`` of ``size`` ranks; ``group`` the device group the all-reduces run on (NCCL on CUDA,
     gloo on the CPU); ``cpu_group`` a gloo group for host-side control messages (the runner's
-    broadcasts). Both groups are None at size 1."""
+    broadcasts on the CPU); ``message_group`` (CUDA only) a second NCCL group for the runner's
+    per-call messages, a communicator of their own so that they may run beside the collectives
+    inside a replayed CUDA graph. The groups are None at size 1."""
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | Any | None = None
     cpu_group: dist.ProcessGroup | Any | None = None
+    message_group: dist.ProcessGroup | Any | None = None
 
     @property
     def enabled(self) -> bool:

@@ -126,6 +126,10 @@ class TPGroup:
                                           else f"exited with code {code}"))
         return ", ".join(out)
 
+    def workers_alive(self) -> bool:
+        """Every worker process this rank started is still running."""
+        return all(p.poll() is None for p in self.procs)
+
     def _read_status(self, want: str, timeout: float | None = None) -> dict[int, str]:
         """Wait until every worker wrote ``want`` (or an error) on its status pipe; returns the
         errors by rank. A worker that exits meanwhile, or that is not there in ``timeout``
@@ -341,7 +345,7 @@ def serve(spec: WorkerSpec, tp: TensorParallel, device: torch.device, status=Non
     runner = ModelRunner(model, min(fits), cfg.block_size, device, spec.dtype,
                          enforce_eager=cfg.enforce_eager,
                          max_graph_prefill=cfg.max_prefill_graph_tokens)
-    channel = Channel(tp)
+    channel = Channel(tp, device)
     while apply_call(runner, receive_call(channel, device)):
         pass
     release_graphs(runner)

@@ -97,8 +97,9 @@ class LLMEngine:
                                   enforce_eager=config.enforce_eager,
                                   max_graph_prefill=config.max_prefill_graph_tokens)
         if self.tp_group is not None:
-            self.runner = self.tp_group.runner = TPRunner(self.runner, self.tp_group.tp,
-                                                          self.tp_group.describe_workers)
+            g = self.tp_group
+            self.runner = g.runner = TPRunner(self.runner, g.tp, g.describe_workers,
+                                              g.workers_alive if g.procs else None)
         batched = config.max_num_batched_tokens or max(self.max_model_len, 2048)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, batched)
         self.generator = torch.Generator().manual_seed(config.seed)
