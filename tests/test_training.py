@@ -275,3 +275,17 @@ def test_eagle_hot_vocab_writes_a_token_map_that_loads(target, plain, tmp_path):
     assert replies(auto) == plain
     with pytest.raises(ValueError, match="hot_vocab is for method 'eagle' only"):
         train("medusa", tmp_path / "m", str(target), head_options={"hot_vocab": 8})
+
+
+def test_the_seed_fixes_the_heads_initial_weights(target, tmp_path):
+    """Two runs of the same arguments (seed 0) start from the same head: the same first loss."""
+    from speculant.training import train
+
+    def first_loss(name: str) -> float:
+        torch.manual_seed(len(name))  # whatever the process's generator holds before
+        res = train("eagle", tmp_path / name, str(target), num_prompts=4, max_new_tokens=16,
+                    head_options={"steps": 2, "hot_vocab": 32}, steps=1, batch_size=2,
+                    progress=False, device="cpu", cache_dir=tmp_path / "data")
+        return res.history[0]["loss"]
+
+    assert first_loss("a") == first_loss("bb")

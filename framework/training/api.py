@@ -68,7 +68,8 @@ def train(method: str, out: str | Path, model: str | None = None, *, num_prompts
                             cache_dir=cache_dir if cache_dir is not None else Path(out) / "data",
                             progress=progress)
     if hot_vocab is not None:  # the N most frequent reply tokens: a token map (FR-Spec)
-        hot_ids = hot_token_ids(data.token_counts(), int(hot_vocab))
-        head = make_head(method, target, hot_ids=hot_ids, **options)
+        options["hot_ids"] = hot_token_ids(data.token_counts(), int(hot_vocab))
+    torch.manual_seed(config.seed)  # the head's initial weights follow the run's seed
+    head = make_head(method, target, **options)
     return train_head(head, data, out, config, resume=resume, progress=progress, device=device,
                       stop_at=stop_at, val_data=val)
