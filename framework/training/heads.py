@@ -8,8 +8,6 @@ self-distillation data) and a ``save_pretrained`` (that layout: config.json + sa
   target's LM head on the head's output against the target's greedy token, unrolled over
   ``steps`` draft steps as at inference ("training-time test", EAGLE-3): step s feeds the state
   of step s-1 back and attends to the step-1 keys of the positions before it plus its own.
-  ``soft_labels`` (0 to 1) mixes in the cross-entropy against the target's whole distribution
-  at that position (softmax of its LM head on the next feature, already in the batch).
 * :class:`MLPSpeculatorHead` (``method="mlp_speculator"``, arXiv 2404.19124): stage j reads the
   previous state and the true token t_{p+1+j}; per-stage cross-entropy against t_{p+2+j}.
 * :class:`MedusaHead` (``method="medusa"``, arXiv 2401.10774, the ``speculant-medusa`` example
@@ -17,8 +15,7 @@ self-distillation data) and a ``save_pretrained`` (that layout: config.json + sa
   start at zero and the output layers as copies of the target's LM head (Medusa's recipe).
 
 Labels are only the target's own tokens (the reply part of each sequence), so a head learns
-exactly what greedy decoding emits (and, with the eagle head's ``soft_labels``, the target's
-distribution at those same positions)."""
+exactly what greedy decoding emits."""
 
 from __future__ import annotations
 
@@ -93,32 +90,17 @@ class TargetInfo:
 
 
 def token_loss(states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-               valid: torch.Tensor, teacher: torch.Tensor | None = None,
-               soft: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean cross-entropy, top-1 hits, labels) of ``states @ weight.T`` over the valid rows
     only (the LM head product is the costly part: prompt rows and padding skip it). states
     [B, T, D], weight [V, D], labels / valid [B, T]; a label < 0 (outside a hot vocabulary)
-    counts as a miss and adds no cross-entropy.
-
-    With ``teacher`` [B, T, D] (the target's own LM-head inputs, aligned with ``labels``: the
-    target's greedy token is the argmax of ``teacher @ weight.T``) and ``soft`` in [0, 1], the
-    cross-entropy is ``(1 - soft) * hard + soft * soft_ce``, soft_ce the cross-entropy against
-    the target's distribution softmax(teacher @ weight.T) over the same rows of ``weight``
-    (temperature 1), averaged over every valid row. The hits still count the greedy label."""
+    counts as a miss and adds no cross-entropy."""
     rows = valid.flatten().nonzero().squeeze(1)  # [N]
     logits = states.flatten(0, 1)[rows] @ weight.T  # [N, V]
     lab = labels.flatten()[rows]  # [N]
     known = lab >= 0
     ce = F.cross_entropy(logits.float(), lab.clamp(min=0), reduction="none")  # [N]
     ce = (ce * known).sum() / known.sum().clamp(min=1)
-    if soft:
-        if teacher is None:
-            raise ValueError("token_loss: soft > 0 needs the teacher states")
-        with torch.no_grad():
-            probs = (teacher.flatten(0, 1)[rows] @ weight.T).float().softmax(-1)  # [N, V]
-        soft_ce = -(probs * logits.float().log_softmax(-1)).sum(-1)  # [N]
-        soft_ce = soft_ce.sum() / max(len(rows), 1)
-        ce = (1 - soft) * ce + soft * soft_ce
     hits = ((logits.argmax(-1) == lab) & known).sum()
     return ce, hits, rows.new_tensor(len(rows))
 
@@ -229,18 +211,13 @@ class Eagle1Head(nn.Module):
 
     def __init__(self, target: TargetInfo, num_layers: int = 1, steps: int = 4,
                  token_weight: float = 0.5, feature_weight: float = 1.0,
-                 hot_ids: torch.Tensor | None = None, max_positions: int = 4096,
-                 soft_labels: float = 0.0) -> None:
+                 hot_ids: torch.Tensor | None = None, max_positions: int = 4096) -> None:
         super().__init__()
-        if not 0.0 <= soft_labels <= 1.0:
-            raise ValueError(f"soft_labels={soft_labels} must be in [0, 1] (the weight of the "
-                             "target's soft distribution in the token loss; 0: greedy tokens only)")
         cfg = dict(target.config)
         H = target.hidden_size
         self.cfg = cfg
         self.num_positions = steps
         self.token_weight, self.feature_weight = token_weight, feature_weight
-        self.soft_labels = float(soft_labels)
         self.fc = nn.Linear(2 * H, H, bias=True)
         self.layers = nn.ModuleList(EagleLayer(cfg, i == 0) for i in range(num_layers))
         for p in self.layers.parameters():
@@ -280,12 +257,10 @@ class Eagle1Head(nn.Module):
             feat = shifted(h, s)  # [B, T, H]: h_{p+s}
             reg = (F.smooth_l1_loss(y, feat, reduction="none").mean(-1) * valid).sum()
             reg = reg / valid.sum().clamp(min=1)
-            # the target's distribution over t_{p+s+1}: its LM head on h_{p+s} (= feat)
-            kw = dict(teacher=feat, soft=self.soft_labels) if self.soft_labels else {}
             if self.hot_ids is None:
-                ce, c, n = token_loss(y, self.lm_head, labels, valid, **kw)
+                ce, c, n = token_loss(y, self.lm_head, labels, valid)
             else:  # logits over the N hot tokens only
-                ce, c, n = token_loss(y, self.hot_head, self.hot_lookup[labels], valid, **kw)
+                ce, c, n = token_loss(y, self.hot_head, self.hot_lookup[labels], valid)
             correct.append(c)
             total.append(n)
             total_loss = total_loss + 0.8 ** (s - 1) * (self.feature_weight * reg + self.token_weight * ce)
