@@ -977,11 +977,12 @@ def gpu_gaps(prof, steps: int, top: int = 12) -> dict:
 
 
 def kernel_profile(
-    engine, prompts, steps: int = 16, spec: dict | None = None, trace: Path | None = None
+    engine, prompts, steps: int = 16, spec: dict | None = None, trace: Path | None = None,
+    batch: int = 1,
 ) -> dict:
-    """GPU kernel time of batch-1 decode steps (torch.profiler, CUDA activity only): total per
-    step against the step's wall time, and the kernels that take it. ``spec``: a speculative
-    config (e.g. the oracle) whose steps to profile instead of plain ones."""
+    """GPU kernel time of decode steps of ``batch`` requests (torch.profiler, CUDA activity
+    only): total per step against the step's wall time, and the kernels that take it. ``spec``:
+    a speculative config (e.g. the oracle) whose steps to profile instead of plain ones."""
     from torch.profiler import ProfilerActivity, profile
 
     from speculant.bench import _decode_run, _set_strategy
@@ -990,8 +991,11 @@ def kernel_profile(
     _set_strategy(engine, spec)
     _decode_run(engine, prompts[:1], 8)  # warm-up
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    engine.add_request(f"kprof-{time.monotonic_ns()}", None, prompts[0], params)
-    engine.step()  # prefill: not profiled
+    for i in range(batch):
+        engine.add_request(f"kprof-{time.monotonic_ns()}-{i}", None, prompts[i % len(prompts)],
+                           params)
+    while engine.scheduler.waiting:
+        engine.step()  # prefills: not profiled
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -1015,6 +1019,7 @@ def kernel_profile(
     eff = effective_kernel_time(prof)
     return {
         "strategy": "plain" if spec is None else spec["method"],
+        "batch_size": batch,
         "steps": n,
         "wall_ms_per_decode_step_profiled": 1e3 * wall / n,
         "gpu_ms_per_step": total_ms / n,

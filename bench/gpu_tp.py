@@ -894,41 +894,57 @@ def engine_phase(args) -> None:
                 if cuda:
                     torch.cuda.empty_cache()
             _save_part(args, part)
-    if args.profile and cuda:  # rank 0's kernels of batch-1 plain steps (its all-reduces too)
-        from gpu_8b import kernel_profile
-
-        try:
-            prof = kernel_profile(engine, prompts, 16)
-            part["profile_b1"] = prof
-            print(f"[{args.phase_name}] profile b1: wall {prof['wall_ms_per_decode_step_profiled']:.3f}"
-                  f" ms/step, kernels {prof['gpu_ms_per_step']:.3f}, effective "
-                  f"{prof['effective_ms_per_step']:.3f}", flush=True)
-            for k in prof["effective_top_kernels"][:16]:
-                print(f"   {k['ms_per_step'] * 1e3:8.1f} us  {k['kernel'][:90]}", flush=True)
-            for k in prof["top_kernels"][:16]:
-                print(f"   own {k['ms_per_step'] * 1e3:8.1f} us x{k['calls_per_step']:.0f}  "
-                      f"{k['kernel'][:90]}", flush=True)
-            # and oracle (a = 0.8, k = 5) steps: a verification step's kernels and gaps
-            from speculant.bench import _decode_run
-
-            _set_strategy(engine, None)
-            rec = _decode_run(engine, prompts[:1], 64)["tokens"][0]
-            refs = [{"prompt_token_ids": prompts[0], "output_token_ids": rec}]
-            spec = dict(method="oracle", alpha=0.8, num_speculative_tokens=5, references=refs)
-            prof = kernel_profile(engine, prompts, 40, spec)
-            part["profile_oracle_b1"] = prof
-            print(f"[{args.phase_name}] profile oracle b1: wall "
-                  f"{prof['wall_ms_per_decode_step_profiled']:.3f} ms/step, kernels "
-                  f"{prof['gpu_ms_per_step']:.3f}, effective {prof['effective_ms_per_step']:.3f}, "
-                  f"idle {prof['gaps'].get('idle_ms_per_step', 0):.3f}", flush=True)
-            for k in prof["effective_top_kernels"][:16]:
-                print(f"   {k['ms_per_step'] * 1e3:8.1f} us  {k['kernel'][:90]}", flush=True)
-        except Exception as e:  # noqa: BLE001 - reported in the JSON
-            part["errors"]["profile"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
+    if args.profile and cuda:  # rank 0's kernels of plain and oracle steps (its all-reduces too)
+        for b in [int(x) for x in args.profile_batch.split(",")]:
+            try:
+                _profile(engine, prompts, b, part, args.phase_name)
+            except Exception as e:  # noqa: BLE001 - reported in the JSON
+                part["errors"][f"profile_b{b}"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            _save_part(args, part)
     part["wall_s"] = time.perf_counter() - t0
     _save_part(args, part)
     llm.close()
+
+
+def _profile(engine, prompts, b: int, part: dict, phase: str) -> None:
+    """Kernel profiles of plain and oracle (a = 0.8, k = 5) decode steps of ``b`` requests on
+    rank 0 (``part["profile_b{b}"]`` / ``part["profile_oracle_b{b}"]``)."""
+    from gpu_8b import kernel_profile
+
+    from speculant.bench import _decode_run, _set_strategy
+
+    prompts = [prompts[i % len(prompts)] for i in range(b)]
+    prof = kernel_profile(engine, prompts, 16, batch=b)
+    part[f"profile_b{b}"] = prof
+    print(f"[{phase}] profile b{b}: wall {prof['wall_ms_per_decode_step_profiled']:.3f}"
+          f" ms/step, kernels {prof['gpu_ms_per_step']:.3f}, effective "
+          f"{prof['effective_ms_per_step']:.3f}, idle "
+          f"{prof['gaps'].get('idle_ms_per_step', 0):.3f}", flush=True)
+    for k in prof["effective_top_kernels"][:16]:
+        print(f"   {k['ms_per_step'] * 1e3:8.1f} us  {k['kernel'][:90]}", flush=True)
+    for k in prof["top_kernels"][:16]:
+        print(f"   own {k['ms_per_step'] * 1e3:8.1f} us x{k['calls_per_step']:.0f}  "
+              f"{k['kernel'][:90]}", flush=True)
+    for g in prof["gaps"].get("idle_by_pair_us_per_step", [])[:6]:
+        print(f"   idle {g['us_per_step']:8.1f} us x{g['count_per_step']:.1f}  {g['pair']}",
+              flush=True)
+    # oracle (a = 0.8, k = 5) steps: a verification step's kernels and gaps
+    _set_strategy(engine, None)
+    recs = _decode_run(engine, prompts, 64)["tokens"]
+    refs = [{"prompt_token_ids": p, "output_token_ids": r} for p, r in zip(prompts, recs)]
+    spec = dict(method="oracle", alpha=0.8, num_speculative_tokens=5, references=refs)
+    prof = kernel_profile(engine, prompts, 40, spec, batch=b)
+    part[f"profile_oracle_b{b}"] = prof
+    print(f"[{phase}] profile oracle b{b}: wall "
+          f"{prof['wall_ms_per_decode_step_profiled']:.3f} ms/step, kernels "
+          f"{prof['gpu_ms_per_step']:.3f}, effective {prof['effective_ms_per_step']:.3f}, "
+          f"idle {prof['gaps'].get('idle_ms_per_step', 0):.3f}", flush=True)
+    for k in prof["effective_top_kernels"][:16]:
+        print(f"   {k['ms_per_step'] * 1e3:8.1f} us  {k['kernel'][:90]}", flush=True)
+    for g in prof["gaps"].get("idle_by_pair_us_per_step", [])[:6]:
+        print(f"   idle {g['us_per_step']:8.1f} us x{g['count_per_step']:.1f}  {g['pair']}",
+              flush=True)
 
 
 # ------------------------------------------------------------------------ orchestration
@@ -1139,7 +1155,9 @@ def parser() -> argparse.ArgumentParser:
                     help="the 70B MLPSpeculator's inner_dim (assumed: see MLP_70B)")
     ap.add_argument("--allreduce-iters", type=int, default=640)
     ap.add_argument("--profile", action="store_true",
-                    help="also a kernel profile (torch.profiler) of batch-1 plain steps on rank 0")
+                    help="also kernel profiles (torch.profiler) of plain and oracle steps on rank 0")
+    ap.add_argument("--profile-batch", default="1",
+                    help="batch sizes to profile with --profile (comma-separated)")
     ap.add_argument("--gemv-max-rows", type=int, default=None,
                     help="experiment: rows up to which the one-row GEMV layer path runs "
                     "(models/fused.py GEMV_MAX_ROWS; 0: batch 1 takes the few-row path)")
