@@ -522,3 +522,23 @@ def test_a_second_llm_of_a_process_skips_symmetric_memory_on_every_rank(tmp_path
     mp.start_processes(_symm_mem_agreement_rank, args=(2, f"file://{tmp_path / 'init'}", out),
                        nprocs=2, start_method="spawn")
     assert [Path(f"{out}{r}").read_text() for r in range(2)] == ["None []", "None []"]
+
+
+def test_release_graphs_destroys_the_graphs_a_caller_still_holds():
+    """Closing a tensor-parallel LLM destroys its CUDA graphs explicitly before the process
+    groups go, even while the caller holds the graph runner (``g = llm.engine.runner.graphs``):
+    a graph with NCCL collectives in it would keep the group's destruction waiting forever."""
+    from speculant.distributed.worker import release_graphs
+
+    class Graphs:
+        released = 0
+
+        def release(self) -> None:
+            self.released += 1
+
+    runner = types.SimpleNamespace(graphs=Graphs())
+    held = runner.graphs
+    release_graphs(runner)
+    assert runner.graphs is None and held.released == 1
+    release_graphs(runner)  # a second close: nothing left to release
+    assert held.released == 1

@@ -352,14 +352,18 @@ def serve(spec: WorkerSpec, tp: TensorParallel, device: torch.device, status=Non
 
 
 def release_graphs(runner) -> None:
-    """Free a runner's CUDA graphs and wait for the device before the process groups go: graphs
-    captured with NCCL collectives in them (prefills of more rows than the fused all-reduce
-    takes) still reference the communicator, which is then destroyed under them."""
-    if getattr(runner, "graphs", None) is None:
+    """Destroy a runner's CUDA graphs and wait for the device before the process groups go:
+    graphs captured with NCCL collectives in them (every all-reduce when the fused one is off,
+    prefills of more rows than it takes) hold the communicator, whose destruction then waits
+    for them forever. Destroyed explicitly (``CudaGraphRunner.release``), not left to the
+    garbage collector: the caller may still hold the runner (``llm.engine.runner.graphs``)."""
+    graphs = getattr(runner, "graphs", None)
+    if graphs is None:
         return
     import gc
 
     runner.graphs = None
+    graphs.release()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()

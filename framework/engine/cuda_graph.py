@@ -236,6 +236,18 @@ class CudaGraphRunner:
         self.pool = None
         self.head_rows = HEAD_MAX_ROWS  # verification graphs of up to this many rows are head graphs
 
+    def release(self) -> None:
+        """Destroy every captured graph now, not when the last reference to it goes (a caller
+        may still hold this runner). A graph with NCCL collectives in it (a tensor-parallel
+        target without the fused all-reduce, or a prefill of more rows than it takes) holds its
+        communicator: destroying the process group waits for the graph's end, forever if it
+        is still referenced. Replaying after this raises."""
+        for table in (self.graphs, self.tree_graphs):
+            for g in table.values():
+                for seg in g.graphs:
+                    seg.reset()
+            table.clear()
+
     # ----------------------------------------------------------------- static views
     def _views(self, B: int, M: int):
         N = self.max_tokens
