@@ -723,35 +723,19 @@ def collectives_phase(args) -> None:
             from speculant.kernels.tp_allreduce import SymmetricAllReduce
 
             weight = torch.ones(hidden, dtype=dtype, device=device)
-            # rows: a decode / verification step of batch 1, 16 (k = 5: 96 rows), 64 (384 rows);
-            # programs: the kernel's most programs (FUSED_MAX_PROGRAMS) at each
-            for programs in (32, 64, 128):
-                try:
-                    fused = SymmetricAllReduce(tp.group, device, 512, hidden, dtype,
-                                               max_programs=programs)
-                except ValueError as e:  # a signal pad too small for so many programs
-                    part["errors"][f"fused_p{programs}"] = str(e)
-                    continue
-                for rows in (1, 64, 96, 384):
-                    if rows <= 32 and programs != 32:
-                        continue  # min(rows, programs) programs: the same launch
-                    x = torch.zeros(rows, hidden, dtype=dtype, device=device)
-                    resid = torch.zeros_like(x)
-                    slot = [0]
+            # rows: a decode / verification step (k = 5) of batch 1, 64 / 16 (96 rows) / 64
+            fused = SymmetricAllReduce(tp.group, device, 512, hidden, dtype)
+            for rows in (1, 64, 96, 384):
+                x = torch.zeros(rows, hidden, dtype=dtype, device=device)
+                resid = torch.zeros_like(x)
+                slot = [0]
 
-                    def call(x=x, resid=resid, slot=slot, fused=fused):
-                        slot[0] += 1
-                        fused(x, slot[0], resid, weight)
+                def call(x=x, resid=resid, slot=slot):
+                    slot[0] += 1
+                    fused(x, slot[0], resid, weight)
 
-                    label = ("fused_allreduce_norm" if programs == 32
-                             else f"fused_allreduce_norm_p{programs}")
-                    _time_both(res.setdefault(f"rows_{rows}", {"shape": [rows, hidden]}), label,
-                               call, args, tp, device, cuda)
-                    if rank == 0:
-                        print(f"fused rows {rows} programs {programs}: "
-                              f"{res[f'rows_{rows}'].get(label + '_graph_us')} us (graph)",
-                              flush=True)
-                del fused
+                _time_both(res.setdefault(f"rows_{rows}", {"shape": [rows, hidden]}),
+                           "fused_allreduce_norm", call, args, tp, device, cuda)
             _save_part(args, part, rank)
         except Exception as e:  # noqa: BLE001 - reported in the JSON
             part["errors"]["fused_allreduce_norm"] = f"{type(e).__name__}: {e}"
@@ -1175,9 +1159,6 @@ def parser() -> argparse.ArgumentParser:
                     help="also kernel profiles (torch.profiler) of plain and oracle steps on rank 0")
     ap.add_argument("--profile-batch", default="1",
                     help="batch sizes to profile with --profile (comma-separated)")
-    ap.add_argument("--fused-max-programs", type=int, default=None,
-                    help="experiment: programs of the fused all-reduce + RMSNorm "
-                    "(distributed/comm.py FUSED_MAX_PROGRAMS)")
     ap.add_argument("--gemv-max-rows", type=int, default=None,
                     help="experiment: rows up to which the one-row GEMV layer path runs "
                     "(models/fused.py GEMV_MAX_ROWS; 0: batch 1 takes the few-row path)")

@@ -41,10 +41,6 @@ _one_shot: _OneShot | None = None
 _fused = None
 # the most rows it takes (decode and verification steps; larger prefills take all_reduce)
 FUSED_MAX_ROWS = 512
-# the most programs (thread blocks) of one fused all-reduce: a call of more rows runs several per
-# program. Each program pushes, barriers and reads its own rows, so a call of many rows moves
-# as many rows at once as it has programs (docs/tensor_parallel.md, "The fused all-reduce")
-FUSED_MAX_PROGRAMS = 32
 
 
 class _OneShot:
@@ -249,8 +245,7 @@ def setup_fused_all_reduce(hidden: int, dtype: torch.dtype, device: torch.device
         if _one_shot is None:
             why = "no symmetric memory"
         else:
-            made = SymmetricAllReduce(tp.group, torch.device(device), FUSED_MAX_ROWS, hidden, dtype,
-                                      max_programs=FUSED_MAX_PROGRAMS)
+            made = SymmetricAllReduce(tp.group, torch.device(device), FUSED_MAX_ROWS, hidden, dtype)
     except Exception as e:  # noqa: BLE001 - an old torch or driver: all_reduce + RMSNorm then
         why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     ok = torch.tensor([1 if made is not None else 0], dtype=torch.int64)
