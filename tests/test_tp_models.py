@@ -364,6 +364,9 @@ def _gpu_all_reduce_rank(rank: int, size: int, init: str, out: str) -> None:
                 graph.replay()
                 torch.cuda.synchronize(dev)
                 check(f"graph {rows} rows step {step}", static, y)
+            # a graph holding NCCL collectives keeps destroy_process_group waiting until it is
+            # destroyed (CudaGraphRunner.release does this for an LLM's graphs)
+            graph.reset()
         if rank == 0:
             torch.save(res, out)
     finally:

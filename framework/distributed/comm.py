@@ -184,7 +184,10 @@ def init_tensor_parallel(
 
 def shutdown_tensor_parallel() -> None:
     """Destroy the groups (and the process group, when :func:`init_tensor_parallel` made it)
-    and return to size 1, so an ``LLM`` can be made again in this process. A no-op at size 1."""
+    and return to size 1, so an ``LLM`` can be made again in this process. A no-op at size 1.
+    Destroy (``CUDAGraph.reset()``) every CUDA graph that captured an NCCL collective of these
+    groups first: NCCL's communicator destruction waits for such graphs, forever while one is
+    still referenced (an ``LLM``'s own graphs are destroyed by its ``close()``)."""
     global _owns_process_group, _one_shot, _fused
     tp = tensor_parallel()
     set_tensor_parallel(NO_TENSOR_PARALLEL)
