@@ -916,33 +916,26 @@ def _profile(engine, prompts, b: int, part: dict, phase: str) -> None:
     from speculant.bench import _decode_run, _set_strategy
 
     prompts = [prompts[i % len(prompts)] for i in range(b)]
-    prof = kernel_profile(engine, prompts, 16, batch=b)
-    part[f"profile_b{b}"] = prof
-    print(f"[{phase}] profile b{b}: wall {prof['wall_ms_per_decode_step_profiled']:.3f}"
-          f" ms/step, kernels {prof['gpu_ms_per_step']:.3f}, effective "
-          f"{prof['effective_ms_per_step']:.3f}, idle "
-          f"{prof['gaps'].get('idle_ms_per_step', 0):.3f}", flush=True)
-    for k in prof["effective_top_kernels"][:16]:
-        print(f"   {k['ms_per_step'] * 1e3:8.1f} us  {k['kernel'][:90]}", flush=True)
-    for k in prof["top_kernels"][:16]:
-        print(f"   own {k['ms_per_step'] * 1e3:8.1f} us x{k['calls_per_step']:.0f}  "
-              f"{k['kernel'][:90]}", flush=True)
-    for g in prof["gaps"].get("idle_by_pair_us_per_step", [])[:6]:
-        print(f"   idle {g['us_per_step']:8.1f} us x{g['count_per_step']:.1f}  {g['pair']}",
-              flush=True)
+    part[f"profile_b{b}"] = prof = kernel_profile(engine, prompts, 16, batch=b)
+    _print_profile(f"[{phase}] profile b{b}", prof, own=True)
     # oracle (a = 0.8, k = 5) steps: a verification step's kernels and gaps
     _set_strategy(engine, None)
     recs = _decode_run(engine, prompts, 64)["tokens"]
     refs = [{"prompt_token_ids": p, "output_token_ids": r} for p, r in zip(prompts, recs)]
     spec = dict(method="oracle", alpha=0.8, num_speculative_tokens=5, references=refs)
-    prof = kernel_profile(engine, prompts, 40, spec, batch=b)
-    part[f"profile_oracle_b{b}"] = prof
-    print(f"[{phase}] profile oracle b{b}: wall "
-          f"{prof['wall_ms_per_decode_step_profiled']:.3f} ms/step, kernels "
-          f"{prof['gpu_ms_per_step']:.3f}, effective {prof['effective_ms_per_step']:.3f}, "
-          f"idle {prof['gaps'].get('idle_ms_per_step', 0):.3f}", flush=True)
+    part[f"profile_oracle_b{b}"] = prof = kernel_profile(engine, prompts, 40, spec, batch=b)
+    _print_profile(f"[{phase}] profile oracle b{b}", prof, own=False)
+
+
+def _print_profile(title: str, prof: dict, own: bool) -> None:
+    print(f"{title}: wall {prof['wall_ms_per_decode_step_profiled']:.3f} ms/step, kernels "
+          f"{prof['gpu_ms_per_step']:.3f}, effective {prof['effective_ms_per_step']:.3f}, idle "
+          f"{prof['gaps'].get('idle_ms_per_step', 0):.3f}", flush=True)
     for k in prof["effective_top_kernels"][:16]:
         print(f"   {k['ms_per_step'] * 1e3:8.1f} us  {k['kernel'][:90]}", flush=True)
+    for k in prof["top_kernels"][:16] if own else []:
+        print(f"   own {k['ms_per_step'] * 1e3:8.1f} us x{k['calls_per_step']:.0f}  "
+              f"{k['kernel'][:90]}", flush=True)
     for g in prof["gaps"].get("idle_by_pair_us_per_step", [])[:6]:
         print(f"   idle {g['us_per_step']:8.1f} us x{g['count_per_step']:.1f}  {g['pair']}",
               flush=True)
