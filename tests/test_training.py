@@ -289,22 +289,3 @@ def test_the_seed_fixes_the_heads_initial_weights(target, tmp_path):
         return res.history[0]["loss"]
 
     assert first_loss("a") == first_loss("bb")
-
-
-def test_eagle_feature_noise_perturbs_training_steps_only(target, data):
-    """``feature_noise: w`` adds uniform noise in [-w, w] to the target features the head reads
-    in training; evaluation (and a head without it) sees the clean features."""
-    from speculant.training.data import collate
-
-    info = TargetInfo.load(target)
-    batch = collate(data.examples[:2], torch.device("cpu"))
-    torch.manual_seed(0)
-    noisy = make_head("eagle", info, steps=2, feature_noise=0.5)
-    torch.manual_seed(0)
-    clean = make_head("eagle", info, steps=2)
-    with torch.no_grad():
-        assert float(noisy.loss(batch).loss) != float(clean.loss(batch).loss)  # training mode
-        noisy.eval(), clean.eval()
-        assert float(noisy.loss(batch).loss) == float(clean.loss(batch).loss)
-    with pytest.raises(ValueError, match="feature_noise must be >= 0"):
-        make_head("eagle", info, feature_noise=-0.1)

@@ -211,20 +211,13 @@ class Eagle1Head(nn.Module):
 
     def __init__(self, target: TargetInfo, num_layers: int = 1, steps: int = 4,
                  token_weight: float = 0.5, feature_weight: float = 1.0,
-                 hot_ids: torch.Tensor | None = None, max_positions: int = 4096,
-                 feature_noise: float = 0.0) -> None:
+                 hot_ids: torch.Tensor | None = None, max_positions: int = 4096) -> None:
         super().__init__()
-        if feature_noise < 0:
-            raise ValueError(f"feature_noise must be >= 0 (a half-width), got {feature_noise}")
         cfg = dict(target.config)
         H = target.hidden_size
         self.cfg = cfg
         self.num_positions = steps
         self.token_weight, self.feature_weight = token_weight, feature_weight
-        # training only: uniform noise in [-w, w] on the target features the first step reads
-        # (the EAGLE papers' augmentation against the target's features drifting from the
-        # ones seen in training); the regression targets stay clean
-        self.feature_noise = float(feature_noise)
         self.fc = nn.Linear(2 * H, H, bias=True)
         self.layers = nn.ModuleList(EagleLayer(cfg, i == 0) for i in range(num_layers))
         for p in self.layers.parameters():
@@ -247,9 +240,7 @@ class Eagle1Head(nn.Module):
         tokens, target, h = batch.tokens, batch.target, batch.final  # [B, T], [B, T], [B, T, H]
         B, T, _ = h.shape
         caches: list[list] = [[] for _ in self.layers]
-        x = h  # [B, T, H]
-        if self.training and self.feature_noise:
-            x = h + (torch.rand_like(h) * 2 - 1) * self.feature_noise
+        x = h
         total_loss = h.new_zeros(())
         correct, total = [], []
         for s in range(1, self.num_positions + 1):
