@@ -352,11 +352,8 @@ def serve(spec: WorkerSpec, tp: TensorParallel, device: torch.device, status=Non
 
 
 def release_graphs(runner) -> None:
-    """Destroy a runner's CUDA graphs and wait for the device before the process groups go:
-    graphs captured with NCCL collectives in them (every all-reduce when the fused one is off,
-    prefills of more rows than it takes) hold the communicator, whose destruction then waits
-    for them forever. Destroyed explicitly (``CudaGraphRunner.release``), not left to the
-    garbage collector: the caller may still hold the runner (``llm.engine.runner.graphs``)."""
+    """Destroy a runner's CUDA graphs (``CudaGraphRunner.release``: whoever still holds the
+    runner) and wait for the device, before the process groups go."""
     graphs = getattr(runner, "graphs", None)
     if graphs is None:
         return
