@@ -114,6 +114,17 @@ SHAPES = (
     Shape("qkv_1b_plain", 3072, 2048, "none"),
     Shape("gate_up_1b_plain", 16384, 2048, "none"),
     Shape("lm_head_tm_1b", 32768, 2048, "none"),
+    # tensor-parallel shards (docs/tensor_parallel.md): a rank's products at Llama-3-8B TP 2 and
+    # Llama-3-70B TP 4, whose inputs arrive normed (the fused all-reduce + RMSNorm)
+    Shape("qkv_tp2", 3072, 4096, "none"),
+    Shape("o_proj_tp2", 4096, 2048, "none"),
+    Shape("gate_up_tp2", 14336, 4096, "none"),
+    Shape("down_tp2", 4096, 7168, "silu_mul"),
+    Shape("qkv_70b_tp4", 2560, 8192, "none"),
+    Shape("o_proj_70b_tp4", 8192, 2048, "none"),
+    Shape("gate_up_70b_tp4", 14336, 8192, "none"),
+    Shape("down_70b_tp4", 8192, 7168, "silu_mul"),
+    Shape("lm_head_70b", 128256, 8192, "none"),
 )
 ROWS = (1, 2, 4, 6, 8)
 DTYPE = torch.bfloat16

@@ -675,6 +675,9 @@ def steady_sweep_variants(names: str) -> list[dict]:
     want = set(names.split(","))
     if want & {"splits", "all"}:
         out += [{"num_splits": sp} for sp in (16, 24, 32, 64, 96)]
+    if "fewsplits" in want:  # wide batches: no split (no merge kernel) against a few
+        out += [{"num_splits": sp} for sp in (1, 2, 3, 4)]
+        out.append({})
     if "short" in want:  # short contexts (a draft model's): split counts x 16-64-token chunks
         for sp in (1, 2, 4, 8, 16):
             for bn in (16, 32, 64):
@@ -916,7 +919,7 @@ def main():
         "--steady-sweep",
         default="",
         help="after the copy bandwidth, time these override sets (comma list of default, "
-        "splits, tiles, deep, deepsplits, pps, ahead, short, all) as graphN on --sweep-cases (default 1:8192:1,1:16384:1,1:32768:1,"
+        "splits, tiles, deep, deepsplits, fewsplits, pps, ahead, short, all) as graphN on --sweep-cases (default 1:8192:1,1:16384:1,1:32768:1,"
         "8:8192:1) and stop",
     )
     ap.add_argument(

@@ -741,7 +741,65 @@ def collectives_phase(args) -> None:
             part["errors"]["fused_allreduce_norm"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
             _save_part(args, part, rank)
+    if cuda and not part["errors"]:
+        try:
+            part["lm_head"] = lm_head_split(args, tp, device, dtype, hidden)
+            _save_part(args, part, rank)
+        except Exception as e:  # noqa: BLE001 - reported in the JSON
+            part["errors"]["lm_head"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+            _save_part(args, part, rank)
     shutdown_tensor_parallel()
+
+
+def lm_head_split(args, tp, device, dtype, hidden: int) -> dict:
+    """The LM head replicated (rank 0 alone computes ``[rows, vocab]``, as the engine does)
+    against vocab-parallel (each rank ``vocab / size`` rows of it, then an NCCL all-gather of
+    the float32 shards and their interleave into ``[rows, vocab]``), both as the engine
+    computes logits (``compute_logits``: the GEMV kernel for 1 and >= 3 rows, then float32),
+    in CUDA graphs: microseconds per call."""
+    import torch
+    import torch.distributed as dist
+
+    from speculant.kernels.gemv import gemv
+    from speculant.models import fused
+
+    vocab = GEOMETRIES[args.geometry]["vocab_size"]
+    size = tp.size
+    shard = vocab // size
+    gen = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn(vocab, hidden, dtype=dtype, device=device, generator=gen) * 0.02  # [V, H]
+    ws = w[:shard]  # [V / size, H]: this rank's vocab rows (contiguous)
+
+    def logits(h, weight):  # compute_logits: [rows, H] -> [rows, V'] float32
+        if fused.gemv_enabled(h) or (h.shape[0] >= 3 and fused.gemv_in_enabled(h)):
+            return gemv(h, weight).float()
+        return torch.nn.functional.linear(h, weight).float()
+
+    out: dict = {"vocab": vocab, "shard_rows": shard}
+    for rows in (1, 64, 384):
+        h = torch.randn(rows, hidden, dtype=dtype, device=device, generator=gen)  # [rows, H]
+        gathered = torch.empty(size, rows, shard, dtype=torch.float32, device=device)
+
+        def full(h=h):
+            logits(h, w)
+
+        def split(h=h, g=gathered):
+            part = logits(h, ws)  # [rows, V / size]
+            dist.all_gather_into_tensor(g, part, group=tp.group)
+            g.permute(1, 0, 2).reshape(h.shape[0], size * shard)  # [rows, V]
+
+        def gather_only(h=h, g=gathered):
+            dist.all_gather_into_tensor(g, g[tp.rank], group=tp.group)
+
+        row: dict = {}
+        for label, fn in (("replicated", full), ("vocab_parallel", split),
+                          ("all_gather", gather_only)):
+            _time_both(row, label, fn, args, tp, device, True)
+        out[f"rows_{rows}"] = row
+        if tp.rank == 0:
+            print(f"lm head rows {rows}: {row}", flush=True)
+    return out
 
 
 def _time_both(row: dict, label: str, fn, args, tp, device, cuda: bool) -> None:

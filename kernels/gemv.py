@@ -471,6 +471,15 @@ def _deep_prefetch_config(N: int, K: int, prologue: str) -> GemvConfig | None:
     return None
 
 
+def few_rows_silu_mul_slower(M: int, N: int) -> bool:
+    """Whether a SiLU * up product of ``M`` > 1 rows and ``N`` outputs is faster as the separate
+    ``silu_mul`` kernel and cuBLAS than as this GEMV: from N = 8192 (a Llama-3-70B TP 4 down
+    shard, 8192 x 7168, 6 rows on an H200: 40.5 us here, 31.7 us separately, the GEMV's dot
+    path streaming at ~70% of the copy bandwidth against cuBLAS's ~89%). Shapes only, so a
+    CUDA graph takes one path."""
+    return M > 1 and N >= 8192
+
+
 def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -> GemvConfig:
     """Default launch parameters from the shapes only (CUDA-graph safe). Each regime takes the
     fastest configuration of bench/bench_gemv.py's H100 sweeps (Llama-3-8B and Llama-3.2-1B
@@ -478,8 +487,11 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
 
     * one row: CUDA-core FMAs over 8 x 512 weight tiles (16 x 256 for a vocabulary-sized N), no
       split; N <= 2048 (a 1B draft's o_proj and down): 4 x 512 tiles, K split in two where
-      K >= 4 N; K <= 2048, or the 8B o_proj: one prefetched tile per program
-      (``_deep_prefetch_config``).
+      K >= 4 N (and for N <= 3072 with K >= 3 N, a 70B TP 4 qkv shard: H200, 16.1 -> 13.2 us);
+      a plain product (no prologue) with N >= 8192 (a tensor-parallel gate/up shard): 16 x 256
+      tiles (H200: 70B TP 4 61.1 -> 57.0 us, 8B TP 2 32.5 -> 30.6), SiLU * up with N >= 8192
+      (a 70B TP 4 down shard): 32 x 512 (H200: 34.6 -> 31.3 us); K <= 2048, or the 8B
+      o_proj: one prefetched tile per program (``_deep_prefetch_config``).
     * 3+ rows, rmsnorm: dots on 16-row masked x tiles, 64 x 256 (64 x 128 with 8 warps for a
       vocabulary-sized N). The prologue on interleaved rows was 1.5-2x slower there.
     * 2-32 rows, no prologue, N >= 4096 (3+ rows) or a 1B shape (K <= 2048, N >= 2048): dots
@@ -487,8 +499,8 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
       half the multiprocessors (in four for the 1B shapes where they fill at most a quarter).
     * otherwise (2 rows with rmsnorm, silu_mul, smaller shapes): dots with the weight first,
       64 x 128 tiles, split-K up to 4 until there are two programs per multiprocessor, 8 warps
-      with rmsnorm; a 1B down_proj (N <= 2048, K >= 8192) on 256-wide K chunks; silu_mul above
-      4 rows on 16-row masked x tiles instead of 8 interleaved rows.
+      with rmsnorm; a 1B down_proj (N <= 2048, K >= 8192) on 256-wide K chunks; silu_mul and
+      plain products above 4 rows on 16-row masked x tiles instead of 8 interleaved rows.
     """
     big_n = N >= 65536
     if M <= 1:
@@ -500,6 +512,12 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
         if N <= 2048:  # few output blocks: narrower tiles, and split K when it is long
             split = 2 if K >= 4 * N else 1
             return GemvConfig(block_n=4, block_k=512, num_warps=4, split_k=split, use_dot=False)
+        if N <= 3072 and K >= 3 * N:  # a 70B TP 4 shard's qkv (2560 x 8192): as above, in two
+            return GemvConfig(block_n=4, block_k=512, num_warps=4, split_k=2, use_dot=False)
+        if N >= 8192 and prologue == "none":  # a tensor-parallel shard's gate/up (normed input)
+            return GemvConfig(block_n=16, block_k=256, num_warps=4, use_dot=False)
+        if N >= 8192 and prologue == "silu_mul":  # a 70B TP 4 shard's down (8192 x 7168)
+            return GemvConfig(block_n=32, block_k=512, num_warps=4, use_dot=False)
         return GemvConfig(block_n=8, block_k=512, num_warps=4, use_dot=False)
     if prologue == "rmsnorm" and M > 2:
         if big_n:
@@ -518,7 +536,9 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
             split = 4
         return GemvConfig(
             block_n=64,
-            block_k=128 if small and split == 1 and N <= 16384 else 256,
+            # 128-wide K chunks for the 1B gate/up (16384 x 2048); a 70B TP 4 o_proj shard
+            # (8192 x 2048) is faster on 256 (H200, 6 rows: 11.3 -> 10.1 us)
+            block_k=128 if small and split == 1 and 8192 < N <= 16384 else 256,
             num_warps=4,
             split_k=split,
             use_dot=True,
@@ -542,9 +562,11 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
         split_k=split,
         use_dot=True,
         swap_ab=True,
-        # 5-8 rows: SiLU * up on 16-row masked x tiles, not on 8 rows interleaved with zero rows
-        # (7% faster for the 8B down at 6 rows; at 4 rows the interleaved rows stay ahead)
-        pad_rows=not (prologue == "silu_mul" and M > 4),
+        # 5-8 rows: SiLU * up (and the plain product) on 16-row masked x tiles, not on 8 rows
+        # interleaved with zero rows (7% faster for the 8B down at 6 rows on an H100, 1.4-1.5x
+        # for the qkv shards of 8B TP 2 / 70B TP 4 on an H200; at 4 rows the interleaved rows
+        # stay ahead for the down)
+        pad_rows=not (prologue in ("silu_mul", "none") and M > 4),
     )
 
 

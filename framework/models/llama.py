@@ -27,7 +27,7 @@ from speculant.distributed import (
     fused_all_reduce,
     tensor_parallel,
 )
-from speculant.kernels.gemv import gemv, gemv_partials, gemv_split
+from speculant.kernels.gemv import few_rows_silu_mul_slower, gemv, gemv_partials, gemv_split
 from speculant.models import cpu_forward, fused
 from speculant.models.attention import ForwardContext
 from speculant.models.gather import gather_rows
@@ -275,10 +275,10 @@ class LlamaDecoderLayer(nn.Module):
         if mlp.fused_act and (few or few_in):
             gu = (gemv(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias) if few_in
                   else mlp.gate_up_proj(x))  # [num_tokens, 2 * inter]
-            if not few:
+            wd, bd = mlp.down_proj.weight, mlp.down_proj.bias
+            if not few or few_rows_silu_mul_slower(gu.shape[0], wd.shape[0]):
                 d = mlp.down_proj(fused.silu_mul(gu))  # [num_tokens, hidden]
             else:
-                wd, bd = mlp.down_proj.weight, mlp.down_proj.bias
                 if next_norm is not None and not tp.enabled:
                     x, residual = gemv(gu, wd, bd, prologue="silu_mul",
                                        out_norm_weight=next_norm.weight, out_residual=residual,

@@ -10,6 +10,7 @@ from speculant.kernels.gemv import (
     MAX_ROWS,
     GemvConfig,
     choose_config,
+    few_rows_silu_mul_slower,
     gemv,
     gemv_partials,
     gemv_reference,
@@ -274,6 +275,15 @@ def test_choose_config_valid():
             (16384, 2048, "none"),
             (2048, 8192, "silu_mul"),
             (32768, 2048, "none"),
+            # tensor-parallel shards: 8B TP 2 and 70B TP 4 qkv, o_proj, gate/up, down
+            (3072, 4096, "none"),
+            (4096, 2048, "none"),
+            (14336, 4096, "none"),
+            (4096, 7168, "silu_mul"),
+            (2560, 8192, "none"),
+            (8192, 2048, "none"),
+            (14336, 8192, "none"),
+            (8192, 7168, "silu_mul"),
         ):
             cfg = choose_config(M, N, K, p, dev)
             cfg.validate(M)
@@ -288,6 +298,29 @@ def test_choose_config_deep_prefetch():
     assert cfg.prefetch and cfg.block_k == 2048 and cfg.split_k == 1
     cfg = choose_config(1, 28672, 4096, "rmsnorm", dev)
     assert not cfg.prefetch and cfg.block_k == 512
+
+
+def test_choose_config_tensor_parallel_shards():
+    """The regimes of the tensor-parallel shards (H200 sweep, docs/kernels.md): a narrow qkv
+    with a long K splits K in two at one row; a plain gate/up takes 16 x 256 tiles and a wide
+    SiLU * up 32 x 512 at one row; 5-8 plain rows take masked 16-row x tiles; the 8B TP 1
+    shapes keep their configurations."""
+    dev = torch.device("cpu")
+    cfg = choose_config(1, 2560, 8192, "none", dev)
+    assert (cfg.block_n, cfg.block_k, cfg.split_k) == (4, 512, 2)
+    cfg = choose_config(1, 14336, 8192, "none", dev)
+    assert (cfg.block_n, cfg.block_k) == (16, 256)
+    cfg = choose_config(1, 8192, 7168, "silu_mul", dev)
+    assert (cfg.block_n, cfg.block_k) == (32, 512)
+    assert not choose_config(6, 2560, 8192, "none", dev).pad_rows
+    assert choose_config(4, 2560, 8192, "none", dev).pad_rows
+    assert choose_config(6, 8192, 2048, "none", dev).block_k == 256
+    assert choose_config(6, 16384, 2048, "none", dev).block_k == 128  # the 1B gate/up
+    for N, K, p in ((28672, 4096, "rmsnorm"), (4096, 14336, "silu_mul"), (6144, 4096, "rmsnorm")):
+        cfg = choose_config(1, N, K, p, dev)
+        assert (cfg.block_n, cfg.block_k, cfg.split_k) == (8, 512, 1)
+    assert few_rows_silu_mul_slower(6, 8192) and not few_rows_silu_mul_slower(1, 8192)
+    assert not few_rows_silu_mul_slower(6, 4096)
 
 
 def test_gemv_wide_fma_tile_fp32(device):
