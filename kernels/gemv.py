@@ -472,12 +472,13 @@ def _deep_prefetch_config(N: int, K: int, prologue: str) -> GemvConfig | None:
 
 
 def few_rows_silu_mul_slower(M: int, N: int) -> bool:
-    """Whether a SiLU * up product of ``M`` > 1 rows and ``N`` outputs is faster as the separate
-    ``silu_mul`` kernel and cuBLAS than as this GEMV: from N = 8192 (a Llama-3-70B TP 4 down
-    shard, 8192 x 7168, 6 rows on an H200: 40.5 us here, 31.7 us separately, the GEMV's dot
-    path streaming at ~70% of the copy bandwidth against cuBLAS's ~89%). Shapes only, so a
-    CUDA graph takes one path."""
-    return M > 1 and N >= 8192
+    """Whether a SiLU * up product of ``M`` rows and ``N`` outputs is faster as the separate
+    ``silu_mul`` kernel and cuBLAS than as this GEMV: 5 or more rows from N = 8192 (a
+    Llama-3-70B TP 4 down shard, 8192 x 7168 on an H200, 6 rows: 40.5 us here, 31.7 us
+    separately, the 16-row masked dot path streaming at ~70% of the copy bandwidth against
+    cuBLAS's ~89%; 2-4 rows: 30.8-33.0 against 31.9-32.2, even). Shapes only, so a CUDA graph
+    takes one path."""
+    return M > 4 and N >= 8192
 
 
 def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -> GemvConfig:
@@ -499,8 +500,10 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
       half the multiprocessors (in four for the 1B shapes where they fill at most a quarter).
     * otherwise (2 rows with rmsnorm, silu_mul, smaller shapes): dots with the weight first,
       64 x 128 tiles, split-K up to 4 until there are two programs per multiprocessor, 8 warps
-      with rmsnorm; a 1B down_proj (N <= 2048, K >= 8192) on 256-wide K chunks; silu_mul and
-      plain products above 4 rows on 16-row masked x tiles instead of 8 interleaved rows.
+      with rmsnorm; a 1B down_proj (N <= 2048, K >= 8192) on 256-wide K chunks; plain
+      products, and silu_mul above 4 rows, on 16-row masked x tiles instead of interleaved rows.
+    * 2-8 rows of a plain tensor-parallel gate/up shard (8192 < N <= 16384, K >= 4096): dots
+      with the weight first over 64 x 128 tiles (H200 sweep).
     """
     big_n = N >= 65536
     if M <= 1:
@@ -523,6 +526,11 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
         if big_n:
             return GemvConfig(block_n=64, block_k=128, num_warps=8, use_dot=True, pad_rows=False)
         return GemvConfig(block_n=64, block_k=256, num_warps=4, use_dot=True, pad_rows=False)
+    if prologue == "none" and 8192 < N <= 16384 and K >= 4096:
+        # a tensor-parallel gate/up shard (14336 x 4096 / 8192) at 2-8 rows: 128-wide K
+        # chunks (H200: 8B TP 2 30.7-31.2 -> 29.2-29.4 us, 70B TP 4 56.5-58.5 -> 55.1-55.6)
+        return GemvConfig(block_n=64, block_k=128, num_warps=4, use_dot=True, swap_ab=True,
+                          pad_rows=False)
     # a Llama-3.2-1B draft's qkv, o_proj, gate/up and token-map head in its multi-row forwards
     small = K <= 2048 and N >= 2048
     if prologue == "none" and 2 <= M <= 32 and ((4096 <= N and M >= 3) or small):
@@ -562,11 +570,11 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
         split_k=split,
         use_dot=True,
         swap_ab=True,
-        # 5-8 rows: SiLU * up (and the plain product) on 16-row masked x tiles, not on 8 rows
-        # interleaved with zero rows (7% faster for the 8B down at 6 rows on an H100, 1.4-1.5x
-        # for the qkv shards of 8B TP 2 / 70B TP 4 on an H200; at 4 rows the interleaved rows
-        # stay ahead for the down)
-        pad_rows=not (prologue in ("silu_mul", "none") and M > 4),
+        # 16-row masked x tiles, not rows interleaved with zero rows: plain products at any
+        # row count (the qkv shards of 8B TP 2 / 70B TP 4 on an H200: 1.07-1.5x at 2-6 rows),
+        # SiLU * up above 4 rows (7% faster for the 8B down at 6 rows on an H100; at 4 rows the
+        # interleaved rows stay ahead)
+        pad_rows=not (prologue == "none" or (prologue == "silu_mul" and M > 4)),
     )
 
 
