@@ -196,6 +196,8 @@ def summarize(result: dict) -> dict:
                    for k, v in row.items() if k.endswith("_us") and v is not None}
             for rows, row in ar.items()
         }
+    if coll.get("lm_head"):  # replicated against vocab-parallel (lm_head_split), us per call
+        s["lm_head_us"] = coll["lm_head"]
     per_tp = {}
     for name, ph in phases.items():
         if "runs" not in ph:  # the collectives, the equality phases, a phase that failed early
@@ -1065,6 +1067,7 @@ def run_phase(name: str, kind: str, ranks: int, extra: list[str], args, timeout_
             for r in range(1, ranks) if (part_dir / f"{name}.rank{r}.json").exists()
         ]
         part = {"ranks": ranks_parts, "allreduce": part.get("allreduce", {}),
+                "lm_head": part.get("lm_head"),
                 "one_shot_symmetric_memory": part.get("one_shot_symmetric_memory"),
                 "errors": part.get("errors", {})}
     part.update(rc=rc if not timed_out else None, timed_out=timed_out, phase_wall_s=wall)
