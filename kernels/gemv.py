@@ -501,7 +501,8 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
     * otherwise (2 rows with rmsnorm, silu_mul, smaller shapes): dots with the weight first,
       64 x 128 tiles, split-K up to 4 until there are two programs per multiprocessor, 8 warps
       with rmsnorm; a 1B down_proj (N <= 2048, K >= 8192) on 256-wide K chunks; plain
-      products, and silu_mul above 4 rows, on 16-row masked x tiles instead of interleaved rows.
+      products of 2-8 rows, and silu_mul above 4 rows, on 16-row masked x tiles instead of
+      interleaved rows.
     * 2-8 rows of a plain tensor-parallel gate/up shard (8192 < N <= 16384, K >= 4096): dots
       with the weight first over 64 x 128 tiles (H200 sweep).
     """
@@ -526,7 +527,7 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
         if big_n:
             return GemvConfig(block_n=64, block_k=128, num_warps=8, use_dot=True, pad_rows=False)
         return GemvConfig(block_n=64, block_k=256, num_warps=4, use_dot=True, pad_rows=False)
-    if prologue == "none" and 8192 < N <= 16384 and K >= 4096:
+    if prologue == "none" and M <= 8 and 8192 < N <= 16384 and K >= 4096:
         # a tensor-parallel gate/up shard (14336 x 4096 / 8192) at 2-8 rows: 128-wide K
         # chunks (H200: 8B TP 2 30.7-31.2 -> 29.2-29.4 us, 70B TP 4 56.5-58.5 -> 55.1-55.6)
         return GemvConfig(block_n=64, block_k=128, num_warps=4, use_dot=True, swap_ab=True,
@@ -570,11 +571,11 @@ def choose_config(M: int, N: int, K: int, prologue: str, device: torch.device) -
         split_k=split,
         use_dot=True,
         swap_ab=True,
-        # 16-row masked x tiles, not rows interleaved with zero rows: plain products at any
-        # row count (the qkv shards of 8B TP 2 / 70B TP 4 on an H200: 1.07-1.5x at 2-6 rows),
-        # SiLU * up above 4 rows (7% faster for the 8B down at 6 rows on an H100; at 4 rows the
+        # 16-row masked x tiles, not rows interleaved with zero rows: plain products of 2-8
+        # rows (the qkv shards of 8B TP 2 / 70B TP 4 on an H200: 1.07-1.5x at 2-6 rows), SiLU *
+        # up above 4 rows (7% faster for the 8B down at 6 rows on an H100; at 4 rows the
         # interleaved rows stay ahead)
-        pad_rows=not (prologue == "none" or (prologue == "silu_mul" and M > 4)),
+        pad_rows=not ((prologue == "none" and M <= 8) or (prologue == "silu_mul" and M > 4)),
     )
 
 

@@ -303,7 +303,7 @@ def test_choose_config_deep_prefetch():
 def test_choose_config_tensor_parallel_shards():
     """The regimes of the tensor-parallel shards (H200 sweep, docs/kernels.md): a narrow qkv
     with a long K splits K in two at one row; a plain gate/up takes 16 x 256 tiles and a wide
-    SiLU * up 32 x 512 at one row; plain rows take masked 16-row x tiles; the 8B TP 1
+    SiLU * up 32 x 512 at one row; 2-8 plain rows take masked 16-row x tiles; the 8B TP 1
     shapes keep their configurations."""
     dev = torch.device("cpu")
     cfg = choose_config(1, 2560, 8192, "none", dev)
@@ -314,8 +314,10 @@ def test_choose_config_tensor_parallel_shards():
     assert (cfg.block_n, cfg.block_k) == (32, 512)
     assert not choose_config(6, 2560, 8192, "none", dev).pad_rows
     assert not choose_config(2, 2560, 8192, "none", dev).pad_rows
+    assert choose_config(16, 2560, 8192, "none", dev).pad_rows  # not swept: as before
     assert choose_config(4, 8192, 7168, "silu_mul", dev).pad_rows
     assert choose_config(4, 14336, 8192, "none", dev).block_k == 128
+    assert choose_config(16, 14336, 8192, "none", dev).block_k == 256  # not swept: as before
     assert choose_config(6, 8192, 2048, "none", dev).block_k == 256
     assert choose_config(6, 16384, 2048, "none", dev).block_k == 128  # the 1B gate/up
     for N, K, p in ((28672, 4096, "rmsnorm"), (4096, 14336, "silu_mul"), (6144, 4096, "rmsnorm")):
