@@ -15,6 +15,31 @@ from speculant.models.batch_invariant import triton_linear
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.fixture(autouse=True)
+def _row_by_row_interpreter_dot(monkeypatch):
+    """Under the CPU interpreter ``tl.dot`` is numpy's ``matmul``, whose BLAS may compute the
+    rows of a block with different micro-kernels: OpenBLAS on an AVX2 CPU rounds rows 6-11 of
+    every 12 differently from rows 0-5, so there a row's bits depend on its place in the tile,
+    which a GPU's dot does not do. Here the interpreter's dot multiplies one row at a time (the
+    same BLAS call for every row), so these tests check the kernels' own row independence."""
+    if DEVICE.type != "cpu":
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def matmul(a, b, *args, **kwargs):
+        if a.ndim < 2 or a.shape[-2] <= 1:
+            return np.matmul(a, b, *args, **kwargs)
+        rows = [np.matmul(a[..., i : i + 1, :], b, *args, **kwargs) for i in range(a.shape[-2])]
+        return np.concatenate(rows, axis=-2)
+
+    class _NumPy:  # numpy, with the row-by-row matmul
+        def __getattr__(self, name):
+            return matmul if name == "matmul" else getattr(np, name)
+
+    monkeypatch.setattr(interpreter, "np", _NumPy())
+
+
 def _paged(seqs, nh=4, nkv=2, d=32, bs=8, width=None, seed=0):
     """seqs: [(context_len, q_len)] -> q, k_cache, v_cache, block_tables, context_lens, qsl.
     A sequence's cache and queries depend on its context length alone (the same whatever else is
