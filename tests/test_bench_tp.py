@@ -23,7 +23,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def test_weight_bytes_match_the_8b_measurement_and_shard():
     # TP 1: every parameter but the input embedding, as gpu_8b measured on the H100
-    # (weight_bytes_per_step of the Llama-3-8B geometry: bench/results/gpu_8b_h100.log)
+    # (weight_bytes_per_step of the Llama-3-8B geometry: bench/results/gpu_8b_h100.json)
     one = gpu_tp.weight_bytes_per_gpu(gpu_tp.LLAMA3_8B, 1)
     assert one["rank0"] == 15_009_849_344
     head = 128256 * 4096 * 2
