@@ -126,7 +126,9 @@ def ngram(tiny_llama):
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
 
 
-@pytest.mark.parametrize("penalty", list(PENALTIES))
+# the default run: no penalty and the frequency penalty; repetition + presence (~4 s) is slow
+@pytest.mark.parametrize("penalty", [
+    pytest.param(p, marks=pytest.mark.slow) if p == "repetition" else p for p in PENALTIES])
 def test_greedy_outputs_do_not_depend_on_the_batch(llm, ngram, penalty):
     """16 prompts (repetitive, so n-gram speculation drafts) one at a time, 4 at a time and all
     together: the same tokens and log-probabilities, plain and speculative."""

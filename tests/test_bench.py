@@ -39,6 +39,7 @@ def test_parse_strategies():
     assert parse_strategies('[{"method": "ngram", "num_speculative_tokens": 2}]')[0]["method"] == "ngram"
 
 
+@pytest.mark.slow  # ~3 s: the default run keeps the bench tests around it
 def test_bench_cli_writes_json_and_png(tiny_factory, tmp_path, capsys):
     model = tiny_factory("llama", tokenizer=False)
     rc = main(["bench", "--model", str(model), "--batch-sizes", "1,2", "--max-tokens", "20",

@@ -72,6 +72,7 @@ def test_gemm_of_no_rows_writes_nothing():
     assert (guard == 7.0).all()
 
 
+@pytest.mark.slow  # a 128256 x 512 weight (~4 s)
 def test_gemm_large_index():
     """The LM-head shape of Llama 3 (128256 x 512 here): offsets beyond 2**26 floats."""
     rng = np.random.default_rng(2)

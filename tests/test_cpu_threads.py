@@ -216,6 +216,7 @@ def test_demo_flags_a_lasting_slowdown(monkeypatch, capsys):
     assert _line(out, "ngram").split()[3] == "0.05"
 
 
+@pytest.mark.slow  # ~4.5 s busy: the default run keeps the other demo tests
 def test_demo_reports_unequal_outputs(monkeypatch, capsys):
     clock, calls = _Clock(), {}
     fake = _fake_llm(clock, lambda m, c, n: 1.0, calls)

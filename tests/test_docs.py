@@ -4,8 +4,9 @@ the embedded default model. A block that loads a model runs in its own interpret
 load none share one, each in a fresh namespace. Blocks that talk to the OpenAI-compatible server
 (they create an ``OpenAI(base_url=...)`` client) run against one ``speculant serve`` (default
 model, n-gram) started here for the module; the only edit made to any block is that server's
-port in its ``base_url``. README.md's blocks run in the default selection; the blocks of docs/
-that load a model are marked slow.
+port in its ``base_url``. The default selection runs README.md's first block that loads a model
+(the Python API example) and every block that loads none; the other blocks that load a model
+and the client blocks are marked slow.
 
 Also here: the contract the README's plugin example relies on (a strategy class's
 ``num_speculative_tokens`` attribute is its default k, which speculative_config overrides), and
@@ -155,13 +156,15 @@ def light_results(tmp_path_factory) -> dict[str, list]:
 
 
 def _params(server: bool) -> list:
-    """The blocks; those of docs/ that load a model are marked slow (~15 s each on 2 busy
-    cores), README.md's run in the default selection."""
+    """The blocks. Slow: those that load a model (~10-15 s each on 2 busy cores), but for
+    README.md's first one (the Python API example), and the client blocks (they share one
+    ``speculant serve``, ~13 s to start; test_server.py covers the server in the default run)."""
+    first = next((w for w, c in BLOCKS if w.startswith("README.md:") and "LLM(" in c), None)
     out = []
     for where, code in BLOCKS:
         if _uses_server(code) != server:
             continue
-        slow = not where.startswith("README.md") and "LLM(" in code
+        slow = server or ("LLM(" in code and where != first)
         out.append(pytest.param(where, code, id=where, marks=[pytest.mark.slow] if slow else []))
     return out
 

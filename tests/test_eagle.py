@@ -284,6 +284,7 @@ def test_drafts_match_a_reference_implementation(small_target, ckpts, prompts, w
     assert checked > 60, checked
 
 
+@pytest.mark.slow  # a 49152-token vocabulary (~2.5 s busy)
 def test_eagle3_big_vocab_with_tokenizer(tiny_factory, tmp_path):
     """The SmolLM2-size vocabulary (49152) with a 512-token draft vocabulary mapped through d2t,
     text prompts, default feature layers, batch 8 and 1; EAGLE-1 on the same target."""

@@ -73,7 +73,8 @@ def test_silu_mul():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test of the CUDA code path; "
                     "on CUDA tests/test_gpu_engine.py covers it end to end")
-@pytest.mark.parametrize("path", ["gemv", "fused"])
+# the default run: the one-row path (~5 s on the interpreter); the multi-row one is slow
+@pytest.mark.parametrize("path", ["gemv", pytest.param("fused", marks=pytest.mark.slow)])
 def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch, path):
     """The CUDA paths of the Llama layers against the torch layer path, over a prefill of 5
     tokens, 2 decode steps, a 3-token (verification-like) step and a 20-token one (qkv and gate/up
@@ -303,6 +304,7 @@ def test_reduce_rope_store_equals_gemv_then_rope_store(split, bias, heads):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test of the CUDA code path; "
                     "on CUDA tests/test_gpu_engine.py covers it end to end")
+@pytest.mark.slow  # ~5 s; the default run: its kernel's own tests above
 def test_llama_fused_qkv_rope_path_equals_layer_path(tiny_llama, monkeypatch):
     """``forward_fused`` with qkv as ``gemv_partials`` (K in two pieces) and the reduce + RoPE +
     K/V store kernel (``LlamaAttention.attend_partials``) against the torch layer path, over a

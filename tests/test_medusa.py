@@ -132,6 +132,7 @@ def test_sampling_follows_the_target_distribution(target, joint, tmp_path):  # n
         assert tv < bound, f"medusa {name}: TV {tv:.4f} >= bound {bound:.4f}"
 
 
+@pytest.mark.slow  # several engines (~4 s busy)
 def test_bad_heads_are_refused(tmp_path, llama):
     def build(head, **extra):
         return LLM(model=str(llama), speculative_config={"model": str(head), **extra})

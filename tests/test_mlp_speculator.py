@@ -258,6 +258,7 @@ def test_method_inference_from_path(tmp_path):
     assert infer_method(str(ckpt)) == "mlp_speculator"
 
 
+@pytest.mark.slow  # five engines (~5 s busy)
 def test_bad_inputs(tmp_path, target, small_target):
     def build(ckpt, **extra):
         return LLM(model=str(target), speculative_config={"model": str(ckpt), **extra})

@@ -84,7 +84,10 @@ TINY_PROMPTS = [[1, 17, 300, 4000, 42], [1, 9, 9, 9, 9, 9, 9], [1] + list(range(
                 [1, 48000]]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "opt"])
+# the default run: llama and opt; qwen2 and mistral (llama's layers with their own options) are
+# slow
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
+                                  pytest.param("mistral", marks=pytest.mark.slow), "opt"])
 def test_tiny_models_match_hf_greedy(arch, tiny_factory, tmp_path):
     folder = tiny_factory(arch)
     if arch in ("qwen2", "opt"):
@@ -119,6 +122,7 @@ def test_sharded_safetensors_with_index(tiny_factory, tmp_path):
     assert ours_greedy(llm, TINY_PROMPTS[:2]) == [hf_greedy(hf, p) for p in TINY_PROMPTS[:2]]
 
 
+@pytest.mark.slow  # ~5 s; the default model itself comes from the GGUF
 def test_gguf_path(smollm, default_model_path, tmp_path):
     """A .gguf file (and a folder holding one) resolves to the dequantized HF folder the default
     uses; its embedding equals the GGUF tensor dequantized independently with the gguf package."""

@@ -157,6 +157,7 @@ def test_cli_plugins_lists_versions_and_hooks():
     assert data["bigram"]["distribution"] == "speculant-bigram"
 
 
+@pytest.mark.slow  # two interpreters (~6 s busy)
 def test_block_list_env_hides_a_plugin():
     code = ("from speculant.spec_registry import available_strategies;"
             "print(sorted(available_strategies()))")

@@ -116,6 +116,7 @@ def test_first_and_second_token_follow_target(logits, params, with_q):
             assert tv(second, p1) < 0.05
 
 
+@pytest.mark.slow  # 30000 draws twice (~3.5 s)
 def test_draft_probs_really_matter(logits):
     """Negative control: the verifier must be given the q that really produced the drafts.
     Claiming a different q (uniform) for drafts sampled from a peaked q breaks the output

@@ -80,6 +80,7 @@ def test_ngram_burst_equals_one_at_a_time_and_plain(target, plain_solo):
     assert llm.get_metrics().num_draft_tokens > 100
 
 
+@pytest.mark.slow  # the default run: n-gram's
 def test_draft_model_sampled_drafts_burst_equals_one_at_a_time(target, small_draft):
     llm = _llm(target, {"model": str(small_draft), "num_speculative_tokens": 3})
     solo, burst, preempted = _burst_and_solo(llm)

@@ -119,8 +119,7 @@ def _ok(proc: subprocess.CompletedProcess) -> str:
 # slow ones exercise runs in-process in the default run too: the walkthrough's fields
 # (test_walkthrough_field_works, test_best_of_...: the walkthrough script alone took 100-150 s on
 # a busy 2-core machine), draft models (test_draft_model.py), tensor parallelism
-# (test_tensor_parallel.py), the OpenAI server (test_server.py; started from the command line by
-# tests/test_docs.py's client blocks)
+# (test_tp_trees.py's TP 2 run), the OpenAI server (test_server.py, started from the command line)
 SLOW = pytest.mark.slow
 OFFLINE = [
     pytest.param("spec_decode_draft_model.py", marks=SLOW),
@@ -144,7 +143,7 @@ def test_offline_example_runs_as_written(world, name):
         assert re.search(r"(Prompt|提示): '.*', (Generated text|生成的文本): '", out), out
 
 
-TP4 = [  # 4 worker processes each: all slow (the default run: test_tensor_parallel.py's tp=2)
+TP4 = [  # 4 worker processes each: all slow (the default run: test_tp_trees.py's TP 2 run)
     pytest.param("spec_decode_mlp_speculator.py", marks=SLOW),
     pytest.param("spec_decode_eagle.py", marks=SLOW),
     pytest.param("legacy_mlp_speculator.py", marks=SLOW),

@@ -55,6 +55,7 @@ def test_the_registry_names_the_smollm2_head_and_its_recipe():
         recipes.get_recipe("nope")
 
 
+@pytest.mark.slow  # a recipe's training run (~5 s)
 def test_recipe_run_split_then_installed_and_loaded_by_name(registry, target, tmp_path, capsys):
     from speculant.cli import main
 

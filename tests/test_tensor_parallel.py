@@ -151,6 +151,9 @@ def test_call_message_round_trip():
 
 
 # -------------------------------------------------------------------------------- runtime
+# slow (two TP 2 starts, ~17 s on a busy 2-core machine): the default run's TP 2 greedy equality
+# is tests/test_tp_trees.py's test_tp2_tree_greedy_equals_tp1_plain[oracle-4]
+@pytest.mark.slow
 def test_tp2_greedy_equals_tp1_then_close(tiny_llama, plain_ref, caplog):
     # overlapped decode steps: their tokens still on the device travel on the device group
     with caplog.at_level(logging.INFO, logger="speculant"):

@@ -517,6 +517,7 @@ def _symm_mem_agreement_rank(rank: int, size: int, init: str, out: str) -> None:
         shutdown_tensor_parallel()
 
 
+@pytest.mark.slow  # two spawned ranks (~3.5 s busy)
 def test_a_second_llm_of_a_process_skips_symmetric_memory_on_every_rank(tmp_path):
     """torch numbers a process's symmetric-memory rendezvous, so rank 0 of a second tensor-
     parallel LLM and its new workers would wait on different keys forever: every rank agrees

@@ -158,6 +158,8 @@ def _count_calls(monkeypatch, owner, name: str) -> list[int]:
     return seen
 
 
+# the default run's tensor-parallel greedy equality (~8 s on a busy 2-core machine): oracle
+# trees at batch 4; the others are slow, as test_tensor_parallel.py's plain TP 2 runs
 @pytest.mark.parametrize(("how", "batch"), [
     ("oracle", 4),
     pytest.param("oracle", 1, marks=pytest.mark.slow),
@@ -265,6 +267,7 @@ class _Plugin:
         register(Drawn)
 
 
+@pytest.mark.slow  # a TP 2 and a TP 1 run (~8 s busy)
 def test_tp2_seeded_tree_with_probs_equals_tp1(tiny_factory):
     path = str(tiny_factory("llama", vocab_size=512, tokenizer=False))
     prompts = [[t % 512 for t in p] for p in PROMPTS]

@@ -124,7 +124,9 @@ def plain(target) -> list[list[int]]:
     return replies(LLM(model=str(target)))
 
 
-@pytest.mark.parametrize("method", ["eagle", "mlp_speculator", "medusa"])
+# the default run trains EAGLE (~5 s on a busy 2-core machine); the other two are slow
+@pytest.mark.parametrize("method", ["eagle", pytest.param("mlp_speculator", marks=pytest.mark.slow),
+                                    pytest.param("medusa", marks=pytest.mark.slow)])
 def test_each_method_learns_and_its_checkpoint_runs_losslessly(method, target, data, plain,
                                                               tmp_path):
     from speculant.spec_registry import available_strategies
@@ -234,6 +236,7 @@ def test_a_third_party_head_trains_through_the_same_loop(data, tmp_path):
     assert head.saved == tmp_path and (tmp_path / "head.safetensors").exists()
 
 
+@pytest.mark.slow  # a training run and an evaluation through the CLI (~4 s)
 def test_cli_train_then_eval_acceptance(target, tmp_path, capsys):
     from speculant.cli import main
 
@@ -256,6 +259,7 @@ def test_cli_train_then_eval_acceptance(target, tmp_path, capsys):
     assert main(["train", "ngram", "--model", str(target), "--out", str(tmp_path / "x")]) == 2
 
 
+@pytest.mark.slow  # a training run (~3 s busy)
 def test_eagle_hot_vocab_writes_a_token_map_that_loads(target, plain, tmp_path):
     from speculant.training import train
 

@@ -390,7 +390,11 @@ def _tree_samples(target, how: str) -> tuple[torch.Tensor, object]:
     return toks, llm.get_metrics()
 
 
-@pytest.mark.parametrize("how", ["sampled", pytest.param("point", marks=pytest.mark.slow)])
+# slow (~9 s each on a busy 2-core machine), as its negative control below: the default run checks
+# tree verification's distribution in tests/test_tree_verification.py and chains' end to end in
+# tests/test_distribution.py
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sampled", "point"])
 def test_tree_sampling_follows_the_target_distribution(treey, peaky, how):
     """As tests/test_distribution.py does for chains: N requests of 3 tokens from a peaky
     32-token target at temperature 0.8 / top-p 0.95, each step a 2 x 2 tree (siblings drawn
@@ -406,6 +410,7 @@ def test_tree_sampling_follows_the_target_distribution(treey, peaky, how):
         assert tv < bound, f"{how} {name}: TV {tv:.4f} >= bound {bound:.4f} ({results})"
 
 
+@pytest.mark.slow
 def test_the_check_rejects_blind_acceptance(treey, peaky, monkeypatch):
     """Negative control: accept tests that always pass (u = 0: every draft the target does not
     rule out is accepted) make the output follow the drafter; the same check must fail."""

@@ -385,6 +385,7 @@ def test_distribution_of_a_2x2_tree_without_replacement():
     check_distribution("tree2x2", "distinct", 3000)
 
 
+@pytest.mark.slow  # the default run: the 2x2 tree
 def test_distribution_of_a_star_with_replacement():
     check_distribution("star4", "iid", 3000)
 

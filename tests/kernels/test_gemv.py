@@ -105,7 +105,8 @@ def _split(out, with_res):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("M", [1, 3, 8, 12, 24])
+# the default run: M = 1, 3, 8, 24; 12 is slow
+@pytest.mark.parametrize("M", [1, 3, 8, pytest.param(12, marks=pytest.mark.slow), 24])
 @pytest.mark.parametrize("case", list(PROLOGUES))
 def test_gemv_matches_reference(device, case, M, config, dtype):
     N, K = 72, 200  # neither a multiple of the block sizes
@@ -171,6 +172,7 @@ def test_gemv_strided_inputs(device, case):
         torch.testing.assert_close(got, ref, atol=_tol(torch.float32, ref), rtol=0)
 
 
+@pytest.mark.slow  # ~8 s on the interpreter; test_gemv_int64_offsets stays
 def test_gemv_many_output_rows(device):
     """N = 70000 weight rows (many programs, large row offsets), small K."""
     M, N, K = 2, 70000, 64
@@ -466,9 +468,10 @@ def _check_epilogue(x, w, b, kw, onw, ores, cfg):
 
 @pytest.mark.parametrize("dtype", EPI_DTYPES)
 @pytest.mark.parametrize("config", list(EPI_CONFIGS))
-# the default run: M = 1 (FMAs), 3 (odd), 8, 32 (the most rows); 2, 6, 16 are slow
+# the default run: M = 1 (FMAs), 3 (odd), 32 (the most rows); 2, 6, 8, 16 are slow
 @pytest.mark.parametrize("M", [1, pytest.param(2, marks=pytest.mark.slow), 3,
-                               pytest.param(6, marks=pytest.mark.slow), 8,
+                               pytest.param(6, marks=pytest.mark.slow),
+                               pytest.param(8, marks=pytest.mark.slow),
                                pytest.param(16, marks=pytest.mark.slow), 32])
 @pytest.mark.parametrize("case", EPI_PROLOGUES)
 def test_gemv_out_norm_matches_two_step(device, case, M, config, dtype):

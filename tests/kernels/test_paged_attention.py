@@ -103,7 +103,8 @@ def test_reference_matches_dense_sdpa(block_size, gqa):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("gqa", [(4, 4), (8, 2), (8, 1)])
-@pytest.mark.parametrize("block_size", [16, 8])
+# the default run: cache blocks of 16; blocks of 8 are slow
+@pytest.mark.parametrize("block_size", [16, pytest.param(8, marks=pytest.mark.slow)])
 def test_kernel_mixed_batch(device, dtype, gqa, block_size):
     H, Hkv = gqa
     q, kc, vc, bt, cl, qsl = make_batch(
@@ -120,7 +121,8 @@ def test_kernel_mixed_batch(device, dtype, gqa, block_size):
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
-@pytest.mark.parametrize("block_size", [16, 32])
+# the default run: cache blocks of 16; blocks of 32 are slow
+@pytest.mark.parametrize("block_size", [16, pytest.param(32, marks=pytest.mark.slow)])
 def test_kernel_split_k_head_dim_128(device, num_splits, block_size):
     """Split-K paths (incl. splits that get no keys) on decode + verification rows."""
     q, kc, vc, bt, cl, qsl = make_batch(
@@ -331,7 +333,8 @@ def test_kernel_llama3_8b_heads_verification(device, dtype):
 
 
 @pytest.mark.parametrize("scheme", ["plain", "prefetch", "bt_ahead"])
-@pytest.mark.parametrize("block_n", [16, 64])
+# the default run: chunks of 64 (~2 s each on the interpreter); chunks of 16 are slow
+@pytest.mark.parametrize("block_n", [pytest.param(16, marks=pytest.mark.slow), 64])
 def test_kernel_prefetch_and_chunk_sizes(device, scheme, block_n):
     """The K/V loading schemes (next chunk prefetched into registers, the next chunk's
     block-table entries loaded a chunk ahead, or neither), chunk sizes smaller and larger than

@@ -88,7 +88,9 @@ def test_tree_row_bits_and_depths():
     assert bits[-1] == -1 and torch.tensor(bits, dtype=torch.int64)[-1].item() == -1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+# the default run: float32; the half dtypes (~2 s each on the interpreter) are slow
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float16, marks=pytest.mark.slow),
+                                   pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 def test_random_trees_match_reference(device, dtype):
     rng = random.Random(7)
     trees = [random_parents(n, rng) for n in (5, 9, 1)] + [None]  # + a plain causal sequence
