@@ -219,6 +219,7 @@ class TPGroup:
             f.close()
         if self.runner is not None:
             release_graphs(self.runner.local)
+            self.runner.channel.release()
         shutdown_tensor_parallel()
 
     def _kill(self) -> None:
@@ -348,6 +349,7 @@ def serve(spec: WorkerSpec, tp: TensorParallel, device: torch.device, status=Non
     channel = Channel(tp, device)
     while apply_call(runner, receive_call(channel, device)):
         pass
+    channel.release()
     release_graphs(runner)
 
 
