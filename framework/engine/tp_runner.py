@@ -4,7 +4,7 @@ Every rank holds a shard of the target (``speculant.distributed``) and its own `
 over that shard's KV cache (its KV heads). Rank 0 owns everything else: scheduler, block
 manager, sampler, strategies, drafters. :class:`TPRunner` is the runner rank 0's engine calls:
 ``forward``, ``score`` and ``capture_graphs`` are first sent to the workers (one broadcast over
-the gloo CPU group, :func:`pack_call`), then run on rank 0's local runner; ``compact_tree``
+NCCL on CUDA, gloo on the CPU: :class:`Channel`), then run on rank 0's local runner; ``compact_tree``
 runs on rank 0's runner at once and travels in the next call's message. A worker
 (``speculant.distributed.worker``) runs the very same method of its own runner with the same
 arguments (:func:`receive_call`, :func:`apply_call`), so every rank takes the same code path,
@@ -197,8 +197,9 @@ class Channel:
 
     On CUDA the messages travel over NCCL (``TensorParallel.message_group``, a communicator of
     their own) on a stream of their own: rank 0 writes the message into pinned memory and
-    enqueues its copy and broadcast without waiting for either, and a worker polls the copy's
-    event (:func:`_wait`). On the CPU they go over the gloo CPU group. Measured on H200s
+    enqueues its copy and broadcast (from the second message on, one CUDA graph replay:
+    :meth:`_move`) without waiting for either, and a worker polls the copy's event
+    (:func:`_wait`). On the CPU they go over the gloo CPU group. Measured on H200s
     (docs/tensor_parallel.md), median from rank 0's send to a worker holding the message: gloo
     380-410 us at TP 2 and 4, NCCL 180-300 us; a synchronous step (a verification) waits for
     the last worker's message."""
@@ -271,20 +272,21 @@ class Channel:
     def _broadcast_device(self, msg: list[int] | None) -> list[int]:
         cap = self.capacity
         dev = self.dev[:cap]  # [cap]
-        if msg is not None:  # rank 0: nothing here waits for the GPU or the workers
-            self.copied.synchronize()  # the previous message has left the pinned buffer
+        if msg is not None:  # rank 0: nothing here waits for this step's GPU work
+            # the previous message has left the pinned buffer (its broadcast is done: the
+            # workers posted their receive when they launched that message's call)
+            self.copied.synchronize()
             head = msg[:cap]
             self.pin_np[: len(head)] = head
             self._move(cap, send=True)
-        with torch.cuda.stream(self.stream):
-            if msg is not None:
+            with torch.cuda.stream(self.stream):
                 self.copied.record(self.stream)
                 length, self.capacity = len(msg), msg[1]
                 if length > cap:  # a long prefill's message: the rest from a tensor of its own
                     rest = torch.tensor(msg[cap:], dtype=torch.int64).to(dev.device)
                     dist.broadcast(rest, src=0, group=self.tp.message_group)
                     self.stream.synchronize()  # ``rest`` lives until its broadcast is done
-                return msg
+            return msg
         self._move(cap, send=False)
         with torch.cuda.stream(self.stream):
             self.arrived.record(self.stream)
