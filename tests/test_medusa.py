@@ -121,6 +121,7 @@ def test_head_i_drafts_the_token_i_plus_1_ahead(tmp_path, tiny_factory):
     assert llm.get_metrics().num_accepted_tokens == expected
 
 
+@pytest.mark.slow  # ~5 s; the draft-model and MLPSpeculator distribution tests stay
 def test_sampling_follows_the_target_distribution(target, joint, tmp_path):  # noqa: F811
     """test_distribution.py's check (temperature 0.8, top-p 0.95, 32-token peaky target, the
     first three tokens of N requests within a TV bound of the exact distribution), for medusa."""
