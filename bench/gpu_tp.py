@@ -47,8 +47,9 @@ the raw weights (the ``equality_*`` phases use them: there, the layers decide ev
 sharding error shows at once).
 
 Roofline of plain batch-1 decoding at TP N: bytes of the weights rank 0 reads per step (its
-shard of every layer, the final norm and the whole replicated LM head; the input embedding's one
-row left out) / the slowest GPU's copy bandwidth; ``roofline_with_allreduce`` adds the measured
+shard of every layer, the final norm and its share of the LM head: at TP > 1 the head is
+vocab-parallel, 1 / N of its rows per rank, where N divides the vocabulary, else whole; the input
+embedding's one row left out) / the slowest GPU's copy bandwidth; ``roofline_with_allreduce`` adds the measured
 all-reduce time of a step (2 x layers calls of [1, H], replayed from a CUDA graph).
 """
 
@@ -118,11 +119,13 @@ GOALS = {"tp_speedup_b1": 1.7, "tp_speedup_b64": 1.8, "oracle_ratio_tolerance": 
 
 
 # ------------------------------------------------------------------------ pure figures
-def weight_bytes_per_gpu(cfg: dict, tp: int, dtype_bytes: int = 2) -> dict:
+def weight_bytes_per_gpu(cfg: dict, tp: int, dtype_bytes: int = 2,
+                         vocab_parallel: bool = False) -> dict:
     """Bytes of the weights one plain decode step reads on each GPU at TP ``tp`` (Megatron
     shards: q heads, KV heads (one each when fewer KV heads than ranks, as vLLM), MLP width;
-    norms, embedding and LM head replicated): ``rank0`` with the LM head (rank 0 computes the
-    logits), ``worker`` without it. The input embedding's one row per token is left out."""
+    norms and embedding replicated): ``rank0`` with the LM head (rank 0 computes the
+    logits; with ``vocab_parallel`` 1 / tp of it, as every rank), ``worker`` without it. The
+    input embedding's one row per token is left out."""
     h, f, v, n_layers = (cfg[k] for k in ("hidden_size", "intermediate_size", "vocab_size",
                                           "num_hidden_layers"))
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -131,6 +134,9 @@ def weight_bytes_per_gpu(cfg: dict, tp: int, dtype_bytes: int = 2) -> dict:
     kv_local = max(kv // tp, 1) * d
     layer = (q_local + 2 * kv_local) * h + q_local * h + 3 * (f // tp) * h + 2 * h
     worker = (n_layers * layer + h) * dtype_bytes
+    if vocab_parallel:
+        worker += v // tp * h * dtype_bytes
+        return {"rank0": worker, "worker": worker}
     return {"rank0": worker + v * h * dtype_bytes, "worker": worker}
 
 
@@ -205,7 +211,8 @@ def summarize(result: dict) -> dict:
         plain = _plain(ph["runs"])
         n = ph["tp"]
         g = ph["geometry"]
-        analytic = weight_bytes_per_gpu(g, n, ph.get("dtype_bytes", 2))
+        analytic = weight_bytes_per_gpu(g, n, ph.get("dtype_bytes", 2),
+                                        bool(ph.get("vocab_parallel")))
         wbytes = ph.get("weight_bytes_rank0") or analytic["rank0"]
         row = {
             "phase": name,
@@ -877,7 +884,13 @@ def engine_phase(args) -> None:
     engine = llm.engine
     part["startup_s"] = time.perf_counter() - t0
     part["device"] = device_name(engine.device)
-    part["weight_bytes_rank0"] = weight_bytes_per_step(engine.model)
+    model = engine.model
+    part["weight_bytes_rank0"] = weight_bytes_per_step(model)
+    # the head graphs split the LM head by vocabulary (CUDA graphs at TP > 1)
+    part["vocab_parallel"] = bool(getattr(engine.runner.graphs, "decode_head", False))
+    if part["vocab_parallel"]:  # a batch-1 step reads 1 / N of the LM head on each rank
+        head = model.lm_head.weight
+        part["weight_bytes_rank0"] -= head.numel() * head.element_size() * (args.tp - 1) // args.tp
     part["dtype_bytes"] = engine.dtype.itemsize
     part["dtype"] = str(engine.dtype).replace("torch.", "")
     print(f"[{args.phase_name}] TP {args.tp} up in {part['startup_s']:.0f}s, "

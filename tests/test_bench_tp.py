@@ -33,6 +33,9 @@ def test_weight_bytes_match_the_8b_measurement_and_shard():
     norms = (2 * 32 + 1) * 4096 * 2
     assert two["worker"] - norms == (one["worker"] - norms) // 2
     assert two["rank0"] == two["worker"] + head
+    # a vocab-parallel head: every rank reads half of it
+    vp = gpu_tp.weight_bytes_per_gpu(gpu_tp.LLAMA3_8B, 2, vocab_parallel=True)
+    assert vp["rank0"] == vp["worker"] == two["worker"] + head // 2
     # more ranks than KV heads: each rank keeps one KV head (replicated, as vLLM)
     g = dict(gpu_tp.LLAMA3_70B, num_hidden_layers=1)
     h, d = 8192, 128

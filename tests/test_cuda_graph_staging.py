@@ -344,6 +344,14 @@ def test_startup_keys_are_the_plans_of_every_step(monkeypatch):
     assert {(B, Q) for B, M, Q, _, h in big if h} == {
         (B, Q) for B, M, Q, _, h in big
         if not h and 2 <= Q <= 8 and M <= cuda_graph.HEAD_MAX_ROWS}
+    # a vocab-parallel target (``decode_head``): decode steps take head graphs too
+    r.decode_head = True
+    both = r.startup_keys(max_seqs=3, max_query=4, aux_layers=(0, 2), max_prefill_tokens=100,
+                          head=True)
+    assert set(both) - set(head) == {(B, B, 1, (0, 2), True) for B in (1, 2, 4)}
+    plain = r.startup_keys(max_seqs=3, max_query=4, aux_layers=(0, 2), max_prefill_tokens=100)
+    assert set(plain) - set(keys) == {(B, B, 1, (0, 2), True) for B in (1, 2, 4)}
+    r.decode_head = False
     # limits: more sequences than the graphs hold, queries past max_query, no prefill graphs
     assert r.startup_keys(50, 40)[-1] == (8, 256, 256, (), False)
     assert {k[0] for k in r.startup_keys(50, 40) if k[2] <= 8} == {1, 2, 4, 8}
@@ -442,7 +450,7 @@ def test_scored_steps_replay_head_graphs_up_to_head_max_rows(monkeypatch):
     calls = []
     H, V = 4, 11
 
-    def run_head(seqs, new_tokens, aux, plan, clone_hidden=True):
+    def run_head(seqs, new_tokens, aux, plan, clone_hidden=True, token_ids=None):
         calls.append(("head", plan, clone_hidden))
         T = sum(map(len, new_tokens))
         return torch.zeros(T, H), None, torch.zeros(T, V), torch.zeros(T, 2, dtype=torch.float64)

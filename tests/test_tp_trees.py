@@ -83,7 +83,8 @@ class _Recorder:
     def compact_tree(self, seqs, ctx_starts, paths) -> None:
         self.log.append(("compact", [s.block_table for s in seqs], ctx_starts, paths))
 
-    def score(self, seqs, new_tokens, aux_layers=(), greedy=False, keep_hidden=True, trees=None):
+    def score(self, seqs, new_tokens, aux_layers=(), greedy=False, keep_hidden=True, trees=None,
+              token_ids=None):
         self.log.append(("score", [len(t) for t in new_tokens], greedy, trees))
 
     def forward(self, seqs, new_tokens, aux_layers=(), token_ids=None, trees=None):

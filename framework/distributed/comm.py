@@ -230,6 +230,28 @@ def all_reduce(x: torch.Tensor, tp: TensorParallel | None = None) -> torch.Tenso
     return x
 
 
+def all_gather_columns(x: torch.Tensor, tp: TensorParallel | None = None) -> torch.Tensor:
+    """Every rank's ``x`` side by side: ``[rows, cols]`` on each rank -> ``[rows, size * cols]``
+    with rank r's columns at ``[r * cols, (r + 1) * cols)`` (a vocab-parallel LM head's logits);
+    ``x`` itself at size 1. Collective: every rank calls it with the same shape. One
+    ``all_gather_into_tensor`` (NCCL: capturable in a CUDA graph) on CUDA, gloo's
+    ``all_gather`` on the CPU."""
+    tp = tensor_parallel() if tp is None else tp
+    if tp.size == 1:
+        return x
+    x = x.contiguous()
+    if x.is_cuda:
+        out = torch.empty((tp.size, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=tp.group)  # [size, rows, cols]
+    else:
+        parts = [torch.empty_like(x) for _ in range(tp.size)]
+        dist.all_gather(parts, x, group=tp.group)
+        out = torch.stack(parts)  # [size, rows, cols]
+    if x.shape[0] == 1:
+        return out.view(1, -1)
+    return out.permute(1, 0, 2).reshape(x.shape[0], -1)
+
+
 def setup_fused_all_reduce(hidden: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Set up the fused one-shot all-reduce (``kernels/tp_allreduce.py``) for rows of ``hidden``
     ``dtype`` elements: collective, every rank of the current group calls it at the same point

@@ -72,11 +72,11 @@ class AsyncDecoder:
         eng = self.engine
         starts = [s.num_cached_tokens for s in seqs]
         if chained:  # the ids are on the device; [0] placeholders give the query lengths
-            hidden, aux = eng.runner.forward(seqs, [[0]] * len(seqs), aux_layers,
-                                             token_ids=prev.tokens)
-        else:
-            hidden, aux = eng.runner.forward(seqs, [[s.last_token] for s in seqs], aux_layers)
-        logits = eng.runner.logits(hidden)  # [n, vocab] float32
+            hidden, aux, logits = eng.runner.decode(seqs, [[0]] * len(seqs), aux_layers,
+                                                    token_ids=prev.tokens)
+        else:  # logits: [n, vocab] float32
+            hidden, aux, logits = eng.runner.decode(seqs, [[s.last_token] for s in seqs],
+                                                    aux_layers)
         # chained: the step in flight decided position len(s), this one decides the next
         rows = [Row(s, [], ahead=int(chained)) for s in seqs]
         tokens, lps = sample_tokens_and_logprobs(logits, rows, eng.generator,

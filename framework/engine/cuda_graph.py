@@ -40,7 +40,10 @@ end with the LM head and, for every row, the greedy choice and its log-probabili
 from the host after the forward's segments: the greedy verifier reads ``[rows, 2]`` numbers back
 and compares them with the drafts on the host. Without them the host launched the LM head and
 ~10 small verification kernels after the forward (1.0-2.3 ms of host time on the lent H100
-machines, and ten times that while such a host stalls: docs/perf.md).
+machines, and ten times that while such a host stalls: docs/perf.md). A tensor-parallel target
+with a vocab-parallel LM head (``decode_head``: each rank multiplies its share of the vocabulary
+rows, then an all-gather; docs/tensor_parallel.md) ends these graphs with that head, and its
+decode steps replay head graphs too (``ModelRunner.decode``).
 
 Tree graphs (token trees, docs/trees.md): a tree step (``run`` / ``run_head`` with ``tree``)
 replays a graph of its own, captured on first use, whose attention reads a static
@@ -235,6 +238,10 @@ class CudaGraphRunner:
         self.tree_bits = self.dev64[3 * N : 4 * N]  # [N]
         self.pool = None
         self.head_rows = HEAD_MAX_ROWS  # verification graphs of up to this many rows are head graphs
+        # a tensor-parallel target whose LM head is split by vocabulary (a collective): its head
+        # graphs end with ``compute_logits_parallel``, and decode steps replay head graphs too
+        # (``decode_head``), so that no logits call runs outside a graph that every rank replays
+        self.decode_head = bool(getattr(model, "vocab_parallel", False))
 
     def release(self) -> None:
         """Destroy every captured graph now, not when the last reference to it goes (a caller
@@ -295,7 +302,8 @@ class CudaGraphRunner:
         bucket up to that limit (at most ``max_prefill``); with ``head`` (a speculative engine's
         scored steps, ``run_head``) also the head graph of each verification bucket (Q >= 2) of
         at most ``HEAD_MAX_ROWS`` rows, and when ``max_query`` exceeds the runner's, the wide
-        graphs of its scored steps (``plan(..., wide=True)``; head graphs where they fit).
+        graphs of its scored steps (``plan(..., wide=True)``; head graphs where they fit); with
+        ``decode_head`` the head graph of each decode bucket (Q = 1) of at most that many rows.
         Prefill steps of prompts no longer than ``max_query`` (which take decode-shaped graphs)
         and tree steps (captured on first use) are not in it."""
         top_b = _bucket(min(max_seqs, self.max_batch), self.buckets)
@@ -303,9 +311,11 @@ class CudaGraphRunner:
         aux = tuple(aux_layers)
         keys = [(B, B * Q, Q, aux, False) for Q in self.q_buckets if Q <= top_q
                 for B in self.buckets if B <= top_b]
+        # head graphs: scored verification steps (Q >= 2) with ``head``, decode steps (Q = 1)
+        # of a vocab-parallel target (``decode_head``)
+        keys += [(B, M, Q, aux, True) for B, M, Q, _, _ in keys if self.head_fits(M)
+                 and ((head and Q >= 2) or (self.decode_head and Q == 1))]
         if head:
-            keys += [(B, M, Q, aux, True) for B, M, Q, _, _ in keys
-                     if Q >= 2 and self.head_fits(M)]
             # scored steps past max_query take wide graphs (``plan(..., wide=True)``)
             wide = tuple(q for q in WIDE_QUERY_BUCKETS if q > self.max_query)
             top_w = _bucket(max_query, wide) if max_query > self.max_query else None
@@ -377,6 +387,7 @@ class CudaGraphRunner:
         plan: tuple[int, int, int],
         clone_hidden: bool = True,
         tree: tuple[list[int], list[int]] | None = None,
+        token_ids: torch.Tensor | None = None,  # [T] int64 on the device (see ``run``), or None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """``run`` of a step whose graph also computes the logits and the greedy choices (a
         head graph; ``plan``'s rows must satisfy ``head_fits``). Returns (hidden [T, hidden],
@@ -384,7 +395,7 @@ class CudaGraphRunner:
         row's argmax, lowest index on ties, and its log-probability). ``logits`` and ``greedy``
         are views of the graph's static buffers, valid until this runner's next replay of that
         graph; so are ``hidden`` and ``aux`` unless ``clone_hidden``."""
-        g, T = self._replay(seqs, new_tokens, aux_layers, None, plan, True, tree)
+        g, T = self._replay(seqs, new_tokens, aux_layers, token_ids, plan, True, tree)
         hidden = g.hidden[:T]
         aux = g.aux[:T] if g.aux is not None else None
         if clone_hidden:
@@ -547,7 +558,10 @@ class CudaGraphRunner:
         aux = torch.cat(ctx.aux_hidden, dim=-1) if ctx.aux_hidden else None
         if not head:
             return hidden, aux, None, None
-        logits = self.model.compute_logits(hidden)  # [M, vocab] float32
+        if self.decode_head:  # every rank its vocabulary rows, then an all-gather
+            logits = self.model.compute_logits_parallel(hidden)  # [M, vocab] float32
+        else:
+            logits = self.model.compute_logits(hidden)  # [M, vocab] float32
         return hidden, aux, logits, greedy_pack(logits)  # greedy: [M, 2] float64
 
     def _capture(self, B: int, M: int, Q: int, aux_layers: tuple[int, ...],

@@ -358,8 +358,8 @@ class LLMEngine:
         if not seqs:
             return DecodeStep([], None, None, [])
         starts = [len(s) - 1 for s in seqs]
-        hidden, aux = self.runner.forward(seqs, [[s.last_token] for s in seqs], aux_layers)
-        self._sample_and_append(seqs, self.runner.logits(hidden), on_append)
+        hidden, aux, logits = self.runner.decode(seqs, [[s.last_token] for s in seqs], aux_layers)
+        self._sample_and_append(seqs, logits, on_append)
         return DecodeStep(seqs, hidden, aux, starts)
 
     def take_back(self, seqs: list[Sequence]) -> list[Sequence]:

@@ -160,6 +160,7 @@ class ModelRunner:
         greedy: bool = False,
         keep_hidden: bool = True,
         trees: list[list[int] | None] | None = None,  # per sequence: its tree's parents, or None
+        token_ids: torch.Tensor | None = None,  # [num_tokens] int64 on the device, or None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """``forward`` (``trees``: a tree step, see there) plus the logits of every row: (hidden [T, hidden], aux [T, n_aux * hidden]
         or None, logits [T, vocab] float32, greedy [T, 2] float64 or None). ``greedy`` holds each
@@ -171,17 +172,38 @@ class ModelRunner:
         from the host, and ``greedy`` is always returned. Its ``logits`` and ``greedy`` (and
         ``hidden`` / ``aux`` unless ``keep_hidden``) are views of the graph's buffers, valid until
         this runner's next forward. Any other step runs ``forward`` and the LM head eagerly, and
-        computes ``greedy`` only when asked."""
+        computes ``greedy`` only when asked. A vocab-parallel target (``graphs.decode_head``)
+        replays head graphs for one-token steps too. ``token_ids``: as in ``forward``."""
         query_lens = [len(t) for t in new_tokens]
         g = self.graphs
         is_tree = trees is not None and any(t is not None for t in trees)
         plan = g.plan(seqs, query_lens, wide=True) if g is not None else None
-        if plan is not None and 2 <= plan[2] <= TREE_MAX_ROWS and g.head_fits(plan[1]):
+        if (plan is not None and (2 <= plan[2] or g.decode_head) and plan[2] <= TREE_MAX_ROWS
+                and g.head_fits(plan[1])):
             kw = {"tree": tree_step_rows(seqs, query_lens, trees)} if is_tree else {}
-            return g.run_head(seqs, new_tokens, tuple(aux_layers), plan, keep_hidden, **kw)
-        hidden, aux = self.forward(seqs, new_tokens, aux_layers, trees=trees)
+            return g.run_head(seqs, new_tokens, tuple(aux_layers), plan, keep_hidden,
+                              token_ids=token_ids, **kw)
+        hidden, aux = self.forward(seqs, new_tokens, aux_layers, token_ids=token_ids, trees=trees)
         logits = self.logits(hidden)
         return hidden, aux, logits, (greedy_pack(logits) if greedy else None)
+
+    def decode(
+        self,
+        seqs: list[Sequence],
+        new_tokens: list[list[int]],  # one token per sequence
+        aux_layers: tuple[int, ...] = (),
+        token_ids: torch.Tensor | None = None,  # [num_seqs] int64 on the device, or None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """A decode step: (hidden [n, hidden], aux [n, n_aux * hidden] or None, logits [n, vocab]
+        float32), as ``forward`` then ``logits``. A vocab-parallel target replays a head graph
+        instead (``score``; its LM head is a collective, so it runs inside a graph that every
+        rank replays); ``logits`` is then a view of the graph's buffer, valid until the next
+        forward."""
+        if self.graphs is not None and self.graphs.decode_head:
+            hidden, aux, logits, _ = self.score(seqs, new_tokens, aux_layers, token_ids=token_ids)
+            return hidden, aux, logits
+        hidden, aux = self.forward(seqs, new_tokens, aux_layers, token_ids=token_ids)
+        return hidden, aux, self.logits(hidden)
 
     @torch.inference_mode()
     def compact_tree(self, seqs: list[Sequence], ctx_starts: list[int],

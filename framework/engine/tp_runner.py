@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from speculant.distributed.parallel import TensorParallel
+from speculant.engine.model_runner import ModelRunner
 
 MIN_CAPACITY = 512  # int64 entries of the smallest broadcast buffer: 4 KiB
 MAX_CAPACITY = 1 << 16  # and of the largest (512 KiB); a longer message takes two broadcasts
@@ -359,11 +360,12 @@ def apply_call(runner, call: Call) -> bool:
     elif call.op == SCORE and runner.graphs is None:
         # eager (the CPU, enforce_eager): score is forward and the LM head, which has no
         # collective and whose logits only rank 0 reads, so a worker runs the forward alone
-        runner.forward(call.seqs, call.new_tokens, call.aux_layers, trees=call.trees)
+        runner.forward(call.seqs, call.new_tokens, call.aux_layers, token_ids=call.token_ids,
+                       trees=call.trees)
     elif call.op == SCORE:  # the same path as rank 0's: a head graph or forward + LM head
         runner.score(call.seqs, call.new_tokens, call.aux_layers,
                      greedy=bool(call.flags & _GREEDY), keep_hidden=bool(call.flags & _KEEP_HIDDEN),
-                     trees=call.trees)
+                     trees=call.trees, token_ids=call.token_ids)
     elif call.op == CAPTURE:
         runner.capture_graphs(call.max_seqs, call.max_query, call.aux_layers, call.max_prefill,
                               progress=False, head=bool(call.flags & _HEAD))  # rank 0 shows it
@@ -426,11 +428,13 @@ class TPRunner:
         return self.local.forward(seqs, new_tokens, aux_layers, token_ids=token_ids, trees=trees)
 
     def score(self, seqs, new_tokens, aux_layers=(), greedy: bool = False,
-              keep_hidden: bool = True, trees=None):
+              keep_hidden: bool = True, trees=None, token_ids=None):
         flags = (_GREEDY if greedy else 0) | (_KEEP_HIDDEN if keep_hidden else 0)
-        self._send(SCORE, seqs, new_tokens, aux_layers, flags, trees=trees)
+        self._send(SCORE, seqs, new_tokens, aux_layers, flags, trees=trees, token_ids=token_ids)
         return self.local.score(seqs, new_tokens, aux_layers, greedy=greedy,
-                                keep_hidden=keep_hidden, trees=trees)
+                                keep_hidden=keep_hidden, trees=trees, token_ids=token_ids)
+
+    decode = ModelRunner.decode  # through this runner's forward / score: the workers follow
 
     def compact_tree(self, seqs, ctx_starts, paths) -> None:
         """Compact rank 0's cache now; the workers repeat it at the start of the next call (its

@@ -23,11 +23,18 @@ from torch import nn
 from speculant.distributed import (
     NO_TENSOR_PARALLEL,
     TensorParallel,
+    all_gather_columns,
     all_reduce,
     fused_all_reduce,
     tensor_parallel,
 )
-from speculant.kernels.gemv import few_rows_silu_mul_slower, gemv, gemv_partials, gemv_split
+from speculant.kernels.gemv import (
+    choose_config,
+    few_rows_silu_mul_slower,
+    gemv,
+    gemv_partials,
+    gemv_split,
+)
 from speculant.models import cpu_forward, fused
 from speculant.models.attention import ForwardContext
 from speculant.models.gather import gather_rows
@@ -426,13 +433,37 @@ class LlamaForCausalLM(nn.Module):
             return fused.rms_norm(h, self.norm.weight, self.norm.eps)
         return fused.rms_norm(h, self.norm.weight, self.norm.eps, residual=residual)[0]
 
+    def _head_gemv(self, hidden: torch.Tensor) -> bool:
+        # one row, or a verification step's rows (H100: 343-355 vs cuBLAS 373-379 us, 6-32 rows)
+        return fused.gemv_enabled(hidden) or (hidden.shape[0] >= 3 and fused.gemv_in_enabled(hidden))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden] -> [num_rows, vocab] float32
-        if fused.gemv_enabled(hidden) or (
-            hidden.shape[0] >= 3 and fused.gemv_in_enabled(hidden)
-        ):  # one row, or a verification step's rows (H100: 343-355 vs cuBLAS 373-379 us, 6-32 rows)
+        if self._head_gemv(hidden):
             return gemv(hidden, self.lm_head.weight).float()
         return self.lm_head(hidden).float()
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """Whether :meth:`compute_logits_parallel` splits the LM head here: tensor parallelism
+        with a vocabulary the size divides."""
+        return self.tp.enabled and self.config.vocab_size % self.tp.size == 0
+
+    def compute_logits_parallel(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``compute_logits`` with the LM head split by vocabulary rows: each rank multiplies
+        its ``vocab / size`` rows of the (replicated) head, and the shards are all-gathered.
+        Collective: every rank calls it with the same shape (a CUDA graph's head). The GEMV
+        runs each shard with the launch configuration of the whole head, so every logit has
+        the bits ``compute_logits`` gives; row counts that take cuBLAS instead (2 rows, more
+        than ``fused.GEMV_IN_ROWS``) compute the whole head on every rank (no collective).
+        hidden: [num_rows, hidden] -> [num_rows, vocab] float32"""
+        if not (self.vocab_parallel and self._head_gemv(hidden)):
+            return self.compute_logits(hidden)
+        w = self.lm_head.weight  # [vocab, hidden]
+        n = w.shape[0] // self.tp.size
+        cfg = choose_config(hidden.shape[0], w.shape[0], w.shape[1], "none", hidden.device)
+        local = gemv(hidden, w[self.tp.rank * n : (self.tp.rank + 1) * n], config=cfg)
+        return all_gather_columns(local, self.tp).float()  # [num_rows, vocab]
 
     def weight_shard(self, name: str, part: str | None) -> WeightShard | None:
         """This rank's part of the checkpoint tensor that loads into parameter ``name`` (its
