@@ -104,3 +104,47 @@ def test_two_ranks_gather_the_whole_head(tmp_path):
         for rows in ROWS:
             got, want = res[rows]
             assert torch.equal(got, want), (r, rows)
+
+
+def _gpu_rank(rank: int, size: int, init: str, folder: str, out: str) -> None:
+    dev = torch.device("cuda", rank)
+    tp = init_tensor_parallel(rank, size, dev, init_method=init)
+    try:
+        config = load_config(Path(folder))
+        model = load_model(Path(folder), config, torch.bfloat16, dev, 64, tp=tp)
+        res = {}
+        for rows in ROWS:
+            h = _hidden(rows, config.hidden_size).to(dev, torch.bfloat16)
+            want = model.compute_logits(h)
+            eager = model.compute_logits_parallel(h)
+            stream = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):  # warm-up outside the capture
+                model.compute_logits_parallel(h)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                graphed = model.compute_logits_parallel(h)
+            graphed.zero_()
+            g.replay()
+            torch.cuda.synchronize(dev)
+            res[rows] = [torch.equal(eager, want), torch.equal(graphed, want)]
+            del g
+        torch.save(res, f"{out}{rank}.pt")
+    finally:
+        shutdown_tensor_parallel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_gpu_split_head_in_a_cuda_graph_has_the_whole_heads_bits(tmp_path):
+    """2 GPUs, bf16, a 128256-row vocabulary (the Llama-3 one: 64128 rows a rank, whose one-row
+    GEMV would pick another configuration of its own): eager and replayed from a CUDA graph
+    (the NCCL all-gather inside), every logit equals the whole head's on every rank."""
+    folder = make_tiny_checkpoint(tmp_path / "m", "llama", vocab_size=128256, tokenizer=False)
+    out = str(tmp_path / "res")
+    mp.start_processes(_gpu_rank, args=(2, f"file://{tmp_path / 'init'}", str(folder), out),
+                       nprocs=2, start_method="spawn")
+    for r in range(2):
+        res = torch.load(f"{out}{r}.pt")
+        assert all(all(v) for v in res.values()), (r, res)
