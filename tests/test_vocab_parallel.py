@@ -90,14 +90,19 @@ def _rank(rank: int, size: int, init: str, folder: str, out: str) -> None:
         shutdown_tensor_parallel()
 
 
+def _two_ranks(fn, tmp_path, vocab_size: int) -> list[dict]:
+    """``fn(rank, 2, init, folder, out)`` in 2 spawned processes on a tiny Llama of
+    ``vocab_size``; each rank's saved results."""
+    folder = make_tiny_checkpoint(tmp_path / "m", "llama", vocab_size=vocab_size, tokenizer=False)
+    out = str(tmp_path / "res")
+    mp.start_processes(fn, args=(2, f"file://{tmp_path / 'init'}", str(folder), out),
+                       nprocs=2, start_method="spawn")
+    return [torch.load(f"{out}{r}.pt") for r in range(2)]
+
+
 @pytest.mark.slow  # two spawned gloo ranks
 def test_two_ranks_gather_the_whole_head(tmp_path):
-    folder = make_tiny_checkpoint(tmp_path / "m", "llama", vocab_size=256, tokenizer=False)
-    out = str(tmp_path / "res")
-    mp.start_processes(_rank, args=(2, f"file://{tmp_path / 'init'}", str(folder), out),
-                       nprocs=2, start_method="spawn")
-    for r in range(2):
-        res = torch.load(f"{out}{r}.pt")
+    for r, res in enumerate(_two_ranks(_rank, tmp_path, 256)):
         x0, x1 = torch.arange(6.0).view(2, 3), torch.arange(6.0).view(2, 3) + 10
         assert torch.equal(res["gather"], torch.cat([x0, x1], dim=1))
         assert torch.equal(res["gather1"], torch.cat([x0[:1], x1[:1]], dim=1))
@@ -141,10 +146,5 @@ def test_gpu_split_head_in_a_cuda_graph_has_the_whole_heads_bits(tmp_path):
     """2 GPUs, bf16, a 128256-row vocabulary (the Llama-3 one: 64128 rows a rank, whose one-row
     GEMV would pick another configuration of its own): eager and replayed from a CUDA graph
     (the NCCL all-gather inside), every logit equals the whole head's on every rank."""
-    folder = make_tiny_checkpoint(tmp_path / "m", "llama", vocab_size=128256, tokenizer=False)
-    out = str(tmp_path / "res")
-    mp.start_processes(_gpu_rank, args=(2, f"file://{tmp_path / 'init'}", str(folder), out),
-                       nprocs=2, start_method="spawn")
-    for r in range(2):
-        res = torch.load(f"{out}{r}.pt")
+    for r, res in enumerate(_two_ranks(_gpu_rank, tmp_path, 128256)):
         assert all(all(v) for v in res.values()), (r, res)
