@@ -149,6 +149,7 @@ def test_full_draft_cache_degrades_to_fewer_drafts(target, plain_ref):
     assert strat.runner.block_manager.num_free_blocks == 8
 
 
+@pytest.mark.slow  # ~8 s; seeded draft-model sampling stays in test_distribution's default run
 def test_mixed_greedy_and_seeded_sampling(target, small_draft, plain_ref):
     prompts = _prompts()[:4]
     params = [_params()[0], SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=20),
