@@ -47,10 +47,10 @@ the raw weights (the ``equality_*`` phases use them: there, the layers decide ev
 sharding error shows at once).
 
 Roofline of plain batch-1 decoding at TP N: bytes of the weights rank 0 reads per step (its
-shard of every layer, the final norm and its share of the LM head: at TP > 1 the head is
-vocab-parallel, 1 / N of its rows per rank, where N divides the vocabulary, else whole; the input
-embedding's one row left out) / the slowest GPU's copy bandwidth; ``roofline_with_allreduce`` adds the measured
-all-reduce time of a step (2 x layers calls of [1, H], replayed from a CUDA graph).
+shard of every layer, the final norm and its share of the LM head: 1 / N of its rows where the
+head graphs split it by vocabulary, else all of it; the input embedding's one row left out) /
+the slowest GPU's copy bandwidth; ``roofline_with_allreduce`` adds the measured all-reduce time
+of a step (2 x layers calls of [1, H], replayed from a CUDA graph).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ machine: plain batch 1 266.4 / 266.5 tok/s without PDL, 274.7 / 274.6 with it, 2
 before the trigger; batch 16 3947 -> 3990 (docs/tensor_parallel.md).
 
 NVLink multicast is not used (plain loads and stores through peer mappings): it stays off on
-the machines we run on. The multi-GPU kernel is tested on two GPUs (tests/test_tp_allreduce.py,
+the machines we run on. The multi-GPU kernel is tested on two GPUs (tests/kernels/test_tp_allreduce.py,
 ``gpu``); its single-rank form (``world == 1``: no barrier) and the reference run everywhere.
 """
 
