@@ -293,3 +293,43 @@ def test_the_seed_fixes_the_heads_initial_weights(target, tmp_path):
         return res.history[0]["loss"]
 
     assert first_loss("a") == first_loss("bb")
+
+
+def test_threads_are_in_force_for_hidden_states_and_training_then_restored(target, tmp_path,
+                                                                            monkeypatch):
+    """``cpu_threads``: the hidden-state pass and the training steps run on the count asked for
+    (``--cpu-threads`` too; default every available CPU); the process's count is restored after
+    (a CPU engine keeps its own), and a bad count is refused."""
+    from speculant.cli import main
+    from speculant.engine.cpu_threads import available_cpus
+    from speculant.training import api
+    from speculant.training import data as data_mod
+    from speculant.training.data import cpu_threads
+
+    seen = []
+    real_hidden, real_loop = data_mod._hidden_states, api.train_head
+
+    def hidden(*a, **k):
+        seen.append(("hidden", torch.get_num_threads()))
+        return real_hidden(*a, **k)
+
+    def loop(*a, **k):
+        seen.append(("train", torch.get_num_threads()))
+        return real_loop(*a, **k)
+
+    monkeypatch.setattr(data_mod, "_hidden_states", hidden)
+    monkeypatch.setattr(api, "train_head", loop)
+    before = torch.get_num_threads()
+    args = ["train", "medusa", "--model", str(target), "--steps", "1", "--batch-size", "2",
+            "--num-prompts", "2", "--max-new-tokens", "4", "--head-options",
+            '{"num_heads": 1}']
+    assert main([*args, "--out", str(tmp_path / "a"), "--cpu-threads", "1"]) == 0
+    assert seen == [("hidden", 1), ("train", 1)]
+    assert torch.get_num_threads() == before
+    seen.clear()
+    assert main([*args, "--out", str(tmp_path / "b")]) == 0
+    assert seen == [("hidden", available_cpus()), ("train", available_cpus())]
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="cpu_threads=0 must be >= 1"):
+        with cpu_threads(0):
+            pass

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +50,25 @@ class Dataset:
         return counts
 
 
+@contextmanager
+def cpu_threads(n: int | None) -> Iterator[int]:
+    """torch's CPU thread count set to ``n`` inside the block (None: every CPU this process may
+    use) and restored after it; yields the count. Training's batched products and the
+    hidden-state pass use them all (2 threads on this 2-core CPU: a training step of 8
+    sequences 3.3 -> 2.0 s, hidden states 17.0 -> 12.1 s for 32 prompts, docs/training.md),
+    whereas a CPU engine decodes on one thread by default (``EngineConfig.cpu_threads``)."""
+    from speculant.engine.cpu_threads import available_cpus
+
+    if n is not None and n < 1:
+        raise ValueError(f"cpu_threads={n} must be >= 1 (or None: every available CPU)")
+    old = torch.get_num_threads()
+    torch.set_num_threads(n or available_cpus())
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old)
+
+
 def generate_replies(model: str | None, prompts: list[Prompt], max_new_tokens: int,
                      device: str = "auto") -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy reply ids) of every prompt, as a chat turn, by speculant's engine."""
@@ -62,9 +83,17 @@ def generate_replies(model: str | None, prompts: list[Prompt], max_new_tokens: i
 
 @torch.inference_mode()
 def hidden_states(folder: Path, sequences: list[list[int]], aux_layers: tuple[int, ...] = (),
-                  progress: bool = True) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                  progress: bool = True, threads: int | None = None,
+                  ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(final-norm hidden [T, H], inputs of ``aux_layers`` concatenated [T, 3H] or None) of each
-    token sequence, fp16, from one fp32 ``transformers`` forward per sequence on the CPU."""
+    token sequence, fp16, from one fp32 ``transformers`` forward per sequence on the CPU, on
+    ``threads`` CPU threads (``cpu_threads``; None: every available CPU)."""
+    with cpu_threads(threads):
+        return _hidden_states(folder, sequences, aux_layers, progress)
+
+
+def _hidden_states(folder: Path, sequences: list[list[int]], aux_layers: tuple[int, ...],
+                   progress: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     import transformers
     from tqdm import tqdm
 
@@ -96,10 +125,11 @@ CHUNK = 250  # prompts distilled (and, with a cache, saved) at a time
 
 
 def _distill(folder: Path, prompts: list[Prompt], max_new_tokens: int,
-             aux_layers: tuple[int, ...], device: str, progress: bool) -> list[Example]:
+             aux_layers: tuple[int, ...], device: str, progress: bool,
+             threads: int | None) -> list[Example]:
     replies = generate_replies(str(folder), prompts, max_new_tokens, device)
     seqs = [p + r for p, r in replies]
-    feats = hidden_states(folder, seqs, aux_layers, progress)
+    feats = hidden_states(folder, seqs, aux_layers, progress, threads)
     return [Example(torch.tensor(seq), len(p), final, aux, prompt.category)
             for prompt, (p, _), seq, (final, aux) in zip(prompts, replies, seqs, feats)]
 
@@ -113,13 +143,15 @@ def _cache_file(cache_dir: Path, kind: str, folder: Path, prompts: list[Prompt],
 def build_dataset(model: str | None = None, split: str = "train", num_prompts: int | None = None,
                   max_new_tokens: int = 128, aux_layers: tuple[int, ...] = (),
                   cache_dir: str | Path | None = None, device: str = "auto",
-                  progress: bool = True) -> Dataset:
+                  progress: bool = True, threads: int | None = None) -> Dataset:
     """The self-distillation data of the first ``num_prompts`` prompts of ``split`` (all when
     None). With ``cache_dir`` the dataset is saved there and reused by later calls of the same
     arguments (the file name is a hash of the target's folder, the prompts' texts, the reply
     length and the aux layers). The prompts are distilled ``CHUNK`` at a time; with a cache each
     finished chunk is saved too (``distill-part-*.pt``, removed once the whole set is), so an
-    interrupted build continues where it stopped."""
+    interrupted build continues where it stopped. ``threads``: CPU threads of the hidden-state
+    pass (``cpu_threads``; the replies are generated on the engine's own count, so the data does
+    not depend on it)."""
     from speculant.models.loader import resolve_model
 
     folder = resolve_model(model)
@@ -143,7 +175,8 @@ def build_dataset(model: str | None = None, split: str = "train", num_prompts: i
             if part.exists():
                 ds.examples += torch.load(part, weights_only=False)
                 continue
-        examples = _distill(folder, chunk, max_new_tokens, aux_layers, device, progress)
+        examples = _distill(folder, chunk, max_new_tokens, aux_layers, device, progress,
+                            threads)
         ds.examples += examples
         if part is not None:
             part.parent.mkdir(parents=True, exist_ok=True)
