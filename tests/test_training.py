@@ -297,14 +297,13 @@ def test_the_seed_fixes_the_heads_initial_weights(target, tmp_path):
 
 def test_threads_are_in_force_for_hidden_states_and_training_then_restored(target, tmp_path,
                                                                             monkeypatch):
-    """``cpu_threads``: the hidden-state pass and the training steps run on the count asked for
+    """``cpu_threads`` (``torch_threads``): the hidden-state pass and the training steps run on the count asked for
     (``--cpu-threads`` too; default every available CPU); the process's count is restored after
     (a CPU engine keeps its own), and a bad count is refused."""
     from speculant.cli import main
-    from speculant.engine.cpu_threads import available_cpus
+    from speculant.engine.cpu_threads import available_cpus, torch_threads
     from speculant.training import api
     from speculant.training import data as data_mod
-    from speculant.training.data import cpu_threads
 
     seen = []
     real_hidden, real_loop = data_mod._hidden_states, api.train_head
@@ -331,5 +330,5 @@ def test_threads_are_in_force_for_hidden_states_and_training_then_restored(targe
     assert seen == [("hidden", available_cpus()), ("train", available_cpus())]
     assert torch.get_num_threads() == before
     with pytest.raises(ValueError, match="cpu_threads=0 must be >= 1"):
-        with cpu_threads(0):
+        with torch_threads(0):
             pass

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -83,3 +85,19 @@ def apply_cpu_threads(requested: int | None) -> int:
         _applied = n
     logger.info("CPU threads: %d (%s)", torch.get_num_threads(), why)
     return torch.get_num_threads()
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[int]:
+    """torch's thread count set to ``n`` inside the block (None: every CPU available) and
+    restored after it, so an engine's own count stays in force; yields the count. For batched
+    CPU work such as ``speculant train``'s hidden-state pass and training steps, which, unlike
+    a decode step, gain from every core (docs/training.md)."""
+    if n is not None and n < 1:
+        raise ValueError(f"cpu_threads={n} must be >= 1 (or None: every available CPU)")
+    old = torch.get_num_threads()
+    torch.set_num_threads(n or available_cpus())
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old)

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from speculant.training.data import build_dataset, cpu_threads
+from speculant.engine.cpu_threads import torch_threads
+from speculant.training.data import build_dataset
 from speculant.training.heads import HEADS, TargetInfo, Trainable
 from speculant.training.loop import TrainConfig, TrainResult, train_head
 
@@ -35,7 +36,7 @@ def train(method: str, out: str | Path, model: str | None = None, *, num_prompts
           max_new_tokens: int = 128, cache_dir: str | Path | None = None,
           head_options: dict[str, Any] | None = None, resume: bool = False,
           progress: bool = True, device: str | None = None, stop_at: int | None = None,
-          val_prompts: int | None = None, threads: int | None = None,
+          val_prompts: int | None = None, cpu_threads: int | None = None,
           **train_options: Any) -> TrainResult:
     """Train a ``method`` head for ``model`` (default: the embedded SmolLM2-135M-Instruct) on
     the target's own greedy replies to the training prompts; write it into ``out`` in the
@@ -46,8 +47,8 @@ def train(method: str, out: str | Path, model: str | None = None, *, num_prompts
     are :class:`TrainConfig` fields (steps, lr, batch_size, ...); ``cache_dir`` (default
     ``out/data``) keeps the distilled data for later runs; ``stop_at``: see ``train_head``;
     ``val_prompts``: that many held-out prompts (distilled the same way) are evaluated every
-    ``eval_every`` steps; ``threads``: CPU threads of the hidden-state pass and of training on
-    the CPU (None: every available CPU; ``speculant.training.data.cpu_threads``)."""
+    ``eval_every`` steps; ``cpu_threads``: threads of the hidden-state pass and of training on
+    the CPU (None: every available CPU; ``speculant.engine.cpu_threads.torch_threads``)."""
     from speculant.models.loader import resolve_model
 
     config = TrainConfig(**train_options)
@@ -62,17 +63,17 @@ def train(method: str, out: str | Path, model: str | None = None, *, num_prompts
     data = build_dataset(str(folder), "train", num_prompts, max_new_tokens,
                          aux_layers=tuple(head.aux_layers),
                          cache_dir=cache_dir if cache_dir is not None else Path(out) / "data",
-                         progress=progress, threads=threads)
+                         progress=progress, cpu_threads=cpu_threads)
     val = None
     if val_prompts:
         val = build_dataset(str(folder), "held-out", val_prompts, max_new_tokens,
                             aux_layers=tuple(head.aux_layers),
                             cache_dir=cache_dir if cache_dir is not None else Path(out) / "data",
-                            progress=progress, threads=threads)
+                            progress=progress, cpu_threads=cpu_threads)
     if hot_vocab is not None:  # the N most frequent reply tokens: a token map (FR-Spec)
         options["hot_ids"] = hot_token_ids(data.token_counts(), int(hot_vocab))
     torch.manual_seed(config.seed)  # the head's initial weights follow the run's seed
     head = make_head(method, target, **options)
-    with cpu_threads(threads):
+    with torch_threads(cpu_threads):
         return train_head(head, data, out, config, resume=resume, progress=progress,
                           device=device, stop_at=stop_at, val_data=val)

@@ -100,7 +100,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 val_prompts=args.val_prompts, eval_every=args.eval_every,
                 steps=args.steps, lr=args.lr, batch_size=args.batch_size, warmup=args.warmup,
                 checkpoint_every=args.checkpoint_every, save_dtype=args.save_dtype,
-                threads=args.cpu_threads)
+                cpu_threads=args.cpu_threads)
     last = res.history[-1] if res.history else {}
     print(f"wrote {res.out} after {res.steps} steps ({res.wall_s:.0f} s training): loss "
           f"{last.get('loss', float('nan')):.3f}, top-1 by position {last.get('acc')}; load it "
@@ -131,7 +131,7 @@ def _train_recipe(args: argparse.Namespace) -> int:
     print(f"recipe {recipe.name}: {recipe.model_dump_json()}")
     res, installed = train_recipe(recipe.name, args.out, resume=args.resume,
                                   stop_at=args.stop_at, cache_dir=args.cache_dir,
-                                  device=args.device, threads=args.cpu_threads)
+                                  device=args.device, cpu_threads=args.cpu_threads)
     if installed is None:
         print(f"stopped after step {res.steps} of {recipe.train['steps']} ({res.wall_s:.0f} s "
               f"of training so far); continue with: {recipe.command(args.out)} --resume")

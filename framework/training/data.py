@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,25 +48,6 @@ class Dataset:
         return counts
 
 
-@contextmanager
-def cpu_threads(n: int | None) -> Iterator[int]:
-    """torch's CPU thread count set to ``n`` inside the block (None: every CPU this process may
-    use) and restored after it; yields the count. Training's batched products and the
-    hidden-state pass use them all (2 threads on this 2-core CPU: a training step of 8
-    sequences 3.3 -> 2.0 s, hidden states 17.0 -> 12.1 s for 32 prompts, docs/training.md),
-    whereas a CPU engine decodes on one thread by default (``EngineConfig.cpu_threads``)."""
-    from speculant.engine.cpu_threads import available_cpus
-
-    if n is not None and n < 1:
-        raise ValueError(f"cpu_threads={n} must be >= 1 (or None: every available CPU)")
-    old = torch.get_num_threads()
-    torch.set_num_threads(n or available_cpus())
-    try:
-        yield torch.get_num_threads()
-    finally:
-        torch.set_num_threads(old)
-
-
 def generate_replies(model: str | None, prompts: list[Prompt], max_new_tokens: int,
                      device: str = "auto") -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy reply ids) of every prompt, as a chat turn, by speculant's engine."""
@@ -83,12 +62,14 @@ def generate_replies(model: str | None, prompts: list[Prompt], max_new_tokens: i
 
 @torch.inference_mode()
 def hidden_states(folder: Path, sequences: list[list[int]], aux_layers: tuple[int, ...] = (),
-                  progress: bool = True, threads: int | None = None,
+                  progress: bool = True, cpu_threads: int | None = None,
                   ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(final-norm hidden [T, H], inputs of ``aux_layers`` concatenated [T, 3H] or None) of each
     token sequence, fp16, from one fp32 ``transformers`` forward per sequence on the CPU, on
-    ``threads`` CPU threads (``cpu_threads``; None: every available CPU)."""
-    with cpu_threads(threads):
+    ``cpu_threads`` threads (None: every available CPU)."""
+    from speculant.engine.cpu_threads import torch_threads
+
+    with torch_threads(cpu_threads):
         return _hidden_states(folder, sequences, aux_layers, progress)
 
 
@@ -126,10 +107,10 @@ CHUNK = 250  # prompts distilled (and, with a cache, saved) at a time
 
 def _distill(folder: Path, prompts: list[Prompt], max_new_tokens: int,
              aux_layers: tuple[int, ...], device: str, progress: bool,
-             threads: int | None) -> list[Example]:
+             cpu_threads: int | None) -> list[Example]:
     replies = generate_replies(str(folder), prompts, max_new_tokens, device)
     seqs = [p + r for p, r in replies]
-    feats = hidden_states(folder, seqs, aux_layers, progress, threads)
+    feats = hidden_states(folder, seqs, aux_layers, progress, cpu_threads)
     return [Example(torch.tensor(seq), len(p), final, aux, prompt.category)
             for prompt, (p, _), seq, (final, aux) in zip(prompts, replies, seqs, feats)]
 
@@ -143,15 +124,15 @@ def _cache_file(cache_dir: Path, kind: str, folder: Path, prompts: list[Prompt],
 def build_dataset(model: str | None = None, split: str = "train", num_prompts: int | None = None,
                   max_new_tokens: int = 128, aux_layers: tuple[int, ...] = (),
                   cache_dir: str | Path | None = None, device: str = "auto",
-                  progress: bool = True, threads: int | None = None) -> Dataset:
+                  progress: bool = True, cpu_threads: int | None = None) -> Dataset:
     """The self-distillation data of the first ``num_prompts`` prompts of ``split`` (all when
     None). With ``cache_dir`` the dataset is saved there and reused by later calls of the same
     arguments (the file name is a hash of the target's folder, the prompts' texts, the reply
     length and the aux layers). The prompts are distilled ``CHUNK`` at a time; with a cache each
     finished chunk is saved too (``distill-part-*.pt``, removed once the whole set is), so an
-    interrupted build continues where it stopped. ``threads``: CPU threads of the hidden-state
-    pass (``cpu_threads``; the replies are generated on the engine's own count, so the data does
-    not depend on it)."""
+    interrupted build continues where it stopped. ``cpu_threads``: threads of the hidden-state
+    pass (the replies are generated on the engine's own count, so the data does not depend on
+    it)."""
     from speculant.models.loader import resolve_model
 
     folder = resolve_model(model)
@@ -176,7 +157,7 @@ def build_dataset(model: str | None = None, split: str = "train", num_prompts: i
                 ds.examples += torch.load(part, weights_only=False)
                 continue
         examples = _distill(folder, chunk, max_new_tokens, aux_layers, device, progress,
-                            threads)
+                            cpu_threads)
         ds.examples += examples
         if part is not None:
             part.parent.mkdir(parents=True, exist_ok=True)

@@ -78,10 +78,10 @@ __all__ = ["RECIPES", "Recipe", "get_recipe", "install_head"]
 def train_recipe(name: str, out: str | Path, *, resume: bool = False, stop_at: int | None = None,
                  cache_dir: str | Path | None = None, device: str | None = None,
                  progress: bool = True, install_to: Path | None = None,
-                 threads: int | None = None):
+                 cpu_threads: int | None = None):
     """Run recipe ``name`` into ``out`` (``train`` with every setting the recipe's); split it
-    with ``stop_at`` and ``resume``; ``threads``: CPU threads (``train``'s, not a setting of the
-    recipe). When the run reaches its last step the head is installed
+    with ``stop_at`` and ``resume``; ``cpu_threads``: ``train``'s (a machine setting, not the
+    recipe's). When the run reaches its last step the head is installed
     into its shipped folder (``install_head``; ``install_to`` overrides where). Returns
     ``(TrainResult, installed folder or None)``."""
     from speculant.training.api import train
@@ -90,7 +90,8 @@ def train_recipe(name: str, out: str | Path, *, resume: bool = False, stop_at: i
     res = train(recipe.method, out, recipe.target, num_prompts=recipe.num_prompts,
                 max_new_tokens=recipe.max_new_tokens, cache_dir=cache_dir,
                 head_options=dict(recipe.head_options), resume=resume, progress=progress,
-                device=device, stop_at=stop_at, val_prompts=recipe.val_prompts, threads=threads,
+                device=device, stop_at=stop_at, val_prompts=recipe.val_prompts,
+                cpu_threads=cpu_threads,
                 **recipe.train)
     done = res.steps >= recipe.train["steps"]
     return res, (install_head(recipe, out, install_to) if done else None)
