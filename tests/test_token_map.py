@@ -49,6 +49,7 @@ from speculant.drafting.token_map import (
     special_token_ids,
 )
 from speculant.kernels.logprobs import row_argmax
+from speculant.models.loader import prepare_cpu_linears
 from speculant.spec_registry import StrategyError
 
 V = 64
@@ -563,6 +564,7 @@ def _tie_heads(strat, method: str, seed: int = 11) -> torch.Tensor | None:
     heads = strat.model.head if method == "mlp_speculator" else [strat.draft.lm_head]
     for head in heads:
         head.weight.copy_(_tie_pattern(*head.weight.shape, g))  # [N or draft vocab, inner]
+        prepare_cpu_linears(head)  # a CPU head's Linear keeps a blocked copy: remake it
     return None
 
 

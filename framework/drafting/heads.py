@@ -29,6 +29,7 @@ from speculant.models import llama as _llama
 from speculant.models.attention import ForwardContext
 from speculant.models.layers import RotaryEmbedding
 from speculant.models.llama import mlp_gemv
+from speculant.models.loader import prepare_cpu_linears
 from speculant.models.weights import WeightLoader, WeightLoadError
 from speculant.spec_types import StrategyContext, StrategyError
 
@@ -181,7 +182,9 @@ def load_head_weights(
     (default :data:`LLAMA_PACKED`). Raises StrategyError naming the file, the tensor and the
     shape the config implies, or the missing and unexpected tensors (``hint`` appended: where
     the expected names are listed). E.g. EAGLE-3's: ``load_head_weights(head, folder,
-    prefixes={"layers.0.": "midlayer."}, extra=("d2t", "t2d"))``.
+    prefixes={"layers.0.": "midlayer."}, extra=("d2t", "t2d"))``. On the CPU the module's
+    Linears then get the target's CPU layouts (``prepare_cpu_linears``: our C kernel's blocked
+    weights), so load every weight through here, not by assigning parameters afterwards.
     """
     files = checkpoint_files(folder)
     source = str(files[0]) if len(files) == 1 else f"{folder} ({', '.join(f.name for f in files)})"
@@ -209,6 +212,10 @@ def load_head_weights(
         loader.finish()
     except WeightLoadError as e:
         raise StrategyError(f"{e}{hint}") from None
+    if any(p.device.type == "cpu" for p in module.parameters()):
+        # the target's CPU layouts (the C kernel's blocked copies): a draft step's few-row
+        # products run as the target's do (torch's one-row products are ~3x slower there)
+        prepare_cpu_linears(module)
     return kept
 
 

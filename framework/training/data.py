@@ -49,15 +49,58 @@ class Dataset:
 
 
 def generate_replies(model: str | None, prompts: list[Prompt], max_new_tokens: int,
-                     device: str = "auto") -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, greedy reply ids) of every prompt, as a chat turn, by speculant's engine."""
+                     device: str = "auto", workers: int = 1, progress: bool = True,
+                     ) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy reply ids) of every prompt, as a chat turn, by speculant's engine.
+
+    ``workers`` > 1 on the CPU: that many engine processes each reply to every
+    ``workers``-th prompt. A CPU engine decodes on one core (its C products are
+    single-threaded), so on N idle cores N processes reply ~N times as fast, and the replies are
+    the same: a CPU forward is batch-invariant, so a sequence's tokens do not depend on which
+    other sequences share its batches (tests/test_training.py checks)."""
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    workers = max(1, min(workers, len(prompts))) if on_cpu else 1
+    if workers > 1:
+        return _replies_in_processes(model, prompts, max_new_tokens, workers, progress)
     from speculant import LLM, SamplingParams
 
     llm = LLM(model=model, device=device, max_num_seqs=32)
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     outs = llm.chat([[{"role": "user", "content": p.text}] for p in prompts], params,
-                    use_tqdm=True)
-    return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+                    use_tqdm=progress)
+    replies = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+    llm.close()
+    return replies
+
+
+def _replies_in_processes(model: str | None, prompts: list[Prompt], max_new_tokens: int,
+                          workers: int, progress: bool) -> list[tuple[list[int], list[int]]]:
+    """``generate_replies`` over ``workers`` CPU engine processes (``python -m
+    speculant.training.data``: a fresh interpreter, so a caller's script is not re-imported as
+    multiprocessing's spawn would), worker w replying to prompts w, w + workers, ..."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="speculant-replies-") as tmp:
+        procs = []
+        for w in range(workers):
+            job = Path(tmp) / f"job{w}.json"
+            job.write_text(json.dumps({"model": model, "max_new_tokens": max_new_tokens,
+                                       "progress": progress and w == 0,
+                                       "prompts": [[p.category, p.text]
+                                                   for p in prompts[w::workers]]}))
+            procs.append(subprocess.Popen([sys.executable, "-m", "speculant.training.data",
+                                           str(job), str(job.with_suffix(".out"))]))
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise RuntimeError(f"a reply worker process failed (exit codes {codes}; its error is "
+                               "printed above); run with cpu_threads=1 to generate in-process")
+        out: list = [None] * len(prompts)
+        for w in range(workers):
+            out[w::workers] = [tuple(r) for r in json.loads(
+                (Path(tmp) / f"job{w}.out").read_text())]
+    return out
 
 
 @torch.inference_mode()
@@ -108,7 +151,11 @@ CHUNK = 250  # prompts distilled (and, with a cache, saved) at a time
 def _distill(folder: Path, prompts: list[Prompt], max_new_tokens: int,
              aux_layers: tuple[int, ...], device: str, progress: bool,
              cpu_threads: int | None) -> list[Example]:
-    replies = generate_replies(str(folder), prompts, max_new_tokens, device)
+    from speculant.engine.cpu_threads import available_cpus
+
+    # one engine batch (32 sequences) per process at least: spawning one costs seconds
+    workers = min(available_cpus() if cpu_threads is None else cpu_threads, len(prompts) // 32)
+    replies = generate_replies(str(folder), prompts, max_new_tokens, device, workers, progress)
     seqs = [p + r for p, r in replies]
     feats = hidden_states(folder, seqs, aux_layers, progress, cpu_threads)
     return [Example(torch.tensor(seq), len(p), final, aux, prompt.category)
@@ -130,9 +177,9 @@ def build_dataset(model: str | None = None, split: str = "train", num_prompts: i
     arguments (the file name is a hash of the target's folder, the prompts' texts, the reply
     length and the aux layers). The prompts are distilled ``CHUNK`` at a time; with a cache each
     finished chunk is saved too (``distill-part-*.pt``, removed once the whole set is), so an
-    interrupted build continues where it stopped. ``cpu_threads``: threads of the hidden-state
-    pass (the replies are generated on the engine's own count, so the data does not depend on
-    it)."""
+    interrupted build continues where it stopped. ``cpu_threads`` (None: every available CPU):
+    on the CPU, the engine processes that write the replies (``generate_replies``' ``workers``)
+    and the threads of the hidden-state pass; the data does not depend on it."""
     from speculant.models.loader import resolve_model
 
     folder = resolve_model(model)
@@ -195,3 +242,12 @@ def collate(examples: list[Example], device: torch.device | str = "cpu") -> Batc
     dev = torch.device(device)
     return Batch(tokens.to(dev), target.to(dev), final.to(dev),
                  None if aux is None else aux.to(dev))
+
+
+if __name__ == "__main__":  # a reply worker of _replies_in_processes: JOB.json -> OUT.json
+    import sys
+
+    job = json.loads(Path(sys.argv[1]).read_text())
+    replies = generate_replies(job["model"], [Prompt(c, t) for c, t in job["prompts"]],
+                               job["max_new_tokens"], "cpu", 1, job["progress"])
+    Path(sys.argv[2]).write_text(json.dumps(replies))
