@@ -47,9 +47,12 @@ def data(target, tmp_path_factory):
 
 
 def test_prompt_sets_cover_every_category_and_never_share_a_prompt():
+    from speculant.training.prompts import GROUNDED
+
     sets = {s: prompt_set(s) for s in SPLITS}
     for s in SPLITS:
-        assert {p.category for p in sets[s]} == set(CATEGORIES)
+        assert {p.category for p in sets[s]} == set(CATEGORIES) | ({GROUNDED} if s == "train"
+                                                                    else set())
         assert {p.category for p in sets[s][:4]} == set(CATEGORIES)  # interleaved
     assert len(sets["held-out"]) == 84
     assert not {p.text for p in sets["train"]} & {p.text for p in sets["held-out"]}
@@ -57,14 +60,18 @@ def test_prompt_sets_cover_every_category_and_never_share_a_prompt():
         prompt_set("test")
 
 
-def test_train_prompts_are_1500_balanced_distinct_and_share_no_held_out_topic():
+def test_train_prompts_are_1500_balanced_then_grounded_distinct_and_share_no_held_out_topic():
+    from speculant.demo import CODE, PASSAGE
     from speculant.training import prompts as P
 
     train = prompt_set("train")
     texts = [p.text for p in train]
-    assert len(texts) == len(set(texts)) == 4 * P.TRAIN_PER_CATEGORY == 1500
+    assert len(texts) == len(set(texts)) == 4 * P.TRAIN_PER_CATEGORY + P.TRAIN_GROUNDED == 2000
     for c in CATEGORIES:
-        assert sum(p.category == c for p in train) == P.TRAIN_PER_CATEGORY
+        assert sum(p.category == c for p in train[:1500]) == P.TRAIN_PER_CATEGORY
+    assert {p.category for p in train[1500:]} == {P.GROUNDED}
+    for demo_text in (CODE.strip(), PASSAGE, "moving_average", "Rhine"):  # the demo's own text
+        assert not [t for t in texts if demo_text in t], demo_text
     assert texts == [p.text for p in prompt_set("train")]  # deterministic
     held_topics = (P._split(P._CHAT_TOPICS, "held-out") + P._split(P._CODE_TASKS, "held-out")
                    + [s for s, _, _ in P._split(P._SUMMARY_SUBJECTS, "held-out")])
@@ -332,3 +339,15 @@ def test_threads_are_in_force_for_hidden_states_and_training_then_restored(targe
     with pytest.raises(ValueError, match="cpu_threads=0 must be >= 1"):
         with torch_threads(0):
             pass
+
+
+@pytest.mark.slow  # two spawned engine processes (~10 s)
+def test_replies_from_two_engine_processes_equal_one_engines(target):
+    """``generate_replies(workers=2)`` splits the prompts over two spawned CPU engines; a CPU
+    forward is batch-invariant, so every reply is the one a single engine writes."""
+    from speculant.training.data import generate_replies
+
+    prompts = prompt_set("train")[:5]
+    one = generate_replies(str(target), prompts, 12, "cpu", workers=1, progress=False)
+    two = generate_replies(str(target), prompts, 12, "cpu", workers=2, progress=False)
+    assert two == one and all(len(r) > 0 for _, r in one)

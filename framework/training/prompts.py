@@ -8,7 +8,13 @@ held-out set is not measured on anything the head was trained on.
 
 The train split is then grown to ``TRAIN_PER_CATEGORY`` prompts per category with train-only
 topics and templates (``speculant.training.prompts_extra``), combinations drawn by a fixed seed;
-the held-out split is the original 84 prompts, unchanged."""
+the held-out split is the original 84 prompts, unchanged.
+
+After those 1,500 the train split holds ``TRAIN_GROUNDED`` input-grounded prompts (category
+``grounded``, train only): a given paragraph or function to summarize, answer a question about,
+rewrite, copy, edit or explain (``speculant.training.passages``, text written for this
+repository; none of it is the demo's). They teach a head what the target does with text in its
+prompt, the demo's kind of request."""
 
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ from speculant.training import prompts_extra as extra
 CATEGORIES = ("chat", "code", "math", "summarization")
 SPLITS = ("train", "held-out")
 TRAIN_PER_CATEGORY = 375  # 1,500 train prompts, the four categories balanced
+GROUNDED = "grounded"  # the train-only category of input-grounded prompts
+TRAIN_GROUNDED = 500  # input-grounded train prompts, after the 1,500
 
 
 @dataclass(frozen=True)
@@ -157,7 +165,43 @@ def prompt_set(split: str = "train") -> list[Prompt]:
     out: list[Prompt] = []
     for i in range(max(len(v) for v in by_cat.values())):
         out += [Prompt(c, by_cat[c][i]) for c in CATEGORIES if i < len(by_cat[c])]
+    if split == "train":  # after the 1,500, so their distilled chunks stay what they were
+        out += [Prompt(GROUNDED, t) for t in _grounded()]
     return out
+
+
+_PASSAGE_TEMPLATES = [
+    "Summarize this text in one sentence:\n\n{p}",
+    "Write a short summary of the following paragraph:\n\n{p}",
+    "{p}\n\nSummarize the paragraph above in two sentences.",
+    "{p}\n\n{q}",
+    "Read the text and answer the question.\n\nText: {p}\n\nQuestion: {q}",
+    "Copy this paragraph exactly as it is:\n\n{p}",
+    "Rewrite this paragraph in simpler words:\n\n{p}",
+    "Turn this paragraph into three bullet points:\n\n{p}",
+    "Fix any spelling or grammar mistakes in this paragraph and return it:\n\n{p}",
+]
+_SNIPPET_TEMPLATES = [
+    "Rename {f} to {g} in this code and show the full result:\n\n{c}",
+    "Change the name of the function {f} to {g}. Return the updated code.\n\n{c}",
+    "Explain what this function does:\n\n{c}",
+    "Add a docstring to this function and return it:\n\n{c}",
+    "Add type hints to this Python function:\n\n{c}",
+    "{c}\n\nAre there any bugs in this code? Explain briefly.",
+]
+
+
+def _grounded() -> list[str]:
+    """``TRAIN_GROUNDED`` input-grounded prompts: every passage with every passage template and
+    every snippet with every snippet template, a seeded sample."""
+    from speculant.training import passages as ps
+
+    questions = dict(ps.QUESTIONS)
+    texts = [tpl.format(p=p, q=questions[i]) for i, p in enumerate(ps.PASSAGES)
+             for tpl in _PASSAGE_TEMPLATES]
+    texts += [tpl.format(f=f, g=g, c=c.strip()) for (f, c), g in zip(ps.SNIPPETS, ps.RENAMES)
+              for tpl in _SNIPPET_TEMPLATES]
+    return random.Random(77).sample(texts, TRAIN_GROUNDED)
 
 
 def _fill(texts: list[str], candidates: list[str], rng: random.Random) -> None:
