@@ -38,6 +38,7 @@ import speculant.plugins.eagle as eagle_mod
 import speculant.plugins.mlp_speculator as mlp_mod
 from speculant import LLM, SamplingParams
 from speculant.cli import main
+from speculant.drafting import prepare_cpu_linears
 from speculant.drafting.token_map import (
     HotHead,
     TokenMapError,
@@ -49,7 +50,6 @@ from speculant.drafting.token_map import (
     special_token_ids,
 )
 from speculant.kernels.logprobs import row_argmax
-from speculant.models.loader import prepare_cpu_linears
 from speculant.spec_registry import StrategyError
 
 V = 64

@@ -310,6 +310,7 @@ __all__ = [
     "llama_head_dim",
     "llama_qkv_bias",
     "load_head_weights",
+    "prepare_cpu_linears",
     "norm_logits",
     "read_head_config",
     "residual_mlp",
