@@ -431,8 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "embedded SmolLM2-135M-Instruct")
     d.add_argument("--max-tokens", type=int, default=128,
                    help="tokens generated per prompt (default: 128)")
-    d.add_argument("-k", type=int, default=5,
-                   help="num_speculative_tokens: tokens proposed per step (default: 5)")
+    d.add_argument("-k", type=int, default=None,
+                   help="num_speculative_tokens: tokens proposed per step (default: a shipped "
+                   "head's own, the draft steps it was trained for; 5 for the other methods)")
     d.add_argument("--methods", default=None,
                    help="comma-separated speculation methods to compare with plain decoding, "
                    "each NAME or NAME=CHECKPOINT for a method that loads one (eagle=PATH, "

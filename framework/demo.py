@@ -138,13 +138,19 @@ def untrained_medusa_head(folder: Path, hidden: int, vocab: int, heads: int, see
     return folder
 
 
-def _method_config(method: str, k: int, base, scratch: Path) -> tuple[str, dict]:
+DEFAULT_K = 5  # num_speculative_tokens of a method without its own (n-gram, a checkpoint path)
+
+
+def _method_config(method: str, k: int | None, base, scratch: Path) -> tuple[str, dict]:
     """(label, speculative_config) of one ``--methods`` entry, ``name`` or ``name=CHECKPOINT``.
-    ``medusa`` without a checkpoint runs untrained heads built here for the target (label
-    ``medusa*``)."""
+    ``k`` None: a shipped head's own ``num_speculative_tokens`` (the draft steps it was trained
+    for), else ``DEFAULT_K``. ``medusa`` without a checkpoint runs untrained heads built here for
+    the target (label ``medusa*``)."""
     from speculant.spec_registry.shipped import SHIPPED
 
     name, _, checkpoint = method.partition("=")
+    if k is None:
+        k = SHIPPED[checkpoint].num_speculative_tokens if checkpoint in SHIPPED else DEFAULT_K
     config = {"method": name, "num_speculative_tokens": k}
     if checkpoint:  # a shipped head is labelled by its name
         return checkpoint if checkpoint in SHIPPED else name, {**config, "model": checkpoint}
@@ -170,7 +176,7 @@ def default_methods(model: str | None) -> list[str]:
                         if (h.target == "default" and default) or h.target == str(model)]
 
 
-def run_demo(model: str | None = None, max_tokens: int = 128, k: int = 5,
+def run_demo(model: str | None = None, max_tokens: int = 128, k: int | None = None,
              methods: list[str] | None = None, repeats: int = 3, retime: int = 3) -> int:
     from speculant import LLM, SamplingParams
 
@@ -190,6 +196,8 @@ def run_demo(model: str | None = None, max_tokens: int = 128, k: int = 5,
         for _, spec in labeled:
             configs.append(LLM(model=model, speculative_config=spec))
     methods = [label for label, _ in labeled]
+    print("k (num_speculative_tokens): " + ", ".join(
+        f"{label} {spec['num_speculative_tokens']}" for label, spec in labeled))
     if "medusa*" in methods:
         print("medusa*: untrained Medusa heads, random weights built for this model (no trained "
               "head given; --methods medusa=PATH runs one): their drafts are almost never "

@@ -25,6 +25,13 @@ class ShippedHead:
         return HEADS_DIR / self.name
 
     @property
+    def num_speculative_tokens(self) -> int:
+        """The draft steps its recipe trains (``steps``): what ``speculant demo`` runs it with."""
+        from speculant.training.recipes import get_recipe
+
+        return int(get_recipe(self.recipe).head_options.get("steps", 4))
+
+    @property
     def available(self) -> bool:
         return (self.folder / "config.json").is_file()
 
