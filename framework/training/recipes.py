@@ -32,8 +32,8 @@ class Recipe(BaseModel):
 
 
 RECIPES: dict[str, Recipe] = {
-    # docs/training.md, "The recipe": ~1,500 prompts x <= 192 reply tokens (~180k tokens),
-    # then 1,200 steps of 8 sequences (~6 epochs) on this 2-core CPU
+    # docs/training.md, "The shipped head": 2,000 prompts (1,500 + 500 input-grounded) x <= 192
+    # reply tokens (~240k tokens), then 1,200 steps of 8 sequences (~5 epochs), 2-core CPU
     "smollm2-eagle": Recipe(
         name="smollm2-eagle", method="eagle", target="default", max_new_tokens=192,
         head_options={"num_layers": 1, "steps": 4, "token_weight": 0.5, "feature_weight": 1.0,
