@@ -19,17 +19,12 @@ class ShippedHead:
     method: str  # the ``speculative_config`` method that loads it
     target: str  # the target model it was trained for ("default": the embedded SmolLM2)
     recipe: str  # the training recipe (speculant.training.recipes) that produces it
+    # its recipe's draft steps (head option ``steps``): what ``speculant demo`` runs it with
+    num_speculative_tokens: int = 4
 
     @property
     def folder(self) -> Path:
         return HEADS_DIR / self.name
-
-    @property
-    def num_speculative_tokens(self) -> int:
-        """The draft steps its recipe trains (``steps``): what ``speculant demo`` runs it with."""
-        from speculant.training.recipes import get_recipe
-
-        return int(get_recipe(self.recipe).head_options.get("steps", 4))
 
     @property
     def available(self) -> bool:

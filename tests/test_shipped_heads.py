@@ -51,6 +51,7 @@ def test_the_registry_names_the_smollm2_head_and_its_recipe():
     assert (head.method, head.target) == (recipe.method, recipe.target) == ("eagle", "default")
     assert recipe.max_new_tokens == 192 and recipe.train["steps"] == 1200
     assert head.train_command == recipe.command("runs/smollm2-eagle")
+    assert head.num_speculative_tokens == recipe.head_options["steps"] == 4  # the demo's k
     with pytest.raises(ValueError, match="unknown recipe 'nope'"):
         recipes.get_recipe("nope")
 
