@@ -84,15 +84,21 @@ def _replies_in_processes(model: str | None, prompts: list[Prompt], max_new_toke
 
     with tempfile.TemporaryDirectory(prefix="speculant-replies-") as tmp:
         procs = []
-        for w in range(workers):
-            job = Path(tmp) / f"job{w}.json"
-            job.write_text(json.dumps({"model": model, "max_new_tokens": max_new_tokens,
-                                       "progress": progress and w == 0,
-                                       "prompts": [[p.category, p.text]
-                                                   for p in prompts[w::workers]]}))
-            procs.append(subprocess.Popen([sys.executable, "-m", "speculant.training.data",
-                                           str(job), str(job.with_suffix(".out"))]))
-        codes = [p.wait() for p in procs]
+        try:
+            for w in range(workers):
+                job = Path(tmp) / f"job{w}.json"
+                job.write_text(json.dumps({"model": model, "max_new_tokens": max_new_tokens,
+                                           "progress": progress and w == 0,
+                                           "prompts": [[p.category, p.text]
+                                                       for p in prompts[w::workers]]}))
+                procs.append(subprocess.Popen([sys.executable, "-m", "speculant.training.data",
+                                               str(job), str(job.with_suffix(".out"))]))
+            codes = [p.wait() for p in procs]
+        finally:  # interrupted (Ctrl-C, an error): no worker outlives the call
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         if any(codes):
             raise RuntimeError(f"a reply worker process failed (exit codes {codes}; its error is "
                                "printed above); run with cpu_threads=1 to generate in-process")
