@@ -144,14 +144,17 @@ DEFAULT_K = 5  # num_speculative_tokens of a method without its own (n-gram, a c
 def _method_config(method: str, k: int | None, base, scratch: Path) -> tuple[str, dict]:
     """(label, speculative_config) of one ``--methods`` entry, ``name`` or ``name=CHECKPOINT``.
     ``k`` None: a shipped head's own ``num_speculative_tokens`` (the draft steps it was trained
-    for), else ``DEFAULT_K``. ``medusa`` without a checkpoint runs untrained heads built here for
+    for), else ``DEFAULT_K``; a shipped head also gets its ``prompt_lookup_min``
+    (``ShippedHead.demo_options``). ``medusa`` without a checkpoint runs untrained heads built here for
     the target (label ``medusa*``)."""
     from speculant.spec_registry.shipped import SHIPPED
 
     name, _, checkpoint = method.partition("=")
-    if k is None:
-        k = SHIPPED[checkpoint].num_speculative_tokens if checkpoint in SHIPPED else DEFAULT_K
-    config = {"method": name, "num_speculative_tokens": k}
+    config = {"method": name, "num_speculative_tokens": DEFAULT_K}
+    if checkpoint in SHIPPED:  # its draft steps and prompt lookup
+        config.update(SHIPPED[checkpoint].demo_options)
+    if k is not None:
+        config["num_speculative_tokens"] = k
     if checkpoint:  # a shipped head is labelled by its name
         return checkpoint if checkpoint in SHIPPED else name, {**config, "model": checkpoint}
     if name == "medusa":
@@ -198,6 +201,11 @@ def run_demo(model: str | None = None, max_tokens: int = 128, k: int | None = No
     methods = [label for label, _ in labeled]
     print("k (num_speculative_tokens): " + ", ".join(
         f"{label} {spec['num_speculative_tokens']}" for label, spec in labeled))
+    for label, spec in labeled:
+        if spec.get("prompt_lookup_min"):
+            print(f"{label}: with prompt lookup (prompt_lookup_min {spec['prompt_lookup_min']}): "
+                  "where the reply's last tokens occurred earlier, their continuation is drafted "
+                  "instead of the head's")
     if "medusa*" in methods:
         print("medusa*: untrained Medusa heads, random weights built for this model (no trained "
               "head given; --methods medusa=PATH runs one): their drafts are almost never "

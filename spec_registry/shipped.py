@@ -21,6 +21,17 @@ class ShippedHead:
     recipe: str  # the training recipe (speculant.training.recipes) that produces it
     # its recipe's draft steps (head option ``steps``): what ``speculant demo`` runs it with
     num_speculative_tokens: int = 4
+    # the prompt lookup ``speculant demo`` runs it with (the strategy's option of that name;
+    # None: the head alone): copies of the prompt come from lookup, the rest from the head
+    prompt_lookup_min: int | None = 2
+
+    @property
+    def demo_options(self) -> dict:
+        """The ``speculative_config`` options ``speculant demo`` adds for this head."""
+        out: dict = {"num_speculative_tokens": self.num_speculative_tokens}
+        if self.prompt_lookup_min is not None:
+            out["prompt_lookup_min"] = self.prompt_lookup_min
+        return out
 
     @property
     def folder(self) -> Path:

@@ -144,13 +144,17 @@ def joint(target) -> torch.Tensor:
 def configs(target, tiny_factory, tmp_path_factory) -> dict[str, dict]:
     d = tmp_path_factory.mktemp("dist")
     draft = tiny_factory("llama", vocab_size=V, tokenizer=False, seed=1, num_hidden_layers=1)
+    e1 = str(make_eagle1(d / "e1", target, V, seed=3, copy=True))
     return {
         "ngram": {"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1},
         "draft_model": {"model": str(draft)},
         "mlp_speculator": {"model": str(make_mlp_speculator(d / "mlp", 64, K, seed=2))},
         # fc passes the target's state through (a plain random head drafts tokens outside the
         # target's top-p set, so nothing would be accepted)
-        "eagle": {"model": str(make_eagle1(d / "e1", target, V, seed=3, copy=True))},
+        "eagle": {"model": e1},
+        # prompt lookup before the head: lookup chains (point masses, one-hot rows of probs)
+        # and sampled head drafts in the same batches
+        "eagle_lookup": {"model": e1, "prompt_lookup_min": 1},
         # a 24-token draft vocabulary: 8 target tokens can only come from the residual
         "eagle3": {
             "model": str(make_eagle3(d / "e3", V, 24, seed=4)),
@@ -184,13 +188,15 @@ def sample(target: Path, spec: dict, seed: int = 0) -> tuple[torch.Tensor, LLM]:
 @pytest.mark.parametrize("method", [pytest.param("ngram", marks=pytest.mark.slow), "draft_model",
                                     pytest.param("mlp_speculator", marks=pytest.mark.slow),
                                     pytest.param("eagle", marks=pytest.mark.slow),
+                                    pytest.param("eagle_lookup", marks=pytest.mark.slow),
                                     pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_sampling_follows_the_target_distribution(target, joint, configs, method):
     toks, llm = sample(target, configs[method])
-    assert llm.engine.spec.name == method
+    assert llm.engine.spec.name == method.removesuffix("_lookup")
     m = llm.get_metrics()
     # drafts were made, and both accepted and rejected: the rejection path was exercised
     assert m.num_draft_tokens > N and 50 < m.num_accepted_tokens < m.num_draft_tokens, m.as_dict()
+    assert m.num_faults == 0, m.as_dict()  # every proposal valid: none was dropped
     results = checks(toks, joint)
     for name, tv, bound in results:
         assert tv < bound, f"{method} {name}: TV {tv:.4f} >= bound {bound:.4f} ({results})"

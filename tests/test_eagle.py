@@ -339,6 +339,59 @@ def test_explicit_aux_layers_and_aliases(small_target, ckpts, prompts, reference
     assert get_strategy("eagle-3") is get_strategy("eagle3")
 
 
+def test_prompt_lookup_before_the_head(small_target, ckpts, prompts):
+    """``prompt_lookup_min``: a sequence whose last n tokens (2 <= n <= 4) occurred earlier
+    proposes the tokens that followed their most recent occurrence (what the ngram method
+    would, ``find_draft``), the others the head's drafts; greedy output stays plain decoding's,
+    with batch 1 and 4, and the head keeps drafting correctly after lookup steps."""
+    from speculant.drafting import find_draft
+
+    repeated = [p + p[:6] + p for p in prompts[:4]]  # copies to look up
+    plain = LLM(model=str(small_target), skip_tokenizer_init=True, max_num_seqs=8)
+    want = generate_ids(plain, repeated, greedy_params(4))
+    for bs in (1, 4):
+        llm = LLM(model=str(small_target), skip_tokenizer_init=True, max_num_seqs=8,
+                  speculative_config={"model": str(ckpts["eagle-safetensors"]),
+                                      "num_speculative_tokens": 3, "prompt_lookup_min": 2})
+        seen = spy_proposals(llm)
+        assert generate_ids(llm, repeated[:bs], greedy_params(bs)) == want[:bs]
+        looked = headed = 0
+        for token_lists, drafts in seen:
+            for toks, got in zip(token_lists, drafts):
+                found = find_draft(torch.tensor(toks), 2, 4, 3)
+                if found and got:
+                    assert got == found[: len(got)], (toks, got, found)
+                    looked += 1
+                elif got:
+                    headed += 1
+        assert looked >= 2 * bs and headed >= 2 * bs, (looked, headed)
+        assert llm.get_metrics().num_accepted_tokens > 0
+
+
+def test_prompt_lookup_options_and_one_hot_rows():
+    """The options are checked (min <= max, with the fix in the message); a lookup chain in a
+    batch with sampled head drafts gets one-hot rows of ``Proposal.probs``, widened when the
+    chain is longer than the head's drafts; other rows are kept."""
+    from pydantic import ValidationError
+
+    from speculant.drafting import merge_lookups
+    from speculant.spec_types import Proposal
+
+    Config = get_strategy("eagle").Config
+    assert Config(model="x", prompt_lookup_min=2).prompt_lookup_max == 4
+    with pytest.raises(ValidationError, match="raise prompt_lookup_max"):
+        Config(model="x", prompt_lookup_min=5)
+    q = torch.rand(2, 2, 5)
+    q /= q.sum(-1, keepdim=True)
+    merged = merge_lookups(Proposal(token_ids=[[1, 2], []], probs=q.clone()), {1: [3, 4, 0]})
+    assert merged.token_ids == [[1, 2], [3, 4, 0]]
+    assert merged.probs.shape == (2, 3, 5)
+    assert torch.equal(merged.probs[0, :2], q[0])
+    assert torch.equal(merged.probs[1], torch.eye(5)[[3, 4, 0]])
+    greedy = merge_lookups(Proposal(token_ids=[[], [7]]), {0: [5]})
+    assert greedy.token_ids == [[5], [7]] and greedy.probs is None
+
+
 def test_method_inference_from_path(ckpts, tmp_path):
     assert infer_method(str(ckpts["eagle-bin"])) == "eagle"
     assert infer_method(str(ckpts["eagle-safetensors"])) == "eagle"

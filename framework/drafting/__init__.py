@@ -17,6 +17,7 @@ from speculant.drafting import (
     head_drafter,
     heads,
     kv_cache,
+    lookup,
     runner,
     sampling,
     token_map,
@@ -29,6 +30,7 @@ from speculant.drafting.graphs import *  # noqa: F403
 from speculant.drafting.head_drafter import *  # noqa: F403
 from speculant.drafting.heads import *  # noqa: F403
 from speculant.drafting.kv_cache import *  # noqa: F403
+from speculant.drafting.lookup import *  # noqa: F403
 from speculant.drafting.runner import *  # noqa: F403
 from speculant.drafting.sampling import *  # noqa: F403
 from speculant.drafting.token_map import *  # noqa: F403
@@ -37,6 +39,6 @@ from speculant.drafting.trees import *  # noqa: F403
 from speculant.drafting.verification import *  # noqa: F403
 from speculant.spec_types import StrategyError
 
-_MODULES = (checkpoint, graphs, kv_cache, heads, head_drafter, runner, sampling, token_map,
+_MODULES = (checkpoint, graphs, kv_cache, lookup, heads, head_drafter, runner, sampling, token_map,
             verification, tree_verification, trees)
 __all__ = ["StrategyError", *(name for m in _MODULES for name in m.__all__)]

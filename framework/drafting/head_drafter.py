@@ -32,18 +32,20 @@ the four :class:`DraftHead` methods and makes its drafter with itself as the hea
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from speculant import hookimpl
 from speculant.drafting import head_graph
 from speculant.drafting.graphs import GraphCache, to_device_async
 from speculant.drafting.kv_cache import DraftKVCache, SeqCache, cache_slot
+from speculant.drafting.lookup import NgramIndex
 from speculant.drafting.sampling import DraftSampler, split_drafts
 from speculant.hookspecs import Strategy
 from speculant.models.attention import AttentionMetadata, ForwardContext
@@ -318,7 +320,8 @@ class HeadDrafter:
 class HeadOptions(BaseModel):
     """The options of a :class:`HeadStrategy` (its ``Config``; subclass it to add more):
     ``model``, the head's checkpoint; ``num_speculative_tokens``, k; ``token_map``, a file of
-    hot token ids for heads that draft through the target's LM head (``target_hot_head``)."""
+    hot token ids for heads that draft through the target's LM head (``target_hot_head``);
+    ``prompt_lookup_min`` / ``prompt_lookup_max``, prompt lookup before the head."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -330,6 +333,26 @@ class HeadOptions(BaseModel):
         "load_token_map): the draft's LM head runs over those rows of the target's head only "
         "(FR-Spec)",
     )
+    prompt_lookup_min: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="prompt lookup before the head: a sequence whose last n tokens (n from "
+        "prompt_lookup_max down to prompt_lookup_min) occurred earlier in its prompt or output "
+        "proposes the tokens that followed that occurrence (up to k, as the ngram method) "
+        "instead of the head's drafts; None: the head's drafts only",
+    )
+    prompt_lookup_max: int = Field(4, ge=1, le=64, description="longest n-gram looked up")
+
+    @model_validator(mode="after")
+    def _lookup_order(self) -> HeadOptions:
+        low = self.prompt_lookup_min
+        if low is not None and low > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({low}) must be <= prompt_lookup_max "
+                f"({self.prompt_lookup_max}); raise prompt_lookup_max or lower prompt_lookup_min"
+            )
+        return self
 
 
 class HeadStrategy(Strategy):
@@ -337,10 +360,17 @@ class HeadStrategy(Strategy):
     ``on_requests_finished`` and ``capture_graphs`` hooks, handed to ``self.drafter`` (the
     :class:`HeadDrafter` the subclass builds in ``__init__`` with itself as the head). A subclass
     implements the four ``DraftHead`` methods and, if its head reads other features than the
-    target's final hidden states, ``features``."""
+    target's final hidden states, ``features``.
+
+    With ``prompt_lookup_min`` set in its options (:class:`HeadOptions`), a sequence whose
+    suffix occurred earlier proposes a chain of the tokens that followed (prompt lookup,
+    :class:`~speculant.drafting.NgramIndex`) and the head only catches up on it that step; in a
+    batch with sampled head drafts its rows of ``Proposal.probs`` are one-hot (a point-mass
+    draft, which the lossless verifier takes as it takes n-gram drafts)."""
 
     needs_hidden_states = True
     drafter: HeadDrafter
+    _lookups: dict[int, NgramIndex]  # seq_id -> its prompt-lookup index (prompt_lookup_min)
 
     def features(self, batch: SpecBatch) -> torch.Tensor | None:
         """The target features of ``batch`` the head reads, ``[rows, F]``; None: no drafts.
@@ -360,14 +390,46 @@ class HeadStrategy(Strategy):
 
     @hookimpl
     def on_requests_finished(self, seq_ids: list[int]) -> None:
-        """Release the finished sequences' blocks of the cache."""
+        """Release the finished sequences' blocks of the cache (and their lookup indices)."""
         self.drafter.cache.free(seq_ids)
+        for i in seq_ids:
+            self.__dict__.get("_lookups", {}).pop(i, None)
 
     @hookimpl
     @torch.inference_mode()
     def propose(self, batch: SpecBatch) -> Proposal:
-        """The drafter's proposal from ``features(batch)``."""
-        return self.drafter.propose(batch, self.features(batch))
+        """The drafter's proposal from ``features(batch)``; with ``prompt_lookup_min``, the
+        prompt-lookup chain instead for the sequences that have one."""
+        found = self.prompt_lookup(batch)
+        if not found:
+            return self.drafter.propose(batch, self.features(batch))
+        seqs = [dataclasses.replace(s, max_draft=0) if i in found else s
+                for i, s in enumerate(batch.seqs)]
+        batch = dataclasses.replace(batch, seqs=seqs)  # the head catches up on those only
+        return merge_lookups(self.drafter.propose(batch, self.features(batch)), found)
+
+    def prompt_lookup(self, batch: SpecBatch) -> dict[int, list[int]]:
+        """``{index in batch: draft}`` for the sequences of ``batch`` whose last n tokens (n in
+        [``prompt_lookup_min``, ``prompt_lookup_max``]) occurred earlier: up to k tokens that
+        followed the most recent occurrence of the longest. ``{}`` without the option."""
+        cfg = getattr(self, "config", None)
+        low = getattr(cfg, "prompt_lookup_min", None)
+        if low is None:
+            return {}
+        indices = self.__dict__.setdefault("_lookups", {})
+        k = getattr(self, "num_speculative_tokens", None) or cfg.num_speculative_tokens
+        found: dict[int, list[int]] = {}
+        for i, s in enumerate(batch.seqs):
+            if s.max_draft <= 0:
+                continue
+            index = indices.get(s.seq_id)
+            if index is None:
+                index = indices[s.seq_id] = NgramIndex(low, cfg.prompt_lookup_max)
+            index.update(s.token_ids)
+            draft = index.find(min(s.max_draft, k))
+            if draft:
+                found[i] = draft
+        return found
 
     @hookimpl
     @torch.inference_mode()
@@ -377,4 +439,26 @@ class HeadStrategy(Strategy):
         return self.drafter.capture_graphs(max_num_seqs, progress)
 
 
-__all__ = ["CatchUp", "DraftHead", "HeadDrafter", "HeadOptions", "HeadStrategy", "stage_ints"]
+def merge_lookups(proposal: Proposal, found: dict[int, list[int]]) -> Proposal:
+    """``proposal`` with the chains ``found`` (``{index in batch: draft}``, point-mass drafts)
+    in place of those sequences' entries; where ``proposal.probs`` holds draft distributions,
+    their rows become one-hot (the tensor widened if a chain is longer than its drafts)."""
+    probs = proposal.probs  # [batch, max_len, vocab] or None (every draft a point mass)
+    if probs is not None:
+        longest = max(len(d) for d in found.values())
+        if longest > probs.shape[1]:
+            wider = probs.new_zeros(probs.shape[0], longest, probs.shape[2])
+            wider[:, : probs.shape[1]] = probs
+            probs = wider
+    for i, draft in found.items():
+        proposal.token_ids[i] = draft
+        if probs is not None:
+            probs[i].zero_()
+            rows = torch.arange(len(draft), device=probs.device)
+            probs[i, rows, torch.tensor(draft, device=probs.device)] = 1.0
+    proposal.probs = probs
+    return proposal
+
+
+__all__ = ["CatchUp", "DraftHead", "HeadDrafter", "HeadOptions", "HeadStrategy", "merge_lookups",
+           "stage_ints"]
