@@ -20,6 +20,7 @@ from staging_switch import use_staging
 import speculant.drafting.head_graph as eagle_graph
 import speculant.models.attention as attention_mod
 from speculant import LLM, SamplingParams
+from speculant.drafting import find_draft
 from speculant.engine.staging import staging_ext
 from speculant.kernels.kv_cache import store_kv_ref
 from speculant.kernels.paged_attention import paged_attention_ref
@@ -52,14 +53,14 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, V, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def _run(target: Path, head: Path, fused: bool, monkeypatch) -> tuple[list, list, int]:
+def _run(target: Path, head: Path, fused: bool, monkeypatch, **options) -> tuple[list, list, int]:
     """(outputs, (token ids, drafts) of every speculative step, fused graph calls)."""
     llm = LLM(
         model=str(target),
         skip_tokenizer_init=True,
         device="cpu",  # the graph code run eagerly on the CPU, on any machine
         max_num_seqs=8,
-        speculative_config={"model": str(head), "num_speculative_tokens": 3},
+        speculative_config={"model": str(head), "num_speculative_tokens": 3, **options},
     )
     strat = llm.engine.spec.strategy
     calls = []
@@ -215,3 +216,19 @@ def test_one_layout_for_both_one_graph_proposes():
         chain = np.full(sum(propose_ints.chain_sizes(Bp, K, W)), 7, np.int64)
         propose_ints.chain_padding(chain, Bp, K)
         assert chain.tolist() == ours[sum(sizes[:6]) :].tolist()
+
+
+def test_one_graph_propose_with_prompt_lookup(target, tmp_path, monkeypatch):
+    """prompt_lookup_min: the sequences with a lookup chain catch up only (k = 0 rows in the
+    graph's batch, and steps where every sequence looks up and the graph is not used); the
+    drafts and outputs equal the eager path's."""
+    use_staging(monkeypatch, "c")
+    monkeypatch.setattr(attention_mod, "attention", _kernel_attention)
+    head = make_eagle1(tmp_path / "e1", target, V, "safetensors", seed=2, copy=True)
+    out_e, seen_e, _ = _run(target, head, False, monkeypatch, prompt_lookup_min=1)
+    out_f, seen_f, calls = _run(target, head, True, monkeypatch, prompt_lookup_min=1)
+    assert out_f == out_e and seen_f == seen_e
+    assert calls
+    looked = sum(1 for toks, drafts in seen_f for t, d in zip(toks, drafts)
+                 if d and d == find_draft(torch.tensor(t), 1, 4, len(d)))
+    assert looked > 20, looked
