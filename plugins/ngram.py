@@ -38,11 +38,9 @@ from collections.abc import Callable
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from speculant import hookimpl
-from speculant.drafting import NgramIndex, find_draft
+from speculant.drafting import NgramIndex, check_lookup_range
 from speculant.hookspecs import Strategy
 from speculant.spec_types import DraftTree, Proposal, SpecBatch, StrategyContext
-
-__all__ = ["NgramConfig", "NgramIndex", "NgramStrategy", "find_draft", "merge_branches"]
 
 
 class NgramConfig(BaseModel):
@@ -61,11 +59,7 @@ class NgramConfig(BaseModel):
 
     @model_validator(mode="after")
     def _order(self) -> NgramConfig:
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
-                f"({self.prompt_lookup_max})"
-            )
+        check_lookup_range(self.prompt_lookup_min, self.prompt_lookup_max)
         return self
 
 

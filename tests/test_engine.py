@@ -336,7 +336,7 @@ def test_ngram_index_matches_vectorised_search():
 
     import torch
 
-    from speculant.plugins.ngram import NgramIndex, find_draft
+    from speculant.drafting import NgramIndex, find_draft
 
     rng = random.Random(0)
     for trial in range(40):

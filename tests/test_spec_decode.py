@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from speculant import LLM, SamplingParams, hookimpl
-from speculant.plugins.ngram import NgramStrategy, find_draft
+from speculant.drafting import find_draft
+from speculant.plugins.ngram import NgramStrategy
 from speculant.spec_registry import StrategyError
 
 REPETITIVE = [

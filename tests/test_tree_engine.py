@@ -88,7 +88,8 @@ def test_ngram_tree_greedy_equals_plain(tiny, plain, batch):
 
 
 def test_ngram_branches_and_merge():
-    from speculant.plugins.ngram import NgramIndex, merge_branches
+    from speculant.drafting import NgramIndex
+    from speculant.plugins.ngram import merge_branches
 
     t = [1, 5, 6, 7, 5, 8, 9, 5, 3, 4, 5]
     index = NgramIndex(1, 2, keep_all=True)

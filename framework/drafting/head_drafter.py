@@ -33,6 +33,7 @@ the four :class:`DraftHead` methods and makes its drafter with itself as the hea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -45,7 +46,7 @@ from speculant import hookimpl
 from speculant.drafting import head_graph
 from speculant.drafting.graphs import GraphCache, to_device_async
 from speculant.drafting.kv_cache import DraftKVCache, SeqCache, cache_slot
-from speculant.drafting.lookup import NgramIndex
+from speculant.drafting.lookup import NgramIndex, check_lookup_range
 from speculant.drafting.sampling import DraftSampler, split_drafts
 from speculant.hookspecs import Strategy
 from speculant.models.attention import AttentionMetadata, ForwardContext
@@ -346,12 +347,7 @@ class HeadOptions(BaseModel):
 
     @model_validator(mode="after")
     def _lookup_order(self) -> HeadOptions:
-        low = self.prompt_lookup_min
-        if low is not None and low > self.prompt_lookup_max:
-            raise ValueError(
-                f"prompt_lookup_min ({low}) must be <= prompt_lookup_max "
-                f"({self.prompt_lookup_max}); raise prompt_lookup_max or lower prompt_lookup_min"
-            )
+        check_lookup_range(self.prompt_lookup_min, self.prompt_lookup_max)
         return self
 
 
@@ -370,7 +366,10 @@ class HeadStrategy(Strategy):
 
     needs_hidden_states = True
     drafter: HeadDrafter
-    _lookups: dict[int, NgramIndex]  # seq_id -> its prompt-lookup index (prompt_lookup_min)
+
+    @functools.cached_property
+    def _lookups(self) -> dict[int, NgramIndex]:  # seq_id -> its index (prompt_lookup_min)
+        return {}
 
     def features(self, batch: SpecBatch) -> torch.Tensor | None:
         """The target features of ``batch`` the head reads, ``[rows, F]``; None: no drafts.
@@ -393,7 +392,7 @@ class HeadStrategy(Strategy):
         """Release the finished sequences' blocks of the cache (and their lookup indices)."""
         self.drafter.cache.free(seq_ids)
         for i in seq_ids:
-            self.__dict__.get("_lookups", {}).pop(i, None)
+            self._lookups.pop(i, None)
 
     @hookimpl
     @torch.inference_mode()
@@ -416,7 +415,7 @@ class HeadStrategy(Strategy):
         low = getattr(cfg, "prompt_lookup_min", None)
         if low is None:
             return {}
-        indices = self.__dict__.setdefault("_lookups", {})
+        indices = self._lookups
         k = getattr(self, "num_speculative_tokens", None) or cfg.num_speculative_tokens
         found: dict[int, list[int]] = {}
         for i, s in enumerate(batch.seqs):

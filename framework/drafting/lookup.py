@@ -93,4 +93,14 @@ class NgramIndex:
         return out
 
 
-__all__ = ["NgramIndex", "find_draft"]
+def check_lookup_range(n_min: int | None, n_max: int) -> None:
+    """The options' check (``ngram``'s and :class:`~speculant.drafting.HeadOptions`'):
+    ``ValueError`` naming the fix when ``prompt_lookup_min`` > ``prompt_lookup_max``."""
+    if n_min is not None and n_min > n_max:
+        raise ValueError(
+            f"prompt_lookup_min ({n_min}) must be <= prompt_lookup_max ({n_max}); raise "
+            f"prompt_lookup_max or lower prompt_lookup_min"
+        )
+
+
+__all__ = ["NgramIndex", "check_lookup_range", "find_draft"]
