@@ -152,6 +152,93 @@ def _allreduce_norm_kernel(
             tl.store(out_ptr + row * stride_o + cols, s, mask=mask)
 
 
+# Lamport form (the poll is on the data itself: no flags, no fence)
+LAMPORT_COUNTERS = 8  # slot counters a row: a program pushes 1, 2, 4 or 8 of these column chunks
+
+
+@lazy_jit(do_not_specialize=("rows",))
+def _lamport_norm_kernel(
+    x_ptr,  # [rows, N]: this rank's partial
+    own_ptr,  # this rank's symmetric buffer, as ints as wide as the dtype: [3, world, max_rows, N]
+    bufs_ptr,  # [world] int64: each rank's buffer address (own_ptr's, on the peers)
+    cnt_ptr,  # [max_rows, FC] int32: this rank's slot (0, 1, 2) of each row's column chunk
+    r_ptr,  # [rows, N]: the residual stream (HAS_RES)
+    w_ptr,  # [N]: the norm weight (NORM)
+    out_ptr,  # [rows, N]: normed (NORM) or the sum (+ residual)
+    res_out_ptr,  # [rows, N]: sum + residual (HAS_RES and NORM)
+    stride_x, stride_r, stride_o, stride_ro,
+    rows, N, max_rows, eps,
+    RANK: tl.constexpr, WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
+    BLOCK: tl.constexpr,  # next_pow2(N): the row
+    FC: tl.constexpr,  # counters (column chunks) a row: LAMPORT_COUNTERS
+    FPP: tl.constexpr,  # of them a program pushes: FC / num_programs(1)
+    CB: tl.constexpr,  # next_pow2(FPP * cw): the columns a program pushes (cw: below)
+    SENT: tl.constexpr,  # the empty marker: the bits of -0.0 as a signed int
+    GDC: tl.constexpr = False,  # launched with PDL: trigger, then wait
+):
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    chunk = tl.program_id(1)
+    dt = x_ptr.dtype.element_ty
+    it = own_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    cw = tl.cdiv(N, FC * 16) * 16  # a counter's columns: a multiple of 16 (vector stores)
+    lo = chunk * FPP * cw  # this program's columns: [lo, hi)
+    hi = tl.minimum(lo + FPP * cw, N)
+    ccols = lo + tl.arange(0, CB)
+    cmask = ccols < hi
+    for row in range(pid, rows, nprog):
+        if WORLD > 1:
+            slot = tl.load(cnt_ptr + row * FC + chunk * FPP)
+            # push this program's columns to [slot, RANK, row] of every peer, -0.0 as +0.0 (the
+            # sums are the same: they start from +0.0)
+            xi = tl.load(x_ptr + row * stride_x + ccols, mask=cmask, other=0.0).to(it, bitcast=True)
+            xi = tl.where(xi == SENT, tl.zeros_like(xi), xi)
+            for p in tl.static_range(WORLD):
+                if p != RANK:
+                    peer = tl.multiple_of(
+                        tl.load(bufs_ptr + p).to(tl.pointer_type(it), bitcast=True), 16)
+                    tl.store(peer + ((slot * WORLD + RANK) * max_rows + row) * N + ccols, xi,
+                             mask=cmask)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for p in tl.static_range(WORLD):  # the whole row, in rank order
+            if p == RANK:
+                acc += tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            else:  # wait until no element of peer p's row is the marker (volatile: from L2)
+                src = own_ptr + ((slot * WORLD + p) * max_rows + row) * N + cols
+                v = tl.load(src, mask=mask, other=0, volatile=True)
+                while tl.max((v == SENT).to(tl.int32), axis=0) > 0:
+                    v = tl.load(src, mask=mask, other=0, volatile=True)
+                acc += v.to(dt, bitcast=True).to(tl.float32)
+        if WORLD > 1:
+            # the previous call's slot is read by every program of that call (kernel before):
+            # mark this program's columns of it empty for the call after next; move the slot on
+            prev = (slot + 2) % 3
+            for p in tl.static_range(WORLD):
+                if p != RANK:
+                    tl.store(own_ptr + ((prev * WORLD + p) * max_rows + row) * N + ccols,
+                             tl.full([CB], SENT, it), mask=cmask)
+            tl.store(cnt_ptr + row * FC + chunk * FPP + tl.arange(0, FPP),
+                     tl.zeros([FPP], tl.int32) + (slot + 1) % 3)
+        s = acc.to(dt)
+        omask = mask & (cols >= lo) & (cols < hi)  # every program normalises the whole row
+        if HAS_RES:
+            s = s + tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        if NORM:
+            if HAS_RES:
+                tl.store(res_out_ptr + row * stride_ro + cols, s, mask=omask)
+            sf = s.to(tl.float32)
+            inv = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+            tl.store(out_ptr + row * stride_o + cols, (sf * inv).to(dt) * w, mask=omask)
+        else:
+            tl.store(out_ptr + row * stride_o + cols, s, mask=omask)
+
+
 class SymmetricAllReduce:
     """A rank's side of the fused one-shot all-reduce for one TP group: a symmetric buffer of
     ``[2, world, max_rows, hidden]`` elements of ``dtype`` (two slots of every rank's rows) and
@@ -160,7 +247,7 @@ class SymmetricAllReduce:
     call may have (callers route larger calls elsewhere, e.g. NCCL)."""
 
     def __init__(self, group, device: torch.device, max_rows: int, hidden: int,
-                 dtype: torch.dtype, max_programs: int = 32) -> None:
+                 dtype: torch.dtype, max_programs: int = 32, lamport: bool = True) -> None:
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -168,17 +255,28 @@ class SymmetricAllReduce:
         self.world = dist.get_world_size(group)
         self.max_rows, self.hidden, self.dtype = max_rows, hidden, dtype
         self.max_programs = max_programs  # rows per program grow past it: one barrier each
-        self.buffer = symm_mem.empty(2 * self.world * max_rows * hidden, dtype=dtype,
+        self.lamport = lamport
+        self.max_chunks = LAMPORT_COUNTERS
+        slots = 3 if lamport else 2
+        self.buffer = symm_mem.empty(slots * self.world * max_rows * hidden, dtype=dtype,
                                      device=device)
         handle = symm_mem.rendezvous(self.buffer, group)
         need = (max_programs + 1) * self.world * 4
-        if handle.signal_pad_size < need:
+        if not lamport and handle.signal_pad_size < need:
             raise ValueError(f"symmetric-memory signal pad of {handle.signal_pad_size} bytes, "
                              f"{need} needed for {max_programs} programs; lower max_programs")
         self.handle = handle
         # [world] int64: peer base addresses, as tensors the kernel reads
         self.bufs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
         self.sigs = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
+        if lamport:
+            bits = torch.finfo(dtype).bits
+            self.ints = self.buffer.view({16: torch.int16, 32: torch.int32}[bits])
+            self.sent = -(1 << (bits - 1))  # -0.0's bits: the empty marker
+            self.ints.fill_(self.sent)
+            self.counters = torch.zeros(max_rows, LAMPORT_COUNTERS, dtype=torch.int32,
+                                        device=device)  # [max_rows, FC]: slots 0, 1, 2
+            torch.cuda.synchronize(device)
         handle.barrier()
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -204,7 +302,21 @@ class SymmetricAllReduce:
         norm = weight is not None
         res_out = torch.empty_like(x) if (norm and residual is not None) else out
         r = residual if residual is not None else x
-        if rows:
+        if rows and self.lamport:
+            programs = min(rows, self.max_programs)
+            chunks = min(self.max_chunks, max(1, self.max_programs // programs))
+            chunks = 1 << (chunks.bit_length() - 1)  # a power of two <= LAMPORT_COUNTERS
+            fpp = LAMPORT_COUNTERS // chunks
+            block = next_pow2(n)
+            _lamport_norm_kernel[(programs, chunks)](
+                x, self.ints, self.bufs, self.counters, r, weight if norm else x, out, res_out,
+                x.stride(0), r.stride(0), out.stride(0), res_out.stride(0),
+                rows, n, self.max_rows, eps,
+                RANK=self.rank, WORLD=self.world, HAS_RES=residual is not None, NORM=norm,
+                BLOCK=block, FC=LAMPORT_COUNTERS, FPP=fpp,
+                CB=next_pow2(fpp * 16 * -(-n // (16 * LAMPORT_COUNTERS))), SENT=self.sent,
+                num_warps=8 if block >= 4096 else 4, **pdl_launch(x.device))
+        elif rows:
             block = next_pow2(n)
             _allreduce_norm_kernel[(min(rows, self.max_programs),)](
                 x, self.bufs, self.sigs, r, weight if norm else x, out, res_out,

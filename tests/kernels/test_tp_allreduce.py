@@ -10,9 +10,12 @@ import socket
 import pytest
 import torch
 
+from speculant.kernels._triton_utils import next_pow2
 from speculant.kernels.tp_allreduce import (
     EPOCH_MASK,
+    LAMPORT_COUNTERS,
     _allreduce_norm_kernel,
+    _lamport_norm_kernel,
     allreduce_rms_norm_ref,
 )
 
@@ -81,6 +84,43 @@ def test_two_rank_branch_under_the_interpreter(own_epoch, peer_flag):
     for pid in range(programs):
         assert sigs[1][(pid + 1) * world + 0].item() == epoch  # the signal rank 1 waits for
         assert sigs[0][(pid + 1) * world + 0].item() == epoch  # rank 0's counter moved on
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's host pointers (CPU)")
+@pytest.mark.parametrize("slot,chunks", [(0, 2), (2, 1), (1, 8)])
+def test_lamport_two_rank_branch_under_the_interpreter(slot, chunks):
+    """Rank 0 of two, in one process, the Lamport form: the peer's rows are already in rank 0's
+    buffer at this call's slot, so the poll passes at once. Rank 0 must push its columns to the
+    peer (-0.0 as +0.0: -0.0 marks an empty element), sum in rank order, mark its copy of the
+    previous slot empty and move every counter of its rows to the next slot."""
+    g = torch.Generator().manual_seed(2)
+    rows, n, max_rows, world, programs = 3, 200, 4, 2, 2
+    x, peer_x = torch.randn(rows, n, generator=g), torch.randn(rows, n, generator=g)
+    x[0, 5] = -0.0
+    r, w = torch.randn(rows, n, generator=g), torch.rand(n, generator=g) + 0.5
+    sent = -(1 << 31)
+    bufs = [torch.full((3, world, max_rows, n), sent, dtype=torch.int32) for _ in range(world)]
+    bufs[0][slot, 1, :rows] = peer_x.view(torch.int32)  # the peer's push, already landed
+    prev = (slot + 2) % 3
+    bufs[0][prev, 1, :rows] = 7  # the previous call's rows: to be marked empty
+    counters = torch.full((max_rows, LAMPORT_COUNTERS), slot, dtype=torch.int32)
+    counters[rows:] = 9  # rows past this call's: untouched
+    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    fpp = LAMPORT_COUNTERS // chunks
+    _lamport_norm_kernel[(programs, chunks)](
+        x, bufs[0], ptrs, counters, r, w, out, res_out, x.stride(0), r.stride(0),
+        out.stride(0), res_out.stride(0), rows, n, max_rows, 1e-5,
+        RANK=0, WORLD=world, HAS_RES=True, NORM=True, BLOCK=256, FC=LAMPORT_COUNTERS,
+        FPP=fpp, CB=next_pow2(fpp * 16 * -(-n // (16 * LAMPORT_COUNTERS))), SENT=sent)
+    want, want_res = allreduce_rms_norm_ref([x, peer_x], r, w, 1e-5)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(res_out, want_res, atol=1e-5, rtol=1e-5)
+    pushed = bufs[1][slot, 0, :rows].view(torch.float32)  # [slot, rank 0, :rows] of the peer
+    assert torch.equal(pushed, x) and pushed.view(torch.int32)[0, 5].item() == 0  # +0.0
+    assert (bufs[1][slot, 0, rows:] == sent).all() and (bufs[1][prev] == sent).all()
+    assert (bufs[0][prev] == sent).all()  # marked empty
+    assert (counters[:rows] == (slot + 1) % 3).all() and (counters[rows:] == 9).all()
 
 
 def test_reference_sums_in_rank_order():
