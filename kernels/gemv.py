@@ -96,6 +96,7 @@ from ._triton_utils import (
 
 __all__ = [
     "gemv",
+    "GemvPush",
     "gemv_reference",
     "gemv_partials",
     "gemv_split",
@@ -110,6 +111,26 @@ _SMEM = 200 * 1024  # shared memory the pipelined tiles of a 32-row dot may take
 PROLOGUES = ("none", "rmsnorm", "silu_mul")
 _PROLOGUE_ID = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class GemvPush:
+    """Where ``gemv(..., push=...)`` stores y instead of a new tensor: row ``m`` at ``[slot,
+    rank, m]`` of every rank's symmetric buffer, slot ``counters[m, 0]``, ``-0.0`` stored as
+    ``+0.0`` (``-0.0`` marks an empty element). The fused all-reduce's Lamport form
+    (kernels/tp_allreduce.py ``SymmetricAllReduce.gemv_all_reduce``) makes it and polls the
+    rows as they land: the exchange starts in the GEMV's own programs."""
+
+    bufs: torch.Tensor  # [world] int64: every rank's buffer address
+    own: torch.Tensor  # this rank's buffer, [3, world, max_rows, N] ints as wide as y's dtype
+    counters: torch.Tensor  # [max_rows, fc] int32: each row's slot (its first column)
+    rank: int
+    world: int
+    sent: int  # -0.0's bits as a signed int
+
+    def constexprs(self) -> dict:
+        return {"PUSH": True, "PUSH_RANK": self.rank, "PUSH_WORLD": self.world,
+                "PUSH_FC": self.counters.shape[1], "PUSH_SENT": self.sent}
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,6 +196,10 @@ if tl is not None:
         r_ptr,  # [M, K] residual; read when HAS_RES
         ro_ptr,  # [M, K] residual out = x + residual; written when HAS_RES (pid (0, 0) only)
         y_ptr,  # [M, N] output, or [split_k, M, N] fp32 partials when PARTIAL
+        push_bufs_ptr,  # [world] int64: every rank's all-reduce buffer (PUSH)
+        push_own_ptr,  # this rank's buffer as ints as wide as y's dtype (PUSH)
+        push_cnt_ptr,  # [push_max_rows, PUSH_FC] int32: the buffer slot of each row (PUSH)
+        push_max_rows,
         M,
         N,
         K,
@@ -203,6 +228,11 @@ if tl is not None:
         DOT_M: tl.constexpr,  # rows of the dot: 16, or 32 for 17-32 rows of x
         GDC: tl.constexpr,  # launched with PDL: wait for the previous kernel (after the prefetch)
         GDC_LATE: tl.constexpr,  # with GDC: let the next kernel launch at the end, not the start
+        PUSH: tl.constexpr = False,  # store y into every rank's all-reduce buffer (GemvPush)
+        PUSH_RANK: tl.constexpr = 0,
+        PUSH_WORLD: tl.constexpr = 1,
+        PUSH_FC: tl.constexpr = 1,  # counters a row
+        PUSH_SENT: tl.constexpr = 0,  # the empty marker (-0.0's bits), stored as +0.0
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -314,8 +344,23 @@ if tl is not None:
         if not PARTIAL:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            y_offs = rows_y[:, None] * stride_ym + offs_n[None, :]
-            tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+            if PUSH:  # y's rows at [slot, PUSH_RANK, row] of every rank's buffer (own included)
+                it = push_own_ptr.dtype.element_ty
+                v = acc.to(y_ptr.dtype.element_ty).to(it, bitcast=True)
+                v = tl.where(v == PUSH_SENT, tl.zeros_like(v), v)
+                slot = tl.load(push_cnt_ptr + rows_y * PUSH_FC, mask=mask_rows, other=0,
+                               cache_modifier=".cg")
+                dst = (((slot * PUSH_WORLD + PUSH_RANK) * push_max_rows + rows_y)[:, None] * N
+                       + offs_n[None, :])
+                for p in tl.static_range(PUSH_WORLD):
+                    if p == PUSH_RANK:
+                        tl.store(push_own_ptr + dst, v, mask=mask_y)
+                    else:
+                        peer = tl.load(push_bufs_ptr + p).to(tl.pointer_type(it), bitcast=True)
+                        tl.store(peer + dst, v, mask=mask_y)
+            else:
+                y_offs = rows_y[:, None] * stride_ym + offs_n[None, :]
+                tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
         else:
             y_offs = pid_k * stride_ys + rows_y[:, None] * stride_ym + offs_n[None, :]
             tl.store(y_ptr + y_offs, acc, mask=mask_y)
@@ -697,9 +742,11 @@ def _gemv_triton(
     out_residual=None,
     out_eps=1e-6,
     partials_only: bool = False,
+    push: GemvPush | None = None,
 ):
     """(y, x + residual or None); with the output epilogue: (normed, y + out_residual);
-    ``partials_only``: (the fp32 partials [split, M, N] unreduced, None), no bias."""
+    ``partials_only``: (the fp32 partials [split, M, N] unreduced, None), no bias; ``push``:
+    (None, None), y stored into the all-reduce buffers."""
     M = x.shape[0]
     N, K = weight.shape
     dev = x.device
@@ -719,6 +766,9 @@ def _gemv_triton(
     block_ks = min(next_pow2(K), max(block_k, 1024 * cfg.num_warps // block_m))
     # the epilogue needs whole rows, gemv_partials' caller reduces them: always partials
     partial = split > 1 or epilogue or partials_only
+    if push is not None and (partial or residual is not None):
+        raise ValueError("gemv(push=...) takes an unsplit product without an output epilogue "
+                         "or an input residual: check gemv_split(x, weight, prologue) == 1")
     if partial:
         out = torch.empty(split, M, N, dtype=torch.float32, device=dev)
         stride_ys, stride_ym = out.stride(0), out.stride(1)
@@ -742,6 +792,10 @@ def _gemv_triton(
         r,
         ro,
         out,
+        push.bufs if push is not None else dummy,
+        push.own if push is not None else dummy,
+        push.counters if push is not None else dummy,
+        push.counters.shape[0] if push is not None else 0,
         M,
         N,
         K,
@@ -772,11 +826,14 @@ def _gemv_triton(
         **extra,
         **pdl,
         GDC_LATE=late,
+        **(push.constexprs() if push is not None else {}),
     )
     # one row: the next kernel (a one-row GEMV that prefetches its weight before its wait) may
     # launch before this reduce waits; after a few-row dot GEMV it may not (an early-launched
     # dot kernel waits on multiprocessors the running one needs)
     first = not cfg.use_dot
+    if push is not None:
+        return None, None
     if partials_only:
         return out, None
     if epilogue:
@@ -836,7 +893,8 @@ def gemv(
     out_eps: float = 1e-6,
     force_triton: bool = False,
     config: GemvConfig | Mapping | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    push: GemvPush | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """``y = f(x) @ weight.T + bias`` for M <= ``MAX_ROWS`` rows, the prologue ``f`` fused.
 
     Returns y [M, N] in x's dtype, or ``(y, x + residual)`` when ``residual`` is given (a new
@@ -856,6 +914,10 @@ def gemv(
     launch parameters (benchmarks). ``force_triton`` runs the Triton kernel under
     ``TRITON_INTERPRET=1`` on CPU tensors (tests). More than ``MAX_ROWS`` rows take the torch
     path (``force_triton=True`` then raises).
+
+    ``push`` (:class:`GemvPush`): y goes into a fused all-reduce's buffers and None is returned;
+    the Triton path only, unsplit (``gemv_split(x, weight, prologue) == 1``) and without an
+    output epilogue or input residual (ValueError otherwise).
     """
     kw = dict(
         prologue=prologue,
@@ -875,9 +937,12 @@ def gemv(
     else:
         triton_path = use_triton(tensors, force_triton)
     if not triton_path:
+        if push is not None:
+            raise ValueError("gemv(push=...) needs the Triton path (CUDA tensors, at most "
+                             f"{MAX_ROWS} rows)")
         return gemv_reference(x, weight, bias, **kw)
     cfg = _as_config(config, M, N, K, prologue, x.device)
-    y, res_out = _gemv_triton(x, weight, bias, cfg=cfg, **kw)
+    y, res_out = _gemv_triton(x, weight, bias, cfg=cfg, push=push, **kw)
     return y if res_out is None else (y, res_out)
 
 
@@ -885,15 +950,16 @@ def gemv_split(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
     config: GemvConfig | Mapping | None = None,
+    prologue: str = "none",
 ) -> int:
-    """The number of K pieces (split-K) the Triton ``gemv`` of ``x`` by ``weight`` (no prologue)
-    launches with, from the shapes only (no device read): 1 means no partials and no reduce
-    kernel. 0 where the call would not take the Triton kernel (more than ``MAX_ROWS`` rows, CPU
-    tensors without ``force_triton``)."""
+    """The number of K pieces (split-K) the Triton ``gemv`` of ``x`` by ``weight`` (with
+    ``prologue``) launches with, from the shapes only (no device read): 1 means no partials and
+    no reduce kernel. 0 where the call would not take the Triton kernel (more than ``MAX_ROWS``
+    rows, CPU tensors without ``force_triton``)."""
     M, (N, K) = x.shape[0], weight.shape
     if not 0 < M <= MAX_ROWS or not use_triton([x, weight], False):
         return 0
-    cfg = _as_config(config, M, N, K, "none", x.device)
+    cfg = _as_config(config, M, N, K, prologue, x.device)
     return _geometry(cfg, M, K, x.element_size())[2]
 
 

@@ -174,11 +174,13 @@ def _lamport_norm_kernel(
     FPP: tl.constexpr,  # of them a program pushes: FC / num_programs(1)
     CB: tl.constexpr,  # next_pow2(FPP * cw): the columns a program pushes (cw: below)
     SENT: tl.constexpr,  # the empty marker: the bits of -0.0 as a signed int
-    GDC: tl.constexpr = False,  # launched with PDL: trigger, then wait
+    PUSHED: tl.constexpr = False,  # the GEMV before pushed every rank's rows (own included)
+    GDC: tl.constexpr = False,  # launched with PDL: trigger, then wait (PUSHED: no wait)
 ):
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        if not PUSHED:  # else x is never read: the rows are polled as they land
+            tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     chunk = tl.program_id(1)
@@ -192,8 +194,8 @@ def _lamport_norm_kernel(
     ccols = lo + tl.arange(0, CB)
     cmask = ccols < hi
     for row in range(pid, rows, nprog):
-        if WORLD > 1:
-            slot = tl.load(cnt_ptr + row * FC + chunk * FPP)
+        slot = tl.load(cnt_ptr + row * FC + chunk * FPP, cache_modifier=".cg")
+        if WORLD > 1 and not PUSHED:
             # push this program's columns to [slot, RANK, row] of every peer, -0.0 as +0.0 (the
             # sums are the same: they start from +0.0)
             xi = tl.load(x_ptr + row * stride_x + ccols, mask=cmask, other=0.0).to(it, bitcast=True)
@@ -206,7 +208,7 @@ def _lamport_norm_kernel(
                              mask=cmask)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for p in tl.static_range(WORLD):  # the whole row, in rank order
-            if p == RANK:
+            if p == RANK and not PUSHED:
                 acc += tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
             else:  # wait until no element of peer p's row is the marker (volatile: from L2)
                 src = own_ptr + ((slot * WORLD + p) * max_rows + row) * N + cols
@@ -216,12 +218,12 @@ def _lamport_norm_kernel(
                 acc += v.to(dt, bitcast=True).to(tl.float32)
         if WORLD > 1:
             # the previous call's slot is read by every program of that call (kernel before):
-            # mark this program's columns of it empty for the call after next; move the slot on
+            # mark this program's columns of it empty for the call after next (this rank's own
+            # rows too: a PUSHED call writes them); move the slot on
             prev = (slot + 2) % 3
             for p in tl.static_range(WORLD):
-                if p != RANK:
-                    tl.store(own_ptr + ((prev * WORLD + p) * max_rows + row) * N + ccols,
-                             tl.full([CB], SENT, it), mask=cmask)
+                tl.store(own_ptr + ((prev * WORLD + p) * max_rows + row) * N + ccols,
+                         tl.full([CB], SENT, it), mask=cmask)
             tl.store(cnt_ptr + row * FC + chunk * FPP + tl.arange(0, FPP),
                      tl.zeros([FPP], tl.int32) + (slot + 1) % 3)
         s = acc.to(dt)
@@ -303,19 +305,7 @@ class SymmetricAllReduce:
         res_out = torch.empty_like(x) if (norm and residual is not None) else out
         r = residual if residual is not None else x
         if rows and self.lamport:
-            programs = min(rows, self.max_programs)
-            chunks = min(self.max_chunks, max(1, self.max_programs // programs))
-            chunks = 1 << (chunks.bit_length() - 1)  # a power of two <= LAMPORT_COUNTERS
-            fpp = LAMPORT_COUNTERS // chunks
-            block = next_pow2(n)
-            _lamport_norm_kernel[(programs, chunks)](
-                x, self.ints, self.bufs, self.counters, r, weight if norm else x, out, res_out,
-                x.stride(0), r.stride(0), out.stride(0), res_out.stride(0),
-                rows, n, self.max_rows, eps,
-                RANK=self.rank, WORLD=self.world, HAS_RES=residual is not None, NORM=norm,
-                BLOCK=block, FC=LAMPORT_COUNTERS, FPP=fpp,
-                CB=next_pow2(fpp * 16 * -(-n // (16 * LAMPORT_COUNTERS))), SENT=self.sent,
-                num_warps=8 if block >= 4096 else 4, **pdl_launch(x.device))
+            self._lamport(x, rows, r, weight, out, res_out, residual is not None, eps, False)
         elif rows:
             block = next_pow2(n)
             _allreduce_norm_kernel[(min(rows, self.max_programs),)](
@@ -325,6 +315,64 @@ class SymmetricAllReduce:
                 RANK=self.rank, WORLD=self.world, HAS_RES=residual is not None, NORM=norm,
                 BLOCK=block, WP2=next_pow2(self.world), num_warps=8 if block >= 4096 else 4,
                 **pdl_launch(x.device))
+        if norm:
+            return out, (res_out if residual is not None else out)
+        return out, out
+
+    def _lamport(self, x, rows, r, weight, out, res_out, has_res, eps, pushed) -> None:
+        """Launch the Lamport kernel over ``rows`` rows (``pushed``: the rows are already on
+        their way, ``x`` only names the dtype)."""
+        n = self.hidden
+        programs = min(rows, self.max_programs)
+        chunks = min(self.max_chunks, max(1, self.max_programs // programs))
+        chunks = 1 << (chunks.bit_length() - 1)  # a power of two <= LAMPORT_COUNTERS
+        fpp = LAMPORT_COUNTERS // chunks
+        block = next_pow2(n)
+        norm = weight is not None
+        _lamport_norm_kernel[(programs, chunks)](
+            x, self.ints, self.bufs, self.counters, r, weight if norm else x, out, res_out,
+            x.stride(0), r.stride(0), out.stride(0), res_out.stride(0),
+            rows, n, self.max_rows, eps,
+            RANK=self.rank, WORLD=self.world, HAS_RES=has_res, NORM=norm,
+            BLOCK=block, FC=LAMPORT_COUNTERS, FPP=fpp,
+            CB=next_pow2(fpp * 16 * -(-n // (16 * LAMPORT_COUNTERS))), SENT=self.sent,
+            PUSHED=pushed, num_warps=8 if block >= 4096 else 4, **pdl_launch(x.device))
+
+    @property
+    def push(self):
+        """Where ``gemv(..., push=...)`` stores its rows for :meth:`gemv_all_reduce`."""
+        from speculant.kernels.gemv import GemvPush
+
+        return GemvPush(self.bufs, self.ints, self.counters, self.rank, self.world, self.sent)
+
+    def gemv_all_reduce(
+        self,
+        x: torch.Tensor,  # [rows, K] ([rows, 2K] gate_up for prologue="silu_mul")
+        weight: torch.Tensor,  # [hidden, K]: this rank's row-parallel shard
+        bias: torch.Tensor | None,  # [hidden]
+        prologue: str,  # "none" or "silu_mul" (kernels/gemv.py)
+        residual: torch.Tensor | None = None,  # [rows, hidden]
+        norm_weight: torch.Tensor | None = None,  # [hidden]
+        eps: float = 1e-6,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (normed or sum, sum + residual)
+        """``self(gemv(x, weight, bias, prologue=prologue), ...)`` with the exchange started by
+        the GEMV: each of its programs stores its outputs straight into every rank's buffer
+        (``gemv(push=...)``) and this kernel, launched early (PDL) and never waiting for the
+        GEMV, sums the rows as they land. None where the GEMV would split K or ``x`` does not
+        fit (the caller then runs the two separately)."""
+        from speculant.kernels.gemv import gemv, gemv_split
+
+        rows = x.shape[0]
+        if (not self.lamport or self.world < 2 or not 0 < rows <= self.max_rows
+                or weight.shape[0] != self.hidden or x.dtype != self.dtype
+                or gemv_split(x, weight, prologue=prologue) != 1):
+            return None
+        gemv(x, weight, bias, prologue=prologue, push=self.push)
+        out = torch.empty(rows, self.hidden, dtype=x.dtype, device=x.device)
+        norm = norm_weight is not None
+        res_out = torch.empty_like(out) if (norm and residual is not None) else out
+        r = residual if residual is not None else out
+        self._lamport(out, rows, r, norm_weight, out, res_out, residual is not None, eps, True)
         if norm:
             return out, (res_out if residual is not None else out)
         return out, out

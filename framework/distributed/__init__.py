@@ -6,7 +6,8 @@
 * :func:`all_reduce`: the sum over the ranks after a row-parallel layer (a no-op at size 1);
 * :func:`all_gather_columns`: every rank's columns side by side (the vocab-parallel LM head);
 * :func:`fused_all_reduce`: the same fused with the residual add and RMSNorm that follow (CUDA,
-  set up per model by :func:`setup_fused_all_reduce`);
+  set up per model by :func:`setup_fused_all_reduce`); :func:`fused_gemv_all_reduce`: that
+  after a row-parallel GEMV whose programs start the exchange;
 * :func:`shard_range`: a rank's [start, end) of an equal split.
 """
 
@@ -15,6 +16,7 @@ from speculant.distributed.comm import (
     all_gather_columns,
     all_reduce,
     fused_all_reduce,
+    fused_gemv_all_reduce,
     init_tensor_parallel,
     setup_fused_all_reduce,
     shutdown_tensor_parallel,
@@ -33,6 +35,7 @@ __all__ = [
     "all_gather_columns",
     "all_reduce",
     "fused_all_reduce",
+    "fused_gemv_all_reduce",
     "init_tensor_parallel",
     "setup_fused_all_reduce",
     "shard_range",

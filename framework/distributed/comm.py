@@ -298,3 +298,20 @@ def fused_all_reduce(
     if _fused is None or not x.is_cuda or not _fused.fits(x):
         return None
     return _fused(x, slot, residual, weight, eps)
+
+
+def fused_gemv_all_reduce(
+    x: torch.Tensor,  # [rows, K] ([rows, 2K] gate_up for prologue="silu_mul")
+    weight: torch.Tensor,  # [hidden, K]: a row-parallel shard (o_proj, down_proj)
+    bias: torch.Tensor | None,  # [hidden]
+    prologue: str,  # "none" or "silu_mul"
+    residual: torch.Tensor | None = None,  # [rows, hidden]
+    norm_weight: torch.Tensor | None = None,  # [hidden]: the RMSNorm that follows, or None
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``fused_all_reduce(gemv(x, weight, bias, prologue=prologue), ...)`` with the exchange
+    started inside the GEMV (kernels/tp_allreduce.py ``gemv_all_reduce``); None where the fused
+    path is not set up or the product does not fit it (the caller then runs the two)."""
+    if _fused is None or not x.is_cuda:
+        return None
+    return _fused.gemv_all_reduce(x, weight, bias, prologue, residual, norm_weight, eps)

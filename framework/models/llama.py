@@ -26,6 +26,7 @@ from speculant.distributed import (
     all_gather_columns,
     all_reduce,
     fused_all_reduce,
+    fused_gemv_all_reduce,
     tensor_parallel,
 )
 from speculant.kernels.gemv import (
@@ -277,8 +278,14 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = gemv(o, attn.o_proj.weight, attn.o_proj.bias, out_norm_weight=ln2.weight,
                                out_residual=residual, out_eps=ln2.eps)
         else:
-            a = gemv(o, attn.o_proj.weight, attn.o_proj.bias) if few else attn.o_proj(o)
-            x, residual = reduce_add_norm(a, residual, ln2, tp, 0)
+            got = (fused_gemv_all_reduce(o, attn.o_proj.weight, attn.o_proj.bias, "none",
+                                         residual, ln2.weight, ln2.eps) if few and tp.enabled
+                   else None)
+            if got is not None:  # the GEMV's programs start the all-reduce
+                x, residual = got
+            else:
+                a = gemv(o, attn.o_proj.weight, attn.o_proj.bias) if few else attn.o_proj(o)
+                x, residual = reduce_add_norm(a, residual, ln2, tp, 0)
         if mlp.fused_act and (few or few_in):
             gu = (gemv(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias) if few_in
                   else mlp.gate_up_proj(x))  # [num_tokens, 2 * inter]
@@ -291,6 +298,11 @@ class LlamaDecoderLayer(nn.Module):
                                        out_norm_weight=next_norm.weight, out_residual=residual,
                                        out_eps=next_norm.eps)
                     return x, residual, True
+                if next_norm is not None:  # the GEMV's programs start the all-reduce
+                    got = fused_gemv_all_reduce(gu, wd, bd, "silu_mul", residual,
+                                                next_norm.weight, next_norm.eps)
+                    if got is not None:
+                        return got[0], got[1], True
                 d = gemv(gu, wd, bd, prologue="silu_mul")
         elif tp.enabled and mlp.fused_act:
             d = mlp.down_proj(fused.silu_mul(mlp.gate_up_proj(x)))  # [num_tokens, hidden]: partial

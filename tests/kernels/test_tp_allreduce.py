@@ -123,6 +123,54 @@ def test_lamport_two_rank_branch_under_the_interpreter(slot, chunks):
     assert (counters[:rows] == (slot + 1) % 3).all() and (counters[rows:] == 9).all()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's host pointers (CPU)")
+@pytest.mark.parametrize("rows,prologue", [(1, "none"), (1, "silu_mul"), (3, "none")])
+def test_gemv_push_then_poll_under_the_interpreter(rows, prologue):
+    """The pushed form, rank 0 of two in one process: ``gemv(push=...)`` stores y's rows at
+    [slot, 0, row] of both ranks' buffers (-0.0 as +0.0) and no tensor; the peer's rows are
+    already in rank 0's buffer; the poll kernel (``PUSHED``: x never read) then sums both from
+    the buffer in rank order, marks the previous slot empty, own rows included, and moves the
+    counters on."""
+    from speculant.kernels.gemv import GemvConfig, GemvPush, gemv
+
+    g = torch.Generator().manual_seed(3)
+    n, k, max_rows, world, slot = 96, 64, 4, 2, 1
+    x = torch.randn(rows, 2 * k if prologue == "silu_mul" else k, generator=g)
+    wt, bias = torch.randn(n, k, generator=g) * 0.1, torch.randn(n, generator=g)
+    bias[7], wt[7] = -0.0, 0.0  # column 7 of y: exactly -0.0 (0 + -0.0)
+    peer_y = torch.randn(rows, n, generator=g)
+    r, w = torch.randn(rows, n, generator=g), torch.rand(n, generator=g) + 0.5
+    sent = -(1 << 31)
+    bufs = [torch.full((3, world, max_rows, n), sent, dtype=torch.int32) for _ in range(world)]
+    bufs[0][slot, 1, :rows] = peer_y.view(torch.int32)
+    prev = (slot + 2) % 3
+    bufs[0][prev] = 5
+    counters = torch.full((max_rows, LAMPORT_COUNTERS), slot, dtype=torch.int32)
+    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    push = GemvPush(ptrs, bufs[0], counters, 0, world, sent)
+    cfg = (GemvConfig(block_n=16, block_k=32, use_dot=False) if rows == 1
+           else GemvConfig(block_n=16, block_k=32, use_dot=True))
+    got = gemv(x, wt, bias, prologue=prologue, push=push, force_triton=True, config=cfg)
+    assert got is None
+    y = gemv(x, wt, bias, prologue=prologue, force_triton=True, config=cfg)  # the same sums
+    for b in bufs:
+        assert torch.equal(b[slot, 0, :rows].view(torch.float32), y)
+        assert (b[slot, 0, :rows, 7] == 0).all()  # -0.0 went out as +0.0
+    out, res_out = torch.empty(rows, n), torch.empty(rows, n)
+    fpp = LAMPORT_COUNTERS
+    _lamport_norm_kernel[(rows, 1)](
+        out, bufs[0], ptrs, counters, r, w, out, res_out, out.stride(0), r.stride(0),
+        out.stride(0), res_out.stride(0), rows, n, max_rows, 1e-5,
+        RANK=0, WORLD=world, HAS_RES=True, NORM=True, BLOCK=128, FC=LAMPORT_COUNTERS,
+        FPP=fpp, CB=next_pow2(fpp * 16 * -(-n // (16 * LAMPORT_COUNTERS))), SENT=sent,
+        PUSHED=True)
+    want, want_res = allreduce_rms_norm_ref([y, peer_y], r, w, 1e-5)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(res_out, want_res, atol=1e-5, rtol=1e-5)
+    assert (bufs[0][prev, :, :rows] == sent).all()  # own and peer rows marked empty
+    assert (counters[:rows] == (slot + 1) % 3).all() and (counters[rows:] == slot).all()
+
+
 def test_reference_sums_in_rank_order():
     a = torch.tensor([[1e8, 1.0]], dtype=torch.float32)
     b = torch.tensor([[-1e8, 1.0]], dtype=torch.float32)
@@ -139,6 +187,7 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, rows_list, q) -> None:
     import torch.distributed as dist
 
+    from speculant.kernels.gemv import gemv, gemv_split
     from speculant.kernels.tp_allreduce import SymmetricAllReduce
 
     torch.cuda.set_device(rank)
@@ -186,6 +235,29 @@ def _worker(rank: int, world: int, port: int, rows_list, q) -> None:
             last = [torch.empty_like(outs[-1]) for _ in range(world)]
             dist.all_gather(last, outs[-1])
             errs.append(max((t.float() - outs[-1].float()).abs().max().item() for t in last))
+            if gemv_split(parts[rank][:, :1024], torch.empty(hidden, 1024, device=dev,
+                                                             dtype=dtype)) == 1:
+                # the GEMV's programs push (gemv_all_reduce), eager then in a graph
+                k = 1024
+                xs = [torch.randn(rows, k, generator=g, device=dev, dtype=dtype)
+                      for _ in range(world)]
+                ws = [torch.randn(hidden, k, generator=g, device=dev, dtype=dtype) * 0.05
+                      for _ in range(world)]
+                prods = [gemv(xs[i], ws[i]) for i in range(world)]
+                want, want_res = allreduce_rms_norm_ref(prods, res, w, 1e-5)
+                for _ in range(4):
+                    got = ar.gemv_all_reduce(xs[rank], ws[rank], None, "none", res, w, 1e-5)
+                    assert got is not None, "gemv_all_reduce declined an unsplit product"
+                    errs.append((got[0].float() - want.float()).abs().max().item())
+                    errs.append((got[1].float() - want_res.float()).abs().max().item())
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    outs = [ar.gemv_all_reduce(xs[rank], ws[rank], None, "none", res, w, 1e-5)[0]
+                            if i % 3 else ar(prods[rank], i, res, w, 1e-5)[0] for i in range(24)]
+                for _ in range(3):
+                    graph.replay()
+                torch.cuda.synchronize()
+                errs.extend((o.float() - want.float()).abs().max().item() for o in outs)
         q.put((rank, max(errs)))
     except Exception as e:  # pragma: no cover - reported to the parent
         q.put((rank, repr(e)))
