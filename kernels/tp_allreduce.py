@@ -242,14 +242,15 @@ def _lamport_norm_kernel(
 
 
 class SymmetricAllReduce:
-    """A rank's side of the fused one-shot all-reduce for one TP group: a symmetric buffer of
-    ``[2, world, max_rows, hidden]`` elements of ``dtype`` (two slots of every rank's rows) and
-    the signal pads, set up collectively
+    """A rank's side of the fused one-shot all-reduce for one TP group, set up collectively
     (every rank of ``group`` constructs it at the same time). ``max_rows``: the most rows a
-    call may have (callers route larger calls elsewhere, e.g. NCCL)."""
+    call may have (callers route larger calls elsewhere, e.g. NCCL). Two forms, each where it
+    measured faster (docs/tensor_parallel.md): up to ``lamport_rows`` rows the Lamport kernel
+    (a symmetric buffer of ``[3, world, lamport_rows, hidden]``, polled on the data), past
+    them the flag kernel (``[2, world, max_rows, hidden]`` and the signal pads)."""
 
     def __init__(self, group, device: torch.device, max_rows: int, hidden: int,
-                 dtype: torch.dtype, max_programs: int = 32, lamport: bool = True) -> None:
+                 dtype: torch.dtype, max_programs: int = 32, lamport_rows: int = 32) -> None:
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -257,28 +258,32 @@ class SymmetricAllReduce:
         self.world = dist.get_world_size(group)
         self.max_rows, self.hidden, self.dtype = max_rows, hidden, dtype
         self.max_programs = max_programs  # rows per program grow past it: one barrier each
-        self.lamport = lamport
-        self.max_chunks = LAMPORT_COUNTERS
-        slots = 3 if lamport else 2
-        self.buffer = symm_mem.empty(slots * self.world * max_rows * hidden, dtype=dtype,
+        self.lamport_rows = min(lamport_rows, max_rows)
+        self.buffer = symm_mem.empty(2 * self.world * max_rows * hidden, dtype=dtype,
                                      device=device)
         handle = symm_mem.rendezvous(self.buffer, group)
         need = (max_programs + 1) * self.world * 4
-        if not lamport and handle.signal_pad_size < need:
+        if handle.signal_pad_size < need:
             raise ValueError(f"symmetric-memory signal pad of {handle.signal_pad_size} bytes, "
                              f"{need} needed for {max_programs} programs; lower max_programs")
         self.handle = handle
         # [world] int64: peer base addresses, as tensors the kernel reads
         self.bufs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
         self.sigs = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
-        if lamport:
-            bits = torch.finfo(dtype).bits
-            self.ints = self.buffer.view({16: torch.int16, 32: torch.int32}[bits])
-            self.sent = -(1 << (bits - 1))  # -0.0's bits: the empty marker
-            self.ints.fill_(self.sent)
-            self.counters = torch.zeros(max_rows, LAMPORT_COUNTERS, dtype=torch.int32,
-                                        device=device)  # [max_rows, FC]: slots 0, 1, 2
-            torch.cuda.synchronize(device)
+        # the Lamport form's buffer, as ints as wide as the dtype, all -0.0 (empty) at first
+        bits = torch.finfo(dtype).bits
+        lam = symm_mem.empty(3 * self.world * self.lamport_rows * hidden, dtype=dtype,
+                             device=device)
+        lam_handle = symm_mem.rendezvous(lam, group)
+        self.lam_buffer, self.lam_handle = lam, lam_handle
+        self.ints = lam.view({16: torch.int16, 32: torch.int32}[bits])
+        self.lam_bufs = torch.tensor(list(lam_handle.buffer_ptrs), dtype=torch.int64,
+                                     device=device)
+        self.sent = -(1 << (bits - 1))  # -0.0's bits: the empty marker
+        self.ints.fill_(self.sent)
+        self.counters = torch.zeros(self.lamport_rows, LAMPORT_COUNTERS, dtype=torch.int32,
+                                    device=device)  # [lamport_rows, FC]: slots 0, 1, 2
+        torch.cuda.synchronize(device)
         handle.barrier()
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -304,7 +309,7 @@ class SymmetricAllReduce:
         norm = weight is not None
         res_out = torch.empty_like(x) if (norm and residual is not None) else out
         r = residual if residual is not None else x
-        if rows and self.lamport:
+        if 0 < rows <= self.lamport_rows:
             self._lamport(x, rows, r, weight, out, res_out, residual is not None, eps, False)
         elif rows:
             block = next_pow2(n)
@@ -324,15 +329,16 @@ class SymmetricAllReduce:
         their way, ``x`` only names the dtype)."""
         n = self.hidden
         programs = min(rows, self.max_programs)
-        chunks = min(self.max_chunks, max(1, self.max_programs // programs))
+        # column chunks a row: 8 at one row (5.5 us against 7.4 with one program, H200s)
+        chunks = min(LAMPORT_COUNTERS, max(1, self.max_programs // programs))
         chunks = 1 << (chunks.bit_length() - 1)  # a power of two <= LAMPORT_COUNTERS
         fpp = LAMPORT_COUNTERS // chunks
         block = next_pow2(n)
         norm = weight is not None
         _lamport_norm_kernel[(programs, chunks)](
-            x, self.ints, self.bufs, self.counters, r, weight if norm else x, out, res_out,
+            x, self.ints, self.lam_bufs, self.counters, r, weight if norm else x, out, res_out,
             x.stride(0), r.stride(0), out.stride(0), res_out.stride(0),
-            rows, n, self.max_rows, eps,
+            rows, n, self.lamport_rows, eps,
             RANK=self.rank, WORLD=self.world, HAS_RES=has_res, NORM=norm,
             BLOCK=block, FC=LAMPORT_COUNTERS, FPP=fpp,
             CB=next_pow2(fpp * 16 * -(-n // (16 * LAMPORT_COUNTERS))), SENT=self.sent,
@@ -343,7 +349,8 @@ class SymmetricAllReduce:
         """Where ``gemv(..., push=...)`` stores its rows for :meth:`gemv_all_reduce`."""
         from speculant.kernels.gemv import GemvPush
 
-        return GemvPush(self.bufs, self.ints, self.counters, self.rank, self.world, self.sent)
+        return GemvPush(self.lam_bufs, self.ints, self.counters, self.rank, self.world,
+                        self.sent)
 
     def gemv_all_reduce(
         self,
@@ -363,7 +370,7 @@ class SymmetricAllReduce:
         from speculant.kernels.gemv import gemv, gemv_split
 
         rows = x.shape[0]
-        if (not self.lamport or self.world < 2 or not 0 < rows <= self.max_rows
+        if (self.world < 2 or not 0 < rows <= self.lamport_rows
                 or weight.shape[0] != self.hidden or x.dtype != self.dtype
                 or gemv_split(x, weight, prologue=prologue) != 1):
             return None
