@@ -20,6 +20,9 @@ over rows ``pid, pid + programs, ...``):
 3. sum the rows of every rank in rank order (0, 1, ...) in fp32, round to the dtype, then, as
    ``speculant.models.fused.rms_norm``, add the residual in the dtype and normalise.
 
+That is the flag form, kept for calls of more than ``lamport_rows`` rows; the Lamport form
+below takes the others.
+
 Every rank sums in the same order, so all ranks hold bit-identical results. Two slots with one
 barrier per call are enough: a rank pushes into slot ``b`` for call ``n + 2`` only after it
 passed the barrier of call ``n + 1``, which a peer signals only after finishing call ``n``, the
@@ -34,9 +37,27 @@ and issue their first weight loads while the ranks exchange rows. 8B TP 2 on an 
 machine: plain batch 1 266.4 / 266.5 tok/s without PDL, 274.7 / 274.6 with it, 273.6 waiting
 before the trigger; batch 16 3947 -> 3990 (docs/tensor_parallel.md).
 
+Lamport form (calls of up to ``lamport_rows`` = 32 rows: decode and short verification steps).
+The flags above cost a release fence (every push acknowledged over NVLink) before the signal.
+Here the data is its own signal: a buffer of three slots ``[3, world, rows, N]``, every element
+``-0.0`` (the *empty* marker) until written; a value pushed as ``-0.0`` goes as ``+0.0`` (the
+fp32 sum starts from ``+0.0``, so no sum changes). Each rank polls its own buffer (volatile
+loads) until no element of a peer's row is the marker, sums in rank order, marks its copy of
+the previous call's slot empty and moves the slot on (slot ``n % 3``: a peer can be at most one
+call ahead, and the slot it writes next was emptied by this rank's call before). The slot of
+each row is a counter in this rank's memory (``[rows, 8]``: one per column chunk; every rank
+moves its counters the same way). A row's columns are spread over up to 8 programs (chunks),
+each pushing its columns and polling the whole row for the norm: 5.5 us at one row against 7.4
+with one program (4 H200s). ``gemv(push=...)`` (``gemv_all_reduce``) goes further: the
+row-parallel GEMV's own programs store their outputs into every rank's buffer, this rank's
+included, and the poll kernel, launched early, never waits for the GEMV. Measured against the
+flag form on 4 H200s (docs/tensor_parallel.md): faster up to 32 rows, slower past them (64
+rows 21.3 against 19.6 us), so larger calls keep the flag form.
+
 NVLink multicast is not used (plain loads and stores through peer mappings): it stays off on
-the machines we run on. The multi-GPU kernel is tested on two GPUs (tests/kernels/test_tp_allreduce.py,
-``gpu``); its single-rank form (``world == 1``: no barrier) and the reference run everywhere.
+the machines we run on. The multi-GPU kernels are tested on two and four GPUs
+(tests/kernels/test_tp_allreduce.py, ``gpu``); the flag form's single-rank path, both forms'
+rank-0 branch of two ranks in one process (the interpreter) and the reference run everywhere.
 """
 
 from __future__ import annotations
