@@ -91,33 +91,56 @@ def allreduce_rms_norm_ref(
 
 # flags count calls modulo 2^30 (a constexpr: a jitted kernel reads no other globals)
 EPOCH_MASK = tl.constexpr((1 << 30) - 1) if tl is not None else (1 << 30) - 1
+LAMPORT_COUNTERS = 8  # Lamport slot counters a row: a program pushes 1, 2, 4 or 8 column chunks
 
 
 @lazy_jit(do_not_specialize=("rows",))
 def _allreduce_norm_kernel(
-    x_ptr,  # [rows, N]: this rank's partial
-    bufs_ptr,  # [world] int64: each rank's symmetric buffer ([2, world, max_rows, N] elements)
-    sigs_ptr,  # [world] int64: each rank's signal pad (int32 flags [1 + programs, world];
-    # row 0 is left to torch's own barrier)
+    x_ptr,  # [rows, N]: this rank's partial (not read when PUSHED)
+    bufs_ptr,  # [world] int64: each rank's symmetric buffer of the form (below)
+    sync_ptr,  # flags: [world] int64, each rank's signal pad (int32 flags [1 + programs,
+    # world]; row 0 is left to torch's own barrier); LAMPORT: [max_rows, FC] int32, this
+    # rank's slot (0, 1, 2) of each row's column chunk
+    own_ptr,  # LAMPORT: this rank's buffer as ints as wide as the dtype (else unused)
     r_ptr,  # [rows, N]: the residual stream (HAS_RES)
     w_ptr,  # [N]: the norm weight (NORM)
     out_ptr,  # [rows, N]: normed (NORM) or the sum (+ residual)
     res_out_ptr,  # [rows, N]: sum + residual (HAS_RES and NORM)
     stride_x, stride_r, stride_o, stride_ro,
-    rows, N, buf_off, max_rows, eps,  # buf_off: the slot's first element; max_rows: rows per rank
+    rows, N, buf_off, max_rows, eps,  # buf_off: the flag slot's first element; max_rows: rows
+    # per rank of the form's buffer
     RANK: tl.constexpr, WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
-    BLOCK: tl.constexpr, WP2: tl.constexpr,  # WP2: next_pow2(WORLD)
+    BLOCK: tl.constexpr,  # next_pow2(N): the row
+    LAMPORT: tl.constexpr = False,  # the Lamport form ([3, world, max_rows, N]); else flags
+    # ([2, world, max_rows, N])
+    WP2: tl.constexpr = 1,  # flags: next_pow2(WORLD)
+    FC: tl.constexpr = 1,  # LAMPORT: counters (column chunks) a row, LAMPORT_COUNTERS
+    FPP: tl.constexpr = 1,  # LAMPORT: of them a program pushes: FC / num_programs(1)
+    CB: tl.constexpr = 1,  # LAMPORT: next_pow2(FPP * cw): the columns a program pushes
+    SENT: tl.constexpr = 0,  # LAMPORT: the empty marker, -0.0's bits as a signed int
+    PUSHED: tl.constexpr = False,  # LAMPORT: the GEMV before pushed every rank's rows
     GDC: tl.constexpr = False,  # launched with PDL (module doc): trigger, then wait
 ):
     if GDC:  # the next kernel may launch now; then wait for the one before (it wrote x)
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        if not PUSHED:  # else x is never read: the rows are polled as they land
+            tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     dt = x_ptr.dtype.element_ty
-    if WORLD > 1:
+    if LAMPORT:  # this program pushes (and writes out) columns [lo, hi); it sums whole rows
+        cw = tl.cdiv(N, FC * 16) * 16  # a counter's columns: a multiple of 16 (vector stores)
+        lo = tl.program_id(1) * FPP * cw
+        hi = tl.minimum(lo + FPP * cw, N)
+        ccols = lo + tl.arange(0, CB)
+        cmask = ccols < hi
+        it = own_ptr.dtype.element_ty
+    else:
+        lo = 0
+        hi = N
+    if WORLD > 1 and not LAMPORT:
         # push this program's rows (pid, pid + nprog, ...) to [slot, RANK, row] of every peer;
         # the buffers are 16-byte aligned allocations: say so, or the stores go out one element
         # at a time
@@ -129,11 +152,11 @@ def _allreduce_norm_kernel(
                         tl.load(bufs_ptr + p).to(tl.pointer_type(dt), bitcast=True), 16)
                     tl.store(peer + buf_off + (RANK * max_rows + row) * N + cols, x, mask=mask)
         tl.debug_barrier()  # every thread's stores before the releases below
-        my_sig = tl.load(sigs_ptr + RANK).to(tl.pointer_type(tl.int32), bitcast=True)
+        my_sig = tl.load(sync_ptr + RANK).to(tl.pointer_type(tl.int32), bitcast=True)
         epoch = (tl.load(my_sig + (pid + 1) * WORLD + RANK, volatile=True) + 1) & EPOCH_MASK  # this call's number
         ranks = tl.arange(0, WP2)
         peers = (ranks < WORLD) & (ranks != RANK)
-        peer_sig = tl.load(sigs_ptr + ranks, mask=ranks < WORLD, other=0)
+        peer_sig = tl.load(sync_ptr + ranks, mask=ranks < WORLD, other=0)
         flags = peer_sig.to(tl.pointer_type(tl.int32), bitcast=True) + (pid + 1) * WORLD + RANK
         tl.atomic_xchg(flags, tl.zeros([WP2], tl.int32) + epoch, mask=peers, sem="release",
                        scope="sys")
@@ -147,108 +170,55 @@ def _allreduce_norm_kernel(
         tl.store(my_sig + (pid + 1) * WORLD + RANK, epoch)
         tl.debug_barrier()
     for row in range(pid, rows, nprog):
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        if WORLD > 1:
-            own = tl.multiple_of(tl.load(bufs_ptr + RANK).to(tl.pointer_type(dt), bitcast=True), 16)
+        if LAMPORT and WORLD > 1:
+            slot = tl.load(sync_ptr + row * FC + tl.program_id(1) * FPP, cache_modifier=".cg")
+            if not PUSHED:  # this program's columns to [slot, RANK, row] of every peer, -0.0
+                # as +0.0 (the sums start from +0.0: none changes)
+                xi = tl.load(x_ptr + row * stride_x + ccols, mask=cmask, other=0.0).to(
+                    it, bitcast=True)
+                xi = tl.where(xi == SENT, tl.zeros_like(xi), xi)
+                for p in tl.static_range(WORLD):
+                    if p != RANK:
+                        peer = tl.multiple_of(
+                            tl.load(bufs_ptr + p).to(tl.pointer_type(it), bitcast=True), 16)
+                        tl.store(peer + ((slot * WORLD + RANK) * max_rows + row) * N + ccols,
+                                 xi, mask=cmask)
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for p in tl.static_range(WORLD):  # the whole row, in rank order
+                if p == RANK and not PUSHED:
+                    acc += tl.load(x_ptr + row * stride_x + cols, mask=mask,
+                                   other=0.0).to(tl.float32)
+                else:  # wait until no element of rank p's row is the marker (volatile: L2)
+                    src = own_ptr + ((slot * WORLD + p) * max_rows + row) * N + cols
+                    v = tl.load(src, mask=mask, other=0, volatile=True)
+                    while tl.max((v == SENT).to(tl.int32), axis=0) > 0:
+                        v = tl.load(src, mask=mask, other=0, volatile=True)
+                    acc += v.to(dt, bitcast=True).to(tl.float32)
+            # the previous call's slot was read by every program of that call (a kernel
+            # before): mark this program's columns of it empty for the call after next (own
+            # rows too: a PUSHED call writes them), then move the slot on
+            prev = (slot + 2) % 3
+            for p in tl.static_range(WORLD):
+                tl.store(own_ptr + ((prev * WORLD + p) * max_rows + row) * N + ccols,
+                         tl.full([CB], SENT, it), mask=cmask)
+            tl.store(sync_ptr + row * FC + tl.program_id(1) * FPP + tl.arange(0, FPP),
+                     tl.zeros([FPP], tl.int32) + (slot + 1) % 3)
+            s = acc.to(dt)
+        elif WORLD > 1:  # flags: every rank's rows are in this rank's buffer now
+            own = tl.multiple_of(tl.load(bufs_ptr + RANK).to(tl.pointer_type(dt), bitcast=True),
+                                 16)
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for p in tl.static_range(WORLD):
                 if p == RANK:
-                    acc += x.to(tl.float32)
+                    acc += tl.load(x_ptr + row * stride_x + cols, mask=mask,
+                                   other=0.0).to(tl.float32)
                 else:  # .cg: through L2, never a stale L1 line of an earlier call
                     acc += tl.load(own + buf_off + (p * max_rows + row) * N + cols, mask=mask,
                                    other=0.0, cache_modifier=".cg").to(tl.float32)
             s = acc.to(dt)
         else:
-            s = x
-        if HAS_RES:
-            s = s + tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        if NORM:
-            if HAS_RES:
-                tl.store(res_out_ptr + row * stride_ro + cols, s, mask=mask)
-            sf = s.to(tl.float32)
-            inv = tl.rsqrt(tl.sum(sf * sf, axis=0) / N + eps)
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-            tl.store(out_ptr + row * stride_o + cols, (sf * inv).to(dt) * w, mask=mask)
-        else:
-            tl.store(out_ptr + row * stride_o + cols, s, mask=mask)
-
-
-# Lamport form (the poll is on the data itself: no flags, no fence)
-LAMPORT_COUNTERS = 8  # slot counters a row: a program pushes 1, 2, 4 or 8 of these column chunks
-
-
-@lazy_jit(do_not_specialize=("rows",))
-def _lamport_norm_kernel(
-    x_ptr,  # [rows, N]: this rank's partial
-    own_ptr,  # this rank's symmetric buffer, as ints as wide as the dtype: [3, world, max_rows, N]
-    bufs_ptr,  # [world] int64: each rank's buffer address (own_ptr's, on the peers)
-    cnt_ptr,  # [max_rows, FC] int32: this rank's slot (0, 1, 2) of each row's column chunk
-    r_ptr,  # [rows, N]: the residual stream (HAS_RES)
-    w_ptr,  # [N]: the norm weight (NORM)
-    out_ptr,  # [rows, N]: normed (NORM) or the sum (+ residual)
-    res_out_ptr,  # [rows, N]: sum + residual (HAS_RES and NORM)
-    stride_x, stride_r, stride_o, stride_ro,
-    rows, N, max_rows, eps,
-    RANK: tl.constexpr, WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr,
-    BLOCK: tl.constexpr,  # next_pow2(N): the row
-    FC: tl.constexpr,  # counters (column chunks) a row: LAMPORT_COUNTERS
-    FPP: tl.constexpr,  # of them a program pushes: FC / num_programs(1)
-    CB: tl.constexpr,  # next_pow2(FPP * cw): the columns a program pushes (cw: below)
-    SENT: tl.constexpr,  # the empty marker: the bits of -0.0 as a signed int
-    PUSHED: tl.constexpr = False,  # the GEMV before pushed every rank's rows (own included)
-    GDC: tl.constexpr = False,  # launched with PDL: trigger, then wait (PUSHED: no wait)
-):
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        if not PUSHED:  # else x is never read: the rows are polled as they land
-            tl.extra.cuda.gdc_wait()
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    chunk = tl.program_id(1)
-    dt = x_ptr.dtype.element_ty
-    it = own_ptr.dtype.element_ty
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    cw = tl.cdiv(N, FC * 16) * 16  # a counter's columns: a multiple of 16 (vector stores)
-    lo = chunk * FPP * cw  # this program's columns: [lo, hi)
-    hi = tl.minimum(lo + FPP * cw, N)
-    ccols = lo + tl.arange(0, CB)
-    cmask = ccols < hi
-    for row in range(pid, rows, nprog):
-        slot = tl.load(cnt_ptr + row * FC + chunk * FPP, cache_modifier=".cg")
-        if WORLD > 1 and not PUSHED:
-            # push this program's columns to [slot, RANK, row] of every peer, -0.0 as +0.0 (the
-            # sums are the same: they start from +0.0)
-            xi = tl.load(x_ptr + row * stride_x + ccols, mask=cmask, other=0.0).to(it, bitcast=True)
-            xi = tl.where(xi == SENT, tl.zeros_like(xi), xi)
-            for p in tl.static_range(WORLD):
-                if p != RANK:
-                    peer = tl.multiple_of(
-                        tl.load(bufs_ptr + p).to(tl.pointer_type(it), bitcast=True), 16)
-                    tl.store(peer + ((slot * WORLD + RANK) * max_rows + row) * N + ccols, xi,
-                             mask=cmask)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for p in tl.static_range(WORLD):  # the whole row, in rank order
-            if p == RANK and not PUSHED:
-                acc += tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            else:  # wait until no element of peer p's row is the marker (volatile: from L2)
-                src = own_ptr + ((slot * WORLD + p) * max_rows + row) * N + cols
-                v = tl.load(src, mask=mask, other=0, volatile=True)
-                while tl.max((v == SENT).to(tl.int32), axis=0) > 0:
-                    v = tl.load(src, mask=mask, other=0, volatile=True)
-                acc += v.to(dt, bitcast=True).to(tl.float32)
-        if WORLD > 1:
-            # the previous call's slot is read by every program of that call (kernel before):
-            # mark this program's columns of it empty for the call after next (this rank's own
-            # rows too: a PUSHED call writes them); move the slot on
-            prev = (slot + 2) % 3
-            for p in tl.static_range(WORLD):
-                tl.store(own_ptr + ((prev * WORLD + p) * max_rows + row) * N + ccols,
-                         tl.full([CB], SENT, it), mask=cmask)
-            tl.store(cnt_ptr + row * FC + chunk * FPP + tl.arange(0, FPP),
-                     tl.zeros([FPP], tl.int32) + (slot + 1) % 3)
-        s = acc.to(dt)
-        omask = mask & (cols >= lo) & (cols < hi)  # every program normalises the whole row
+            s = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        omask = mask & (cols >= lo) & (cols < hi)  # LAMPORT: every program normalises the row
         if HAS_RES:
             s = s + tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
         if NORM:
@@ -335,7 +305,7 @@ class SymmetricAllReduce:
         elif rows:
             block = next_pow2(n)
             _allreduce_norm_kernel[(min(rows, self.max_programs),)](
-                x, self.bufs, self.sigs, r, weight if norm else x, out, res_out,
+                x, self.bufs, self.sigs, x, r, weight if norm else x, out, res_out,
                 x.stride(0), r.stride(0), out.stride(0), res_out.stride(0),
                 rows, n, (slot % 2) * self.world * self.max_rows * n, self.max_rows, eps,
                 RANK=self.rank, WORLD=self.world, HAS_RES=residual is not None, NORM=norm,
@@ -356,12 +326,12 @@ class SymmetricAllReduce:
         fpp = LAMPORT_COUNTERS // chunks
         block = next_pow2(n)
         norm = weight is not None
-        _lamport_norm_kernel[(programs, chunks)](
-            x, self.ints, self.lam_bufs, self.counters, r, weight if norm else x, out, res_out,
+        _allreduce_norm_kernel[(programs, chunks)](
+            x, self.lam_bufs, self.counters, self.ints, r, weight if norm else x, out, res_out,
             x.stride(0), r.stride(0), out.stride(0), res_out.stride(0),
-            rows, n, self.lamport_rows, eps,
-            RANK=self.rank, WORLD=self.world, HAS_RES=has_res, NORM=norm,
-            BLOCK=block, FC=LAMPORT_COUNTERS, FPP=fpp,
+            rows, n, 0, self.lamport_rows, eps,
+            RANK=self.rank, WORLD=self.world, HAS_RES=has_res, NORM=norm, BLOCK=block,
+            LAMPORT=True, FC=LAMPORT_COUNTERS, FPP=fpp,
             CB=next_pow2(fpp * 16 * -(-n // (16 * LAMPORT_COUNTERS))), SENT=self.sent,
             PUSHED=pushed, num_warps=8 if block >= 4096 else 4, **pdl_launch(x.device))
 

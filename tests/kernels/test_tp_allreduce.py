@@ -15,7 +15,6 @@ from speculant.kernels.tp_allreduce import (
     EPOCH_MASK,
     LAMPORT_COUNTERS,
     _allreduce_norm_kernel,
-    _lamport_norm_kernel,
     allreduce_rms_norm_ref,
 )
 
@@ -39,7 +38,7 @@ def test_single_rank_kernel_matches_reference(dtype, res, norm):
     res_out = torch.empty_like(x)
     dummy = torch.zeros(1, dtype=torch.int64, device=dev)
     _allreduce_norm_kernel[(2,)](  # 2 programs over 3 rows
-        x, dummy, dummy, r if res else x, w if norm else x, out, res_out,
+        x, dummy, dummy, x, r if res else x, w if norm else x, out, res_out,
         x.stride(0), x.stride(0), out.stride(0), res_out.stride(0), rows, n, 0, rows, 1e-5,
         RANK=0, WORLD=1, HAS_RES=res, NORM=norm, BLOCK=256, WP2=1)
     want, want_res = allreduce_rms_norm_ref([x], r, w, 1e-5)
@@ -72,7 +71,7 @@ def test_two_rank_branch_under_the_interpreter(own_epoch, peer_flag):
     ptrs = [torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64) for ts in (bufs, sigs)]
     out, res_out = torch.empty_like(x), torch.empty_like(x)
     _allreduce_norm_kernel[(programs,)](
-        x, ptrs[0], ptrs[1], r, w, out, res_out, x.stride(0), r.stride(0), out.stride(0),
+        x, ptrs[0], ptrs[1], x, r, w, out, res_out, x.stride(0), r.stride(0), out.stride(0),
         res_out.stride(0), rows, n, base, max_rows, 1e-5,
         RANK=0, WORLD=world, HAS_RES=True, NORM=True, BLOCK=256, WP2=2)
     want, want_res = allreduce_rms_norm_ref([x, peer_x], r, w, 1e-5)
@@ -108,11 +107,12 @@ def test_lamport_two_rank_branch_under_the_interpreter(slot, chunks):
     ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
     out, res_out = torch.empty_like(x), torch.empty_like(x)
     fpp = LAMPORT_COUNTERS // chunks
-    _lamport_norm_kernel[(programs, chunks)](
-        x, bufs[0], ptrs, counters, r, w, out, res_out, x.stride(0), r.stride(0),
-        out.stride(0), res_out.stride(0), rows, n, max_rows, 1e-5,
-        RANK=0, WORLD=world, HAS_RES=True, NORM=True, BLOCK=256, FC=LAMPORT_COUNTERS,
-        FPP=fpp, CB=next_pow2(fpp * 16 * -(-n // (16 * LAMPORT_COUNTERS))), SENT=sent)
+    _allreduce_norm_kernel[(programs, chunks)](
+        x, ptrs, counters, bufs[0], r, w, out, res_out, x.stride(0), r.stride(0),
+        out.stride(0), res_out.stride(0), rows, n, 0, max_rows, 1e-5,
+        RANK=0, WORLD=world, HAS_RES=True, NORM=True, BLOCK=256, LAMPORT=True,
+        FC=LAMPORT_COUNTERS, FPP=fpp,
+        CB=next_pow2(fpp * 16 * -(-n // (16 * LAMPORT_COUNTERS))), SENT=sent)
     want, want_res = allreduce_rms_norm_ref([x, peer_x], r, w, 1e-5)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(res_out, want_res, atol=1e-5, rtol=1e-5)
@@ -158,12 +158,12 @@ def test_gemv_push_then_poll_under_the_interpreter(rows, prologue):
         assert (b[slot, 0, :rows, 7] == 0).all()  # -0.0 went out as +0.0
     out, res_out = torch.empty(rows, n), torch.empty(rows, n)
     fpp = LAMPORT_COUNTERS
-    _lamport_norm_kernel[(rows, 1)](
-        out, bufs[0], ptrs, counters, r, w, out, res_out, out.stride(0), r.stride(0),
-        out.stride(0), res_out.stride(0), rows, n, max_rows, 1e-5,
-        RANK=0, WORLD=world, HAS_RES=True, NORM=True, BLOCK=128, FC=LAMPORT_COUNTERS,
-        FPP=fpp, CB=next_pow2(fpp * 16 * -(-n // (16 * LAMPORT_COUNTERS))), SENT=sent,
-        PUSHED=True)
+    _allreduce_norm_kernel[(rows, 1)](
+        out, ptrs, counters, bufs[0], r, w, out, res_out, out.stride(0), r.stride(0),
+        out.stride(0), res_out.stride(0), rows, n, 0, max_rows, 1e-5,
+        RANK=0, WORLD=world, HAS_RES=True, NORM=True, BLOCK=128, LAMPORT=True,
+        FC=LAMPORT_COUNTERS, FPP=fpp,
+        CB=next_pow2(fpp * 16 * -(-n // (16 * LAMPORT_COUNTERS))), SENT=sent, PUSHED=True)
     want, want_res = allreduce_rms_norm_ref([y, peer_y], r, w, 1e-5)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(res_out, want_res, atol=1e-5, rtol=1e-5)
