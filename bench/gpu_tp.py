@@ -732,19 +732,28 @@ def collectives_phase(args) -> None:
             from speculant.kernels.tp_allreduce import SymmetricAllReduce
 
             weight = torch.ones(hidden, dtype=dtype, device=device)
-            # rows: a decode / verification step (k = 5) of batch 1, 64 / 16 (96 rows) / 64
+            # rows: a decode / verification step (k = 5) of batch 1, 64 / 16 (96 rows) / 64;
+            # the Lamport form takes up to 32 rows, the flag form (lamport_rows=0) is timed
+            # beside it at 1 and 64 (docs/tensor_parallel.md: where each one is faster)
             fused = SymmetricAllReduce(tp.group, device, 512, hidden, dtype)
-            for rows in (1, 64, 96, 384):
+            flags = SymmetricAllReduce(tp.group, device, 512, hidden, dtype, lamport_rows=0)
+            for rows, label, ar in ((1, "fused_allreduce_norm", fused),
+                                    (1, "fused_allreduce_norm_flags", flags),
+                                    (64, "fused_allreduce_norm", fused),
+                                    (64, "fused_allreduce_norm_lamport", SymmetricAllReduce(
+                                        tp.group, device, 64, hidden, dtype, lamport_rows=64)),
+                                    (96, "fused_allreduce_norm", fused),
+                                    (384, "fused_allreduce_norm", fused)):
                 x = torch.zeros(rows, hidden, dtype=dtype, device=device)
                 resid = torch.zeros_like(x)
                 slot = [0]
 
-                def call(x=x, resid=resid, slot=slot):
+                def call(x=x, resid=resid, slot=slot, ar=ar):
                     slot[0] += 1
-                    fused(x, slot[0], resid, weight)
+                    ar(x, slot[0], resid, weight)
 
                 _time_both(res.setdefault(f"rows_{rows}", {"shape": [rows, hidden]}),
-                           "fused_allreduce_norm", call, args, tp, device, cuda)
+                           label, call, args, tp, device, cuda)
             _save_part(args, part, rank)
         except Exception as e:  # noqa: BLE001 - reported in the JSON
             part["errors"]["fused_allreduce_norm"] = f"{type(e).__name__}: {e}"

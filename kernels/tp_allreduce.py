@@ -262,8 +262,9 @@ class SymmetricAllReduce:
         self.bufs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
         self.sigs = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
         # the Lamport form's buffer, as ints as wide as the dtype, all -0.0 (empty) at first
+        # (lamport_rows=0: the flag form alone, one row of it unused)
         bits = torch.finfo(dtype).bits
-        lam = symm_mem.empty(3 * self.world * self.lamport_rows * hidden, dtype=dtype,
+        lam = symm_mem.empty(3 * self.world * max(self.lamport_rows, 1) * hidden, dtype=dtype,
                              device=device)
         lam_handle = symm_mem.rendezvous(lam, group)
         self.lam_buffer, self.lam_handle = lam, lam_handle
@@ -272,8 +273,8 @@ class SymmetricAllReduce:
                                      device=device)
         self.sent = -(1 << (bits - 1))  # -0.0's bits: the empty marker
         self.ints.fill_(self.sent)
-        self.counters = torch.zeros(self.lamport_rows, LAMPORT_COUNTERS, dtype=torch.int32,
-                                    device=device)  # [lamport_rows, FC]: slots 0, 1, 2
+        self.counters = torch.zeros(max(self.lamport_rows, 1), LAMPORT_COUNTERS,
+                                    dtype=torch.int32, device=device)  # [rows, FC]: slots 0-2
         torch.cuda.synchronize(device)
         handle.barrier()
 
