@@ -751,8 +751,9 @@ def _gemv_triton(
     N, K = weight.shape
     dev = x.device
     epilogue = out_norm_weight is not None
-    # normed with the epilogue; with partials_only one element (unused-argument pointer only)
-    y = torch.empty((1, 1) if partials_only else (M, N), dtype=x.dtype, device=dev)
+    # normed with the epilogue; with partials_only or push one element (only its dtype is used)
+    y = torch.empty((1, 1) if partials_only or push is not None else (M, N), dtype=x.dtype,
+                    device=dev)
     res_out = torch.empty(M, K, dtype=x.dtype, device=dev) if residual is not None else None
     if epilogue:
         res_out = torch.empty(M, N, dtype=x.dtype, device=dev)  # s = y + out_residual

@@ -65,6 +65,7 @@ from __future__ import annotations
 import torch
 
 from speculant.kernels._triton_utils import lazy_jit, next_pow2, pdl_launch, tl
+from speculant.kernels.gemv import GemvPush, gemv, gemv_split
 
 
 def allreduce_rms_norm_ref(
@@ -275,6 +276,9 @@ class SymmetricAllReduce:
         self.ints.fill_(self.sent)
         self.counters = torch.zeros(max(self.lamport_rows, 1), LAMPORT_COUNTERS,
                                     dtype=torch.int32, device=device)  # [rows, FC]: slots 0-2
+        # where gemv(..., push=...) stores its rows for gemv_all_reduce
+        self.push = GemvPush(self.lam_bufs, self.ints, self.counters, self.rank, self.world,
+                             self.sent)
         torch.cuda.synchronize(device)
         handle.barrier()
 
@@ -336,14 +340,6 @@ class SymmetricAllReduce:
             CB=next_pow2(fpp * 16 * -(-n // (16 * LAMPORT_COUNTERS))), SENT=self.sent,
             PUSHED=pushed, num_warps=8 if block >= 4096 else 4, **pdl_launch(x.device))
 
-    @property
-    def push(self):
-        """Where ``gemv(..., push=...)`` stores its rows for :meth:`gemv_all_reduce`."""
-        from speculant.kernels.gemv import GemvPush
-
-        return GemvPush(self.lam_bufs, self.ints, self.counters, self.rank, self.world,
-                        self.sent)
-
     def gemv_all_reduce(
         self,
         x: torch.Tensor,  # [rows, K] ([rows, 2K] gate_up for prologue="silu_mul")
@@ -359,8 +355,6 @@ class SymmetricAllReduce:
         (``gemv(push=...)``) and this kernel, launched early (PDL) and never waiting for the
         GEMV, sums the rows as they land. None where the GEMV would split K or ``x`` does not
         fit (the caller then runs the two separately)."""
-        from speculant.kernels.gemv import gemv, gemv_split
-
         rows = x.shape[0]
         if (self.world < 2 or not 0 < rows <= self.lamport_rows
                 or weight.shape[0] != self.hidden or x.dtype != self.dtype
