@@ -305,8 +305,8 @@ def test_choose_config_deep_prefetch():
 def test_choose_config_tensor_parallel_shards():
     """The regimes of the tensor-parallel shards (H200 sweep, docs/kernels.md): a narrow qkv
     with a long K splits K in two at one row; a plain gate/up takes 16 x 256 tiles and a wide
-    SiLU * up 32 x 512 at one row; 2-8 plain rows take masked 16-row x tiles; the 8B TP 1
-    shapes keep their configurations."""
+    SiLU * up 32 x 512 at one row, an 8B down (whole or TP 2) 4 x 512 with 8 warps; 2-8 plain
+    rows take masked 16-row x tiles; the other 8B TP 1 shapes keep their configurations."""
     dev = torch.device("cpu")
     cfg = choose_config(1, 2560, 8192, "none", dev)
     assert (cfg.block_n, cfg.block_k, cfg.split_k) == (4, 512, 2)
@@ -322,9 +322,12 @@ def test_choose_config_tensor_parallel_shards():
     assert choose_config(16, 14336, 8192, "none", dev).block_k == 256  # not swept: as before
     assert choose_config(6, 8192, 2048, "none", dev).block_k == 256
     assert choose_config(6, 16384, 2048, "none", dev).block_k == 128  # the 1B gate/up
-    for N, K, p in ((28672, 4096, "rmsnorm"), (4096, 14336, "silu_mul"), (6144, 4096, "rmsnorm")):
+    for N, K, p in ((28672, 4096, "rmsnorm"), (6144, 4096, "rmsnorm")):
         cfg = choose_config(1, N, K, p, dev)
         assert (cfg.block_n, cfg.block_k, cfg.split_k) == (8, 512, 1)
+    for K in (14336, 7168):  # the 8B down, whole and its TP 2 shard
+        cfg = choose_config(1, 4096, K, "silu_mul", dev)
+        assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.split_k) == (4, 512, 8, 1)
     assert few_rows_silu_mul_slower(6, 8192) and not few_rows_silu_mul_slower(4, 8192)
     assert not few_rows_silu_mul_slower(6, 4096)
 
