@@ -101,7 +101,6 @@ __all__ = [
     "gemv_partials",
     "gemv_split",
     "GemvConfig",
-    "GemvPull",
     "choose_config",
     "MAX_ROWS",
     "PROLOGUES",
@@ -132,27 +131,6 @@ class GemvPush:
     def constexprs(self) -> dict:
         return {"PUSH": True, "PUSH_RANK": self.rank, "PUSH_WORLD": self.world,
                 "PUSH_FC": self.counters.shape[1], "PUSH_SENT": self.sent}
-
-
-@dataclass(frozen=True)
-class GemvPull:
-    """Where ``gemv(..., prologue="rmsnorm", pull=...)`` reads x: the sum, in rank order, of
-    every rank's row ``m`` at ``[slot, rank, m]`` of this rank's Lamport buffer (slot
-    ``counters[m, 0]``), polled until no element is the empty marker: the all-reduce of a
-    :class:`GemvPush` product done by the GEMV that consumes it, with no kernel of its own
-    (kernels/tp_allreduce.py ``SymmetricAllReduce.gemv_push``). The call then marks its share
-    of the previous slot empty, and its last program to finish (a ticket in ``done``) moves
-    every counter of its rows to the next slot."""
-
-    own: torch.Tensor  # this rank's buffer, [3, world, max_rows, K] ints as wide as the dtype
-    counters: torch.Tensor  # [max_rows, fc] int32: each row's slot (all fc copies move)
-    done: torch.Tensor  # [1] int32: programs of the running call that finished (0 between)
-    world: int
-    sent: int  # -0.0's bits as a signed int
-
-    def constexprs(self) -> dict:
-        return {"PULL": True, "PULL_WORLD": self.world, "PULL_FC": self.counters.shape[1],
-                "PULL_SENT": self.sent}
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,10 +200,6 @@ if tl is not None:
         push_own_ptr,  # this rank's buffer as ints as wide as y's dtype (PUSH)
         push_cnt_ptr,  # [push_max_rows, PUSH_FC] int32: the buffer slot of each row (PUSH)
         push_max_rows,
-        pull_own_ptr,  # this rank's buffer as ints as wide as x's dtype (PULL)
-        pull_cnt_ptr,  # [pull_max_rows, PULL_FC] int32: the buffer slot of each row (PULL)
-        pull_done_ptr,  # [1] int32: this call's finished programs (PULL)
-        pull_max_rows,
         M,
         N,
         K,
@@ -259,12 +233,6 @@ if tl is not None:
         PUSH_WORLD: tl.constexpr = 1,
         PUSH_FC: tl.constexpr = 1,  # counters a row
         PUSH_SENT: tl.constexpr = 0,  # the empty marker (-0.0's bits), stored as +0.0
-        PULL: tl.constexpr = False,  # rmsnorm: x is every rank's rows in a Lamport buffer (GemvPull)
-        PULL_WORLD: tl.constexpr = 1,
-        PULL_FC: tl.constexpr = 1,  # counters a row
-        PULL_SENT: tl.constexpr = 0,  # the empty marker (-0.0's bits)
-        PULL_CLEARERS: tl.constexpr = 1,  # programs that mark the previous slot empty
-        PULL_CLR: tl.constexpr = 1,  # columns each of them marks: next_pow2(K / PULL_CLEARERS)
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -288,12 +256,6 @@ if tl is not None:
             tl.extra.cuda.gdc_wait()
             if not GDC_LATE:
                 tl.extra.cuda.gdc_launch_dependents()
-        if PULL:  # row m of rank p at [slot_m, p, m] of this rank's buffer
-            pslot = tl.load(pull_cnt_ptr + offs_m * PULL_FC, mask=mask_m, other=0,
-                            cache_modifier=".cg")  # [BLOCK_M]
-            prow = ((pslot * PULL_WORLD) * pull_max_rows + offs_m).to(tl.int64)[:, None] * K
-            pstride = pull_max_rows * K  # from one rank's rows to the next's
-            dt = x_ptr.dtype.element_ty
 
         # ---- rmsnorm: sum of squares of the whole row (x + residual) first ----
         if PROLOGUE == 1:
@@ -304,18 +266,7 @@ if tl is not None:
             for k0 in range(0, K, BLOCK_KS):
                 offs_ks = k0 + rks
                 mks = mask_m[:, None] & (offs_ks < K)
-                if PULL:  # wait until no element of a rank's rows is the marker: one .cg
-                    # (vector) load, then volatile ones (L2) while a marker is left
-                    acc_s = tl.zeros([BLOCK_M, BLOCK_KS], dtype=tl.float32)
-                    for pr in tl.static_range(PULL_WORLD):
-                        src = pull_own_ptr + prow + pr * pstride + offs_ks
-                        v = tl.load(src, mask=mks, other=0, cache_modifier=".cg")
-                        while tl.max(tl.max((v == PULL_SENT).to(tl.int32), axis=1), axis=0) > 0:
-                            v = tl.load(src, mask=mks, other=0, volatile=True)
-                        acc_s += v.to(dt, bitcast=True).to(tl.float32)
-                    s = acc_s.to(dt)  # the fp32 sum in rank order, rounded
-                else:
-                    s = tl.load(x_rows + offs_ks, mask=mks, other=0.0)
+                s = tl.load(x_rows + offs_ks, mask=mks, other=0.0)
                 if HAS_RES:
                     s = s + tl.load(r_rows + offs_ks, mask=mks, other=0.0)
                     mro = (offs_m[:, None] < ro_rows_lim) & (offs_ks < K)
@@ -350,15 +301,7 @@ if tl is not None:
                 gf = g.to(tl.float32)
                 a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype) * u
             elif PROLOGUE == 1:
-                if PULL:  # every element is there (the pass above saw it in L2): .cg loads
-                    acc_x = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-                    for pr in tl.static_range(PULL_WORLD):
-                        v = tl.load(pull_own_ptr + prow + pr * pstride + offs_k, mask=mk, other=0,
-                                    cache_modifier=".cg")
-                        acc_x += v.to(dt, bitcast=True).to(tl.float32)
-                    s = acc_x.to(dt)
-                else:
-                    s = tl.load(x_rows + offs_k, mask=mk, other=0.0)
+                s = tl.load(x_rows + offs_k, mask=mk, other=0.0)
                 if HAS_RES:
                     s = s + tl.load(r_rows + offs_k, mask=mk, other=0.0)
                 nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0)  # [1, BLOCK_K]
@@ -421,24 +364,6 @@ if tl is not None:
         else:
             y_offs = pid_k * stride_ys + rows_y[:, None] * stride_ym + offs_n[None, :]
             tl.store(y_ptr + y_offs, acc, mask=mask_y)
-        if PULL:  # this call's slot is read: mark the previous one empty, move the counters on
-            lin = pid_k * tl.num_programs(0) + pid_n
-            if lin < PULL_CLEARERS:  # columns [lin, lin + 1) * PULL_CLR of every rank's rows
-                it = pull_own_ptr.dtype.element_ty
-                ccols = lin * PULL_CLR + tl.arange(0, PULL_CLR)
-                prev = ((((pslot + 2) % 3) * PULL_WORLD) * pull_max_rows + offs_m).to(tl.int64)
-                cm = mask_m[:, None] & (ccols < K)[None, :]
-                for pr in tl.static_range(PULL_WORLD):
-                    tl.store(pull_own_ptr + prev[:, None] * K + pr * pstride + ccols[None, :],
-                             tl.full([BLOCK_M, PULL_CLR], PULL_SENT, it), mask=cm)
-            # every program read the counters before its ticket: the last one moves them
-            ticket = tl.atomic_add(pull_done_ptr, 1, sem="acq_rel")
-            if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
-                fc = tl.arange(0, PULL_FC)
-                nxt = ((pslot + 1) % 3)[:, None] + tl.zeros([BLOCK_M, PULL_FC], tl.int32)
-                tl.store(pull_cnt_ptr + offs_m[:, None] * PULL_FC + fc[None, :], nxt,
-                         mask=mask_m[:, None])
-                tl.store(pull_done_ptr, 0)
         if GDC and GDC_LATE:
             tl.extra.cuda.gdc_launch_dependents()
 
@@ -822,11 +747,10 @@ def _gemv_triton(
     out_eps=1e-6,
     partials_only: bool = False,
     push: GemvPush | None = None,
-    pull: GemvPull | None = None,
 ):
     """(y, x + residual or None); with the output epilogue: (normed, y + out_residual);
     ``partials_only``: (the fp32 partials [split, M, N] unreduced, None), no bias; ``push``:
-    (None, None), y stored into the all-reduce buffers; ``pull``: x read from them."""
+    (None, None), y stored into the all-reduce buffers."""
     M = x.shape[0]
     N, K = weight.shape
     dev = x.device
@@ -850,14 +774,6 @@ def _gemv_triton(
     if push is not None and (partial or residual is not None):
         raise ValueError("gemv(push=...) takes an unsplit product without an output epilogue "
                          "or an input residual: check gemv_split(x, weight, prologue) == 1")
-    if pull is not None:
-        if prologue != "rmsnorm" or push is not None:
-            raise ValueError("gemv(pull=...) reads the all-reduced rows into the rmsnorm "
-                             "prologue: pass prologue='rmsnorm' (and no push)")
-        own = pull.own
-        if own.dim() != 4 or own.shape[3] != K or M > own.shape[2] or own.shape[1] != pull.world:
-            raise ValueError(f"gemv(pull=...): a buffer of {tuple(own.shape)} holds no "
-                             f"{pull.world} ranks' [{M}, {K}] rows")
     if partial:
         out = torch.empty(split, M, N, dtype=torch.float32, device=dev)
         stride_ys, stride_ym = out.stride(0), out.stride(1)
@@ -873,11 +789,6 @@ def _gemv_triton(
     # split-K reduce, whose few programs wait on the multiprocessors this kernel leaves free
     late = bool(cfg.use_dot) and pdl["GDC"] and not partial
     grid = (cdiv(N, cfg.block_n), split)
-    pull_kw = {}
-    if pull is not None:  # up to 8 programs mark the previous slot empty, K / 8 columns each
-        clearers = min(8, grid[0] * grid[1])
-        pull_kw = dict(pull.constexprs(), PULL_CLEARERS=clearers,
-                       PULL_CLR=next_pow2(cdiv(K, clearers)))
     _gemv_kernel[grid](
         x,
         weight,
@@ -890,10 +801,6 @@ def _gemv_triton(
         push.own if push is not None else dummy,
         push.counters if push is not None else dummy,
         push.counters.shape[0] if push is not None else 0,
-        pull.own if pull is not None else dummy,
-        pull.counters if pull is not None else dummy,
-        pull.done if pull is not None else dummy,
-        pull.own.shape[2] if pull is not None else 0,
         M,
         N,
         K,
@@ -925,7 +832,6 @@ def _gemv_triton(
         **pdl,
         GDC_LATE=late,
         **(push.constexprs() if push is not None else {}),
-        **pull_kw,
     )
     # one row: the next kernel (a one-row GEMV that prefetches its weight before its wait) may
     # launch before this reduce waits; after a few-row dot GEMV it may not (an early-launched
@@ -993,7 +899,6 @@ def gemv(
     force_triton: bool = False,
     config: GemvConfig | Mapping | None = None,
     push: GemvPush | None = None,
-    pull: GemvPull | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """``y = f(x) @ weight.T + bias`` for M <= ``MAX_ROWS`` rows, the prologue ``f`` fused.
 
@@ -1018,11 +923,6 @@ def gemv(
     ``push`` (:class:`GemvPush`): y goes into a fused all-reduce's buffers and None is returned;
     the Triton path only, unsplit (``gemv_split(x, weight, prologue) == 1``) and without an
     output epilogue or input residual (ValueError otherwise).
-
-    ``pull`` (:class:`GemvPull`, with ``prologue="rmsnorm"``): x is not read; the prologue's
-    input is the rank-order sum of every rank's rows in a fused all-reduce's buffer, polled as
-    it lands (``x`` only names the shape and dtype: any [M, K] tensor of that dtype). The Triton
-    path only.
     """
     kw = dict(
         prologue=prologue,
@@ -1042,12 +942,12 @@ def gemv(
     else:
         triton_path = use_triton(tensors, force_triton)
     if not triton_path:
-        if push is not None or pull is not None:
-            raise ValueError("gemv(push=...) and gemv(pull=...) need the Triton path (CUDA "
-                             f"tensors, at most {MAX_ROWS} rows)")
+        if push is not None:
+            raise ValueError("gemv(push=...) needs the Triton path (CUDA tensors, at most "
+                             f"{MAX_ROWS} rows)")
         return gemv_reference(x, weight, bias, **kw)
     cfg = _as_config(config, M, N, K, prologue, x.device)
-    y, res_out = _gemv_triton(x, weight, bias, cfg=cfg, push=push, pull=pull, **kw)
+    y, res_out = _gemv_triton(x, weight, bias, cfg=cfg, push=push, **kw)
     return y if res_out is None else (y, res_out)
 
 

@@ -62,12 +62,10 @@ rank-0 branch of two ranks in one process (the interpreter) and the reference ru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from speculant.kernels._triton_utils import lazy_jit, next_pow2, pdl_launch, tl
-from speculant.kernels.gemv import GemvConfig, GemvPull, GemvPush, gemv, gemv_split
+from speculant.kernels.gemv import GemvPush, gemv, gemv_split
 
 
 def allreduce_rms_norm_ref(
@@ -278,13 +276,9 @@ class SymmetricAllReduce:
         self.ints.fill_(self.sent)
         self.counters = torch.zeros(max(self.lamport_rows, 1), LAMPORT_COUNTERS,
                                     dtype=torch.int32, device=device)  # [rows, FC]: slots 0-2
-        # where gemv(..., push=...) stores its rows for gemv_all_reduce, and where a consuming
-        # gemv(..., pull=...) reads them ([1] int32 ticket: its programs that finished)
+        # where gemv(..., push=...) stores its rows for gemv_all_reduce
         self.push = GemvPush(self.lam_bufs, self.ints, self.counters, self.rank, self.world,
                              self.sent)
-        self.done = torch.zeros(1, dtype=torch.int32, device=device)
-        quad = self.ints.view(3, self.world, max(self.lamport_rows, 1), hidden)
-        self.pull = GemvPull(quad, self.counters, self.done, self.world, self.sent)
         torch.cuda.synchronize(device)
         handle.barrier()
 
@@ -361,32 +355,13 @@ class SymmetricAllReduce:
         (``gemv(push=...)``) and this kernel, launched early (PDL) and never waiting for the
         GEMV, sums the rows as they land. None where the GEMV would split K or ``x`` does not
         fit (the caller then runs the two separately)."""
-        pending = self.gemv_push(x, weight, bias, prologue)
-        return None if pending is None else pending.resolve(residual, norm_weight, eps)
-
-    def gemv_push(
-        self,
-        x: torch.Tensor,  # [rows, K] ([rows, 2K] gate_up for prologue="silu_mul")
-        weight: torch.Tensor,  # [hidden, K]: this rank's row-parallel shard
-        bias: torch.Tensor | None,  # [hidden]
-        prologue: str,  # "none" or "silu_mul" (kernels/gemv.py)
-    ) -> PendingAllReduce | None:
-        """Launch ``gemv(x, weight, bias, prologue=prologue)`` with its programs storing every
-        row into every rank's buffer; the all-reduce is then finished by whoever reads it:
-        :meth:`PendingAllReduce.resolve` (the poll kernel) or a GEMV with the rmsnorm prologue
-        and ``pull=pending.pull`` (no kernel of its own). None where the GEMV would split K or
-        ``x`` does not fit; exactly one of the two must follow a pending all-reduce, before
-        any other call on this object."""
         rows = x.shape[0]
         if (self.world < 2 or not 0 < rows <= self.lamport_rows
                 or weight.shape[0] != self.hidden or x.dtype != self.dtype
                 or gemv_split(x, weight, prologue=prologue) != 1):
             return None
         gemv(x, weight, bias, prologue=prologue, push=self.push)
-        return PendingAllReduce(self, rows)
-
-    def _resolve(self, rows, residual, norm_weight, eps):
-        out = torch.empty(rows, self.hidden, dtype=self.dtype, device=self.counters.device)
+        out = torch.empty(rows, self.hidden, dtype=x.dtype, device=x.device)
         norm = norm_weight is not None
         res_out = torch.empty_like(out) if (norm and residual is not None) else out
         r = residual if residual is not None else out
@@ -394,53 +369,3 @@ class SymmetricAllReduce:
         if norm:
             return out, (res_out if residual is not None else out)
         return out, out
-
-
-@dataclass
-class PendingAllReduce:
-    """An all-reduce whose rows a GEMV pushed (:meth:`SymmetricAllReduce.gemv_push`), not yet
-    read. Finish it once: :meth:`resolve`, or a consuming GEMV, ``gemv(pending.x, w, b,
-    prologue="rmsnorm", norm_weight=..., residual=..., pull=pending.pull)``, whose prologue sums
-    the ranks' rows itself (``x`` is a stand-in of the right shape and dtype, never read)."""
-
-    ar: SymmetricAllReduce
-    rows: int
-
-    @property
-    def x(self) -> torch.Tensor:  # [rows, hidden] in the dtype: the consumer's stand-in x
-        return self.ar.lam_buffer.view(-1, self.ar.hidden)[: self.rows]
-
-    @property
-    def pull(self) -> GemvPull:
-        return self.ar.pull
-
-    def consume(
-        self,
-        weight: torch.Tensor,  # [N, hidden]: the product that reads the normed sum
-        bias: torch.Tensor | None,  # [N]
-        norm_weight: torch.Tensor,  # [hidden]: the RMSNorm between
-        residual: torch.Tensor | None,  # [rows, hidden]
-        eps: float = 1e-6,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (y [rows, N], sum + residual or None)
-        """``gemv(rms_norm(sum + residual) * norm_weight, weight, bias)`` with the sum read by
-        the GEMV's own prologue (``pull``): no poll kernel. One row takes 8- or 16-wide output
-        tiles, not the narrower ones of a plain product: every program reads every rank's row
-        twice (the sum of squares, then its K chunks)."""
-        cfg = None
-        if self.rows == 1:
-            N = weight.shape[0]
-            cfg = (GemvConfig(block_n=16, block_k=256, num_warps=4, use_dot=False) if N >= 8192
-                   else GemvConfig(block_n=8, block_k=512, num_warps=4, use_dot=False))
-        got = gemv(self.x, weight, bias, prologue="rmsnorm", norm_weight=norm_weight,
-                   residual=residual, eps=eps, pull=self.pull, config=cfg)
-        return got if residual is not None else (got, None)
-
-    def resolve(
-        self,
-        residual: torch.Tensor | None = None,  # [rows, hidden]
-        norm_weight: torch.Tensor | None = None,  # [hidden]
-        eps: float = 1e-6,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed or sum, sum + residual)
-        """The poll kernel: ``(normed or sum, sum + residual)`` as :meth:`SymmetricAllReduce.
-        __call__` gives."""
-        return self.ar._resolve(self.rows, residual, norm_weight, eps)

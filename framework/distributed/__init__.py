@@ -7,8 +7,7 @@
 * :func:`all_gather_columns`: every rank's columns side by side (the vocab-parallel LM head);
 * :func:`fused_all_reduce`: the same fused with the residual add and RMSNorm that follow (CUDA,
   set up per model by :func:`setup_fused_all_reduce`); :func:`fused_gemv_all_reduce`: that
-  after a row-parallel GEMV whose programs start the exchange; :func:`fused_gemv_push`: that
-  GEMV alone, the exchange finished by the next GEMV's prologue (or the poll kernel);
+  after a row-parallel GEMV whose programs start the exchange;
 * :func:`shard_range`: a rank's [start, end) of an equal split.
 """
 
@@ -18,7 +17,6 @@ from speculant.distributed.comm import (
     all_reduce,
     fused_all_reduce,
     fused_gemv_all_reduce,
-    fused_gemv_push,
     init_tensor_parallel,
     setup_fused_all_reduce,
     shutdown_tensor_parallel,
@@ -38,7 +36,6 @@ __all__ = [
     "all_reduce",
     "fused_all_reduce",
     "fused_gemv_all_reduce",
-    "fused_gemv_push",
     "init_tensor_parallel",
     "setup_fused_all_reduce",
     "shard_range",

@@ -315,18 +315,3 @@ def fused_gemv_all_reduce(
     if _fused is None or not x.is_cuda:
         return None
     return _fused.gemv_all_reduce(x, weight, bias, prologue, residual, norm_weight, eps)
-
-
-def fused_gemv_push(
-    x: torch.Tensor,  # [rows, K] ([rows, 2K] gate_up for prologue="silu_mul")
-    weight: torch.Tensor,  # [hidden, K]: a row-parallel shard (o_proj, down_proj)
-    bias: torch.Tensor | None,  # [hidden]
-    prologue: str,  # "none" or "silu_mul"
-):
-    """The first half of :func:`fused_gemv_all_reduce`: the GEMV, its programs pushing every row
-    to every rank. Returns a ``PendingAllReduce`` (kernels/tp_allreduce.py) to finish with
-    ``consume`` (the next GEMV sums the rows in its prologue) or ``resolve`` (the poll kernel),
-    or None where the fused path is not set up or the product does not fit it."""
-    if _fused is None or not x.is_cuda:
-        return None
-    return _fused.gemv_push(x, weight, bias, prologue)

@@ -26,7 +26,7 @@ from speculant.distributed import (
     all_gather_columns,
     all_reduce,
     fused_all_reduce,
-    fused_gemv_push,
+    fused_gemv_all_reduce,
     tensor_parallel,
 )
 from speculant.kernels.gemv import (
@@ -36,7 +36,6 @@ from speculant.kernels.gemv import (
     gemv_partials,
     gemv_split,
 )
-from speculant.kernels.tp_allreduce import PendingAllReduce
 from speculant.models import cpu_forward, fused
 from speculant.models.attention import ForwardContext
 from speculant.models.gather import gather_rows
@@ -261,15 +260,7 @@ class LlamaDecoderLayer(nn.Module):
         ``all_reduce`` and the RMSNorm kernel."""
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         attn, mlp = self.self_attn, self.mlp
-        qkv = gu = None
-        if isinstance(h, PendingAllReduce):  # the previous down_proj's rows, not yet summed
-            x = h.x  # [num_tokens, hidden]: a stand-in for the shapes below (never read)
-            if fused.gemv_in_enabled(x) and not attn.rope_fusable(x):  # qkv sums them itself
-                qkv, residual = h.consume(attn.qkv_proj.weight, attn.qkv_proj.bias, ln1.weight,
-                                          residual, ln1.eps)
-            else:
-                x, residual = h.resolve(residual, ln1.weight, ln1.eps)
-        elif normed:
+        if normed:
             x = h
         elif residual is None:
             x, residual = fused.rms_norm(h, ln1.weight, ln1.eps), h
@@ -278,33 +269,26 @@ class LlamaDecoderLayer(nn.Module):
         few = fused.gemv_few_enabled(x)  # o_proj / down_proj as few-row GEMVs
         tp = attn.tp
         few_in = fused.gemv_in_enabled(x)  # qkv and gate/up as GEMVs
-        if qkv is None and few_in and attn.rope_fusable(x):  # qkv's split-K reduce does RoPE
-            # and the K/V store
+        if few_in and attn.rope_fusable(x):  # qkv's split-K reduce does RoPE and the K/V store
             o = attn.attend_partials(positions, gemv_partials(x, attn.qkv_proj.weight), ctx)
         else:
-            if qkv is None:
-                qkv = (gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias) if few_in
-                       else attn.qkv_proj(x))
+            qkv = gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias) if few_in else attn.qkv_proj(x)
             o = attn.attend_qkv(positions, qkv, ctx)  # [num_tokens, q_size]
         if few and not tp.enabled:
             x, residual = gemv(o, attn.o_proj.weight, attn.o_proj.bias, out_norm_weight=ln2.weight,
                                out_residual=residual, out_eps=ln2.eps)
         else:
-            # the GEMV's programs start the all-reduce; gate/up sums the rows in its prologue
-            pend = (fused_gemv_push(o, attn.o_proj.weight, attn.o_proj.bias, "none")
-                    if few and tp.enabled else None)
-            if pend is not None and mlp.fused_act and few_in:
-                gu, residual = pend.consume(mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                            ln2.weight, residual, ln2.eps)
-            elif pend is not None:
-                x, residual = pend.resolve(residual, ln2.weight, ln2.eps)
+            got = (fused_gemv_all_reduce(o, attn.o_proj.weight, attn.o_proj.bias, "none",
+                                         residual, ln2.weight, ln2.eps) if few and tp.enabled
+                   else None)
+            if got is not None:  # the GEMV's programs start the all-reduce
+                x, residual = got
             else:
                 a = gemv(o, attn.o_proj.weight, attn.o_proj.bias) if few else attn.o_proj(o)
                 x, residual = reduce_add_norm(a, residual, ln2, tp, 0)
         if mlp.fused_act and (few or few_in):
-            if gu is None:
-                gu = (gemv(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias) if few_in
-                      else mlp.gate_up_proj(x))  # [num_tokens, 2 * inter]
+            gu = (gemv(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias) if few_in
+                  else mlp.gate_up_proj(x))  # [num_tokens, 2 * inter]
             wd, bd = mlp.down_proj.weight, mlp.down_proj.bias
             if not few or few_rows_silu_mul_slower(gu.shape[0], wd.shape[0]):
                 d = mlp.down_proj(fused.silu_mul(gu))  # [num_tokens, hidden]
@@ -314,11 +298,11 @@ class LlamaDecoderLayer(nn.Module):
                                        out_norm_weight=next_norm.weight, out_residual=residual,
                                        out_eps=next_norm.eps)
                     return x, residual, True
-                if next_norm is not None:  # the GEMV's programs start the all-reduce, and
-                    # whoever reads next_norm's output finishes it (PendingAllReduce)
-                    pend = fused_gemv_push(gu, wd, bd, "silu_mul")
-                    if pend is not None:
-                        return pend, residual, True
+                if next_norm is not None:  # the GEMV's programs start the all-reduce
+                    got = fused_gemv_all_reduce(gu, wd, bd, "silu_mul", residual,
+                                                next_norm.weight, next_norm.eps)
+                    if got is not None:
+                        return got[0], got[1], True
                 d = gemv(gu, wd, bd, prologue="silu_mul")
         elif tp.enabled and mlp.fused_act:
             d = mlp.down_proj(fused.silu_mul(mlp.gate_up_proj(x)))  # [num_tokens, hidden]: partial
@@ -443,9 +427,6 @@ class LlamaForCausalLM(nn.Module):
         layers = self.layers
         for i, layer in enumerate(layers):
             ctx.begin_layer(i)
-            if isinstance(h, PendingAllReduce) and i in ctx.aux_layers:  # sum it now
-                h, residual = h.resolve(residual, layer.input_layernorm.weight,
-                                        layer.input_layernorm.eps)
             if i in ctx.aux_layers:
                 if normed:  # h is layer i's normed input, residual its input
                     ctx.aux_hidden.append(residual)
@@ -458,8 +439,6 @@ class LlamaForCausalLM(nn.Module):
             else:
                 nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
                 h, residual, normed = layer.forward_fused(positions, h, ctx, residual, normed, nxt)
-        if isinstance(h, PendingAllReduce):  # the last down_proj's rows: the final norm's input
-            return h.resolve(residual, self.norm.weight, self.norm.eps)[0]
         if normed:  # the last layer's down_proj did the final norm
             return h
         if residual is None:  # no layers

@@ -171,53 +171,6 @@ def test_gemv_push_then_poll_under_the_interpreter(rows, prologue):
     assert (counters[:rows] == (slot + 1) % 3).all() and (counters[rows:] == slot).all()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's host pointers (CPU)")
-@pytest.mark.parametrize("rows,split,block_n", [(1, 1, 16), (3, 1, 16), (1, 2, 8), (3, 2, 32)])
-def test_gemv_push_then_pull_under_the_interpreter(rows, split, block_n):
-    """The all-reduce finished by the GEMV that consumes it, rank 0 of two in one process:
-    ``gemv(push=...)`` stores rank 0's rows, the peer's are already in rank 0's buffer, and
-    ``gemv(pull=..., prologue="rmsnorm")`` sums both in rank order, adds the residual, normalises
-    and multiplies: what the poll kernel and then the rmsnorm GEMV give, bit for bit. It marks
-    the previous slot empty (every rank's rows of this call, no other row), moves every counter
-    of its rows to the next slot, leaves the other rows' alone and resets its ticket."""
-    from speculant.kernels.gemv import GemvConfig, GemvPull, GemvPush, gemv
-
-    g = torch.Generator().manual_seed(4)
-    n, k, n2, max_rows, world, slot = 96, 64, 40, 4, 2, 2
-    x = torch.randn(rows, k, generator=g)
-    wt = torch.randn(n, k, generator=g) * 0.1
-    peer_y = torch.randn(rows, n, generator=g)
-    r, w = torch.randn(rows, n, generator=g), torch.rand(n, generator=g) + 0.5
-    w2, b2 = torch.randn(n2, n, generator=g) * 0.1, torch.randn(n2, generator=g)
-    sent = -(1 << 31)
-    bufs = [torch.full((3, world, max_rows, n), sent, dtype=torch.int32) for _ in range(world)]
-    bufs[0][slot, 1, :rows] = peer_y.view(torch.int32)
-    prev = (slot + 2) % 3
-    bufs[0][prev, :, :rows] = 5  # the previous call's rows, both ranks': to be marked empty
-    bufs[0][prev, :, rows:] = 6  # rows past this call's: untouched
-    counters = torch.full((max_rows, LAMPORT_COUNTERS), slot, dtype=torch.int32)
-    counters[rows:] = 9
-    done = torch.zeros(1, dtype=torch.int32)
-    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-    cfg = GemvConfig(block_n=16, block_k=32, use_dot=rows > 1)
-    assert gemv(x, wt, push=GemvPush(ptrs, bufs[0], counters, 0, world, sent),
-                force_triton=True, config=cfg) is None
-    y = gemv(x, wt, force_triton=True, config=cfg)
-    cfg2 = GemvConfig(block_n=block_n, block_k=32, use_dot=rows > 1, split_k=split)
-    stand_in = torch.empty(rows, n)  # never read
-    got, got_res = gemv(stand_in, w2, b2, prologue="rmsnorm", norm_weight=w, residual=r,
-                        eps=1e-5, pull=GemvPull(bufs[0], counters, done, world, sent),
-                        force_triton=True, config=cfg2)
-    normed, s = allreduce_rms_norm_ref([y, peer_y], r, w, 1e-5)
-    want = gemv(normed, w2, b2, force_triton=True, config=cfg2)
-    torch.testing.assert_close(got_res, s, atol=0, rtol=0)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert (bufs[0][prev, :, :rows] == sent).all() and (bufs[0][prev, :, rows:] == 6).all()
-    assert torch.equal(bufs[0][slot, 1, :rows].view(torch.float32), peer_y)  # read, kept
-    assert (counters[:rows] == (slot + 1) % 3).all() and (counters[rows:] == 9).all()
-    assert done.item() == 0
-
-
 def test_reference_sums_in_rank_order():
     a = torch.tensor([[1e8, 1.0]], dtype=torch.float32)
     b = torch.tensor([[-1e8, 1.0]], dtype=torch.float32)
@@ -229,19 +182,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _mixed_call(i, ar, rank, xs, ws, prods, res, w, w2, want, want_res, want2):
-    """Call ``i`` of a mixed sequence: a plain all-reduce, a pushed one finished by the poll
-    kernel, or one finished by the next GEMV's prologue; [(output, its reference)]."""
-    if i % 3 == 2:
-        return [(ar(prods[rank], i, res, w, 1e-5)[0], want)]
-    pend = ar.gemv_push(xs[rank], ws[rank], None, "none")
-    assert pend is not None, "gemv_push declined an unsplit product"
-    if i % 3 == 1:
-        return [(pend.resolve(res, w, 1e-5)[0], want)]
-    y2, s2 = pend.consume(w2, None, w, res, 1e-5)
-    return [(y2, want2), (s2, want_res)]
 
 
 def _worker(rank: int, world: int, port: int, rows_list, q) -> None:
@@ -318,22 +258,6 @@ def _worker(rank: int, world: int, port: int, rows_list, q) -> None:
                     graph.replay()
                 torch.cuda.synchronize()
                 errs.extend((o.float() - want.float()).abs().max().item() for o in outs)
-                # finished by the next GEMV's prologue (pull), mixed with the poll kernel and
-                # plain calls, eager then in a graph: the slots and counters must stay in step
-                w2 = torch.randn(512, hidden, generator=g, device=dev, dtype=dtype) * 0.01
-                want2 = gemv(want, w2)
-
-                case = (ar, rank, xs, ws, prods, res, w, w2, want, want_res, want2)
-                for i in range(6):
-                    for o, ref in _mixed_call(i, *case):
-                        errs.append((o.float() - ref.float()).abs().max().item())
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    outs = [pair for i in range(24) for pair in _mixed_call(i, *case)]
-                for _ in range(3):
-                    graph.replay()
-                torch.cuda.synchronize()
-                errs.extend((o.float() - ref.float()).abs().max().item() for o, ref in outs)
         q.put((rank, max(errs)))
     except Exception as e:  # pragma: no cover - reported to the parent
         q.put((rank, repr(e)))
