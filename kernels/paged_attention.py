@@ -471,10 +471,12 @@ def choose_launch_config(
         # left batch-1 decode at a 448-token table with 2 splits of 4 chunks
         target = _PROGRAMS_PER_SM[block_q > 1] * sm_count
         want = max(1, round(target / programs))
-        if block_q == 1 and programs >= sm_count:
-            # decode tiles that fill every SM already run unsplit: the merge launch costs more
-            # than the shorter walk saves (2 H200s, 8B TP 2, batch 64: 256 programs, 2 splits ->
-            # 1 split, 16,068 -> 16,543 tok/s; at batch 16, 64 programs, splitting stays ahead)
+        if block_q == 1 and programs >= sm_count and max_context <= 512:
+            # decode tiles that fill every SM over a short table (at most 8 chunks a walk) run
+            # unsplit: the merge costs more than the shorter walk saves (H200 pair, 8B TP 2,
+            # batch 64, 256 programs, 320-token tables: 2 splits -> 1, 16,068 -> 16,473-16,543
+            # tok/s). Longer tables keep 2 splits: 75 / 252 us a layer against 84 / 314
+            # unsplit at 2k / 8k tokens of context (bench/results/attention_fewsplits_h200.json)
             want = 1
         cap = max(1, min(64, cdiv(max_context, block_n)))
         num_splits = min(want, cap)

@@ -405,3 +405,21 @@ def test_varying_ints_are_not_specialised(monkeypatch):
     assert not flags["stride_qt"] and not flags["stride_kb"]  # fixed per model: specialised
     reduce = {p.name: p.do_not_specialize for p in mod._paged_attn_reduce_kernel.jitted().params}
     assert reduce["num_seqs"] and reduce["num_splits"] and not reduce["stride_ot"]
+
+
+def test_split_count_for_full_waves_over_short_tables():
+    """Decode tiles that fill every SM run unsplit over a table of at most 512 tokens (the merge
+    costs more than the walk saves there) and keep their splits over longer tables; fewer
+    programs than SMs split as before."""
+    from speculant.kernels.paged_attention import choose_launch_config
+
+    def splits(num_seqs, max_context, sm_count=132):
+        return choose_launch_config(
+            num_tokens=num_seqs, num_seqs=num_seqs, num_heads=16, num_kv_heads=4, head_dim=128,
+            max_query_len=1, max_context=max_context, dtype=torch.bfloat16,
+            sm_count=sm_count)["num_splits"]
+
+    assert splits(64, 320) == 1  # 256 programs >= 132 SMs, a 320-token table
+    assert splits(64, 8192) == 2  # the same over 8k tokens
+    assert splits(16, 320) == 5  # 64 programs: split (capped by the table's 5 chunks)
+    assert splits(1, 320) == 5
