@@ -58,6 +58,9 @@ _LOG2E = 1.4426950408889634
 # (128-token chunks, 3 stages: more shared memory each) on every SM; prefetching the next chunk
 # into registers was never faster there (up to 2x slower with 128-token chunks).
 _PROGRAMS_PER_SM = (3, 2)
+# decode tiles that already fill every SM run unsplit over block tables of at most this many
+# tokens (choose_launch_config: measured there)
+_UNSPLIT_MAX_CONTEXT = 512
 _PREFETCH_DEFAULT = False
 # program order: the KV heads of one (tile, split) as neighbours (they read the same cache
 # blocks at about the same time) instead of the tiles of one KV head. Measured on the H100:
@@ -471,7 +474,7 @@ def choose_launch_config(
         # left batch-1 decode at a 448-token table with 2 splits of 4 chunks
         target = _PROGRAMS_PER_SM[block_q > 1] * sm_count
         want = max(1, round(target / programs))
-        if block_q == 1 and programs >= sm_count and max_context <= 512:
+        if block_q == 1 and programs >= sm_count and max_context <= _UNSPLIT_MAX_CONTEXT:
             # decode tiles that fill every SM over a short table (at most 8 chunks a walk) run
             # unsplit: the merge costs more than the shorter walk saves (H200 pair, 8B TP 2,
             # batch 64, 256 programs, 320-token tables: 2 splits -> 1, 16,068 -> 16,473-16,543
