@@ -14,7 +14,8 @@ How it times (the same work for both sides, so the comparison stays honest on a 
   reported is then the best of all repeats for both sides, and a category still slower is
   flagged as such, never hidden;
 * every run is timed by the wall clock and by the CPU time the process used. The figures are
-  wall-clock ones, unless the engine runs one thread and the process got less than ``STARVED``
+  wall-clock ones, unless the engine runs one thread (torch's and the C kernels') and the
+  process got less than ``STARVED``
   of a CPU over the runs (more CPU-bound processes than cores: a run's wall time is then mostly
   waiting for a core, in bursts that no number of repeats evens out); then they are CPU times,
   the same work on both sides and what it takes on a free core, and the output says so and
@@ -23,7 +24,9 @@ How it times (the same work for both sides, so the comparison stays honest on a 
 On the CPU the engine runs with the thread count ``EngineConfig.cpu_threads`` chooses (1 unless
 the user set one, ``engine/cpu_threads.py``): with torch's default of one thread per core, a
 neighbour process on a 2-core machine made plain decoding ~2x slower and n-gram speculation come
-out at 0.72-0.96x of it.
+out at 0.72-0.96x of it. The C kernels' products of 2+ rows (verification passes, prefills) take
+a helper thread on a second CPU where there is one, for plain decoding's prefills as for
+speculation's passes (``cpu_kernels.set_threads``).
 """
 
 from __future__ import annotations
@@ -190,7 +193,14 @@ def run_demo(model: str | None = None, max_tokens: int = 128, k: int | None = No
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     base = LLM(model=model)
     threads = base.engine.cpu_threads
-    where = f"CPU, {threads} thread{'s' if threads != 1 else ''}" if threads else str(base.engine.device)
+    where = str(base.engine.device)
+    if threads:
+        from speculant.models import cpu_kernels
+
+        helper = cpu_kernels.available() and cpu_kernels.threads() > 1
+        where = (f"CPU, {threads} thread{'s' if threads != 1 else ''}"
+                 + (", products of 2+ rows on 2" if helper else ""))
+        threads = max(threads, 2) if helper else threads
     print(f"speculant demo: {len(prompts)} prompts, greedy, max_tokens={max_tokens}, one at a time "
           f"({where}); each prompt {repeats}x per configuration, interleaved, fastest run kept")
     configs = [base]

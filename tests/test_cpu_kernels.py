@@ -97,6 +97,100 @@ def test_gemm_shape_errors_name_the_problem():
         ck.block_weight(torch.randn(4, 4, dtype=torch.float64))
 
 
+@pytest.fixture
+def gemm_threads():
+    """Restore the kernels' thread count and the helper's test delay."""
+    before = ck.threads()
+    yield ck.set_threads
+    ck._require()._helper_delay(0)
+    ck.set_threads(before)
+
+
+def _products(rng, shapes, rows):
+    """(x, wb, out_f, bias) cases: strided x rows, with and without bias."""
+    for out_f, in_f in shapes:
+        w = torch.from_numpy(_rand(rng, out_f, in_f))
+        wb, b = ck.block_weight(w), _rand(rng, out_f)
+        for T in rows:
+            x = _rand(rng, T, in_f + 3)[:, 1 : in_f + 1]  # row stride in_f + 3
+            yield x, wb, out_f, None
+            yield x, wb, out_f, b
+
+
+def test_gemm_with_a_helper_thread_is_bit_for_bit_one_threads(gemm_threads):
+    """set_threads(2): products of 2+ rows share their units with a helper thread; every output
+    is the same FMA chain whoever computes it, so the result is one thread's bit for bit (and
+    the helper did take part)."""
+    rng = np.random.default_rng(3)
+    cases = list(_products(rng, [(16, 8), (37, 19), (960, 576), (100, 1536), (3000, 64)],
+                           (1, 2, 3, 4, 5, 6, 7, 13, 40)))
+    assert gemm_threads(1) == 1
+    ref = [ck.gemm(x, wb, o, b) for x, wb, o, b in cases]
+    assert gemm_threads(2) == 2 and ck.threads() == 2
+    before = ck._require()._helper_stats()[0]
+    for _ in range(3):
+        for (x, wb, o, b), r in zip(cases, ref):
+            y = np.full((x.shape[0], o + 4), np.nan, np.float32)  # row stride o + 4
+            ck.gemm(x, wb, o, b, y[:, :o])
+            assert np.array_equal(y[:, :o], r) and np.isnan(y[:, o:]).all()
+    assert ck._require()._helper_stats()[0] > before  # units computed by the helper
+
+
+def test_a_late_helper_costs_only_its_unit(gemm_threads):
+    """A helper that is descheduled while it holds a unit (here: made to sleep 2 ms after each
+    claim) never holds the caller up for long: the caller redoes that unit itself, and the
+    result is still one thread's bit for bit, also in the calls after (the late helper writes
+    only its own scratch)."""
+    import time
+
+    rng = np.random.default_rng(4)
+    w = torch.from_numpy(_rand(rng, 4096, 256))
+    wb = ck.block_weight(w)
+    xs = [_rand(rng, T, 256) for T in (5, 2, 3, 6, 5)]
+    gemm_threads(1)
+    ref = [ck.gemm(x, wb, 4096) for x in xs]
+    gemm_threads(2)
+    ext = ck._require()
+    ext._helper_delay(2_000_000)
+    redone = ext._helper_stats()[1]
+    t0 = time.perf_counter()
+    for _ in range(4):
+        for x, r in zip(xs, ref):
+            assert np.array_equal(ck.gemm(x, wb, 4096), r)
+    late = time.perf_counter() - t0
+    assert ext._helper_stats()[1] > redone  # the caller did redo units the helper held
+    # 20 calls: were the caller waiting for the sleeping helper, that alone would take 40 ms
+    assert late < 0.5, late
+    ext._helper_delay(0)
+    for x, r in zip(xs, ref):
+        assert np.array_equal(ck.gemm(x, wb, 4096), r)
+
+
+def test_a_forked_child_runs_on_one_thread(gemm_threads):
+    """The helper thread does not survive fork(): the child's products run on its one thread,
+    with the same results."""
+    import multiprocessing as mp
+
+    rng = np.random.default_rng(5)
+    w = torch.from_numpy(_rand(rng, 300, 64))
+    wb, x = ck.block_weight(w), _rand(rng, 5, 64)
+    gemm_threads(1)
+    ref = ck.gemm(x, wb, 300)
+    gemm_threads(2)
+    with mp.get_context("fork").Pool(1) as pool:
+        threads, y = pool.apply(_child_product, (x, wb))
+    assert threads == 1 and np.array_equal(y, ref)
+
+
+def _child_product(x, wb):
+    return ck.threads(), ck.gemm(x, wb, 300)
+
+
+def test_set_threads_rejects_a_bad_count():
+    with pytest.raises(ValueError, match="must be >= 1"):
+        ck.set_threads(0)
+
+
 def _attention_ref(q, k, v, nh, nkv, scale):  # float64, causal over the last T positions
     T, ctx = q.shape[0], k.shape[0]
     d = q.shape[1] // nh

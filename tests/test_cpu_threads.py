@@ -17,17 +17,21 @@ import speculant
 from speculant import demo
 from speculant.config import EngineConfig
 from speculant.engine import cpu_threads
+from speculant.models import cpu_kernels
 
 
 @pytest.fixture
 def threads(monkeypatch):
     """Restore torch's thread count and the module's record of it; no thread env vars."""
     before, applied = torch.get_num_threads(), cpu_threads._applied
+    kernels = cpu_kernels.threads()
     for var in cpu_threads.ENV_VARS:
         monkeypatch.delenv(var, raising=False)
     yield
     torch.set_num_threads(before)
     cpu_threads._applied = applied
+    if cpu_kernels.available():
+        cpu_kernels.set_threads(kernels)
 
 
 # ---------------------------------------------------------------------------- the config field
@@ -99,11 +103,31 @@ def test_default_count_is_replaced(threads):
     assert cpu_threads.user_setting() == "torch.set_num_threads(2)"
 
 
+@pytest.mark.parametrize("cpus", [1, 2, 8])
+def test_kernel_threads(threads, monkeypatch, cpus):
+    """The C kernels' multi-row products take a helper thread (2) with 2+ torch threads, or
+    automatically where 2+ CPUs are available; an explicit or a user's count of 1 keeps them
+    on one thread."""
+    monkeypatch.setattr(cpu_threads, "available_cpus", lambda: cpus)
+    cpu_threads._applied = None
+    torch.set_num_threads(cpu_threads._initial)
+    assert cpu_threads.kernel_threads(None, 1) == (2 if cpus >= 2 else 1)
+    assert cpu_threads.kernel_threads(1, 1) == 1
+    assert cpu_threads.kernel_threads(2, 2) == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user's one thread
+    assert cpu_threads.kernel_threads(None, 1) == 1
+
+
 def test_engine_applies_it(threads, tiny_llama):
+    llm = speculant.LLM(model=str(tiny_llama), cpu_threads=1)
+    assert llm.engine.cpu_threads == 1 == torch.get_num_threads() == cpu_kernels.threads()
     llm = speculant.LLM(model=str(tiny_llama), cpu_threads=2)
     assert llm.engine.cpu_threads == 2 == torch.get_num_threads()
+    assert cpu_kernels.threads() == (2 if cpu_kernels.available() else 1)
     llm = speculant.LLM(model=str(tiny_llama))  # automatic: the engine's own 2 is not the user's
     assert llm.engine.cpu_threads == cpu_threads.auto_cpu_threads() == torch.get_num_threads()
+    helper = cpu_kernels.available() and cpu_threads.available_cpus() >= 2
+    assert cpu_kernels.threads() == (2 if helper else 1)
     out = llm.generate([[1, 2, 3]], speculant.SamplingParams(max_tokens=3, temperature=0.0),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3

@@ -19,7 +19,15 @@
 #include <Python.h>
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define BW 16 /* output columns per weight block (two 8-float vectors) */
 #define TARGET __attribute__((target("avx2,fma")))
@@ -91,32 +99,189 @@ DEFINE_TILE(6, 1)
 typedef void (*tile_fn)(const float *, long, const float *, long, const float *, float *, long,
                         long);
 
-/* x: [T, ldx] (row stride ldx >= in), wb: [nb][in][16], bias: [out] or NULL, y: [T, ldy]. */
-static TARGET void spec_gemm(const float *x, long T, long ldx, const float *wb, long in, long out,
-                      const float *bias, float *y, long ldy) {
+/* The unit of work of spec_gemm: g consecutive blocks (g = units_of(T)), all T rows. Few rows
+ * read several blocks at once (enough FMA chains in flight); 4+ rows one block. */
+static long unit_blocks(long T) { return T == 1 ? 4 : T <= 3 ? 2 : 1; }
+
+/* Unit u of y[T, out] = x @ W^T (+ bias): its columns 16 g u .. written to y (row stride ldy),
+ * y pointing at the unit's first column. */
+static TARGET void gemm_unit(const float *x, long T, long ldx, const float *wb, long in, long out,
+                             const float *bias, float *y, long ldy, long u, long g) {
     static const tile_fn rows[7] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1};
-    const long nb = (out + BW - 1) / BW, bs = in * BW;
-    long b = 0;
-    if (T <= 0) return; /* no rows: nothing to write (the few-row tiles below assume T >= 1) */
-    if (T <= 3) { /* few rows: several blocks at once keep enough FMA chains in flight */
-        const long g = T == 1 ? 4 : 2;
-        for (; b + g <= nb; b += g) {
-            const float *bb = bias ? bias + b * BW : NULL;
-            if (T == 1)
-                tile_1_4(x, ldx, wb + b * bs, in, bb, y + b * BW, ldy, out - b * BW);
-            else if (T == 2)
-                tile_2_2(x, ldx, wb + b * bs, in, bb, y + b * BW, ldy, out - b * BW);
-            else
-                tile_3_2(x, ldx, wb + b * bs, in, bb, y + b * BW, ldy, out - b * BW);
-        }
+    const long nb = (out + BW - 1) / BW, bs = in * BW, b0 = u * g;
+    const long n = nb - b0 < g ? nb - b0 : g;
+    if (n == g && g > 1) { /* a whole group of few-row blocks */
+        const float *w = wb + b0 * bs, *bb = bias ? bias + b0 * BW : NULL;
+        const long nc = out - b0 * BW;
+        if (T == 1) tile_1_4(x, ldx, w, in, bb, y, ldy, nc);
+        else if (T == 2) tile_2_2(x, ldx, w, in, bb, y, ldy, nc);
+        else tile_3_2(x, ldx, w, in, bb, y, ldy, nc);
+        return;
     }
-    for (; b < nb; b++) { /* block-major: a block is read from memory once for all row tiles */
+    for (long b = b0; b < b0 + n; b++) /* block-major: a block is read from memory once for all row tiles */
         for (long t = 0; t < T; t += 6) {
             const long r = T - t < 6 ? T - t : 6;
             rows[r](x + t * ldx, ldx, wb + b * bs, in, bias ? bias + b * BW : NULL,
-                    y + t * ldy + b * BW, ldy, out - b * BW);
+                    y + t * ldy + (b - b0) * BW, ldy, out - b * BW);
+        }
+}
+
+/* ---- A second core for products of 2+ rows (set_threads(2)) ----
+ * Measured on a 2-core EPYC VM (docs/perf.md, "CPU"): one core streams a one-row product at the
+ * memory's speed, but with 5 rows its FMAs and its loads do not overlap (a 5-row pass over
+ * SmolLM2-135M's weights took 1.5-1.8x the one-row time); a second core taking half of the units
+ * brings it to ~1.05x. Design rules, so that a busy or descheduled helper never costs more than
+ * the work it holds (with both cores busy elsewhere, products took what they take on one thread):
+ * - units are claimed one at a time from one atomic word (epoch << 32 | next unit), by the caller
+ *   and by the helper; the caller never waits for the helper to start;
+ * - the helper reads only memory owned here (a copy of x) and the weights, and writes its units
+ *   to its own scratch; the caller alone writes y, copying a helper's unit once it is marked done
+ *   for this call (done[u] == epoch);
+ * - a unit the helper claimed but has not finished after about the time the caller took per
+ *   unit is computed again by the caller (the same FMA chains, so the same bits); a late helper
+ *   then writes only scratch of a finished call, and its next claim fails on the epoch;
+ * - between calls the helper sleeps on a futex after a few microseconds of spinning, so it takes
+ *   no CPU from other processes while the caller runs one-row products or Python.
+ * The outputs are those of the one-thread path bit for bit (each output's FMA chain is the same
+ * whoever computes it). */
+#define MAX_UNITS 8192
+#define XCAP (4L << 20)  /* floats of x the helper can take (T * in): 16 MiB */
+#define SCAP (8L << 20)  /* floats of helper output (units * T * 16 g): 32 MiB */
+#define HELPER_SPINS 256 /* pauses (a few us) before the helper sleeps until the next call */
+
+typedef struct {
+    const float *wb, *bias;
+    long T, in, out, nu, g;
+} Job;
+static Job job;                                  /* written by the caller before the epoch */
+static _Atomic uint64_t claim;                   /* epoch << 32 | next unit */
+static _Atomic uint32_t epoch, done[MAX_UNITS];  /* done[u]: the epoch whose unit u is in scratch */
+static _Atomic int pool_threads = 1, helper_sleeping, pool_busy;
+static int helper_running;
+static _Atomic long helper_units, redone_units, helper_delay_ns; /* stats; a test's delay */
+static float *xbuf, *scratch;
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+/* one unit from the shared word, or -1 once the call's units are all taken (or the call is over) */
+static long claim_unit(uint32_t e, long nu) {
+    uint64_t c = atomic_load_explicit(&claim, memory_order_acquire);
+    while ((uint32_t)(c >> 32) == e && (long)(c & 0xffffffffu) < nu)
+        if (atomic_compare_exchange_weak_explicit(&claim, &c, c + 1, memory_order_acq_rel,
+                                                  memory_order_acquire))
+            return (long)(c & 0xffffffffu);
+    return -1;
+}
+
+static void *helper_main(void *arg) {
+    (void)arg;
+    uint32_t seen = atomic_load(&epoch);
+    for (;;) {
+        uint32_t e;
+        for (int n = 0; (e = atomic_load_explicit(&epoch, memory_order_acquire)) == seen; n++) {
+            if (n < HELPER_SPINS) {
+                __builtin_ia32_pause();
+                continue;
+            }
+            atomic_store(&helper_sleeping, 1); /* then the caller's epoch store is seen, or it wakes us */
+            while ((e = atomic_load(&epoch)) == seen)
+                syscall(SYS_futex, &epoch, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+            atomic_store(&helper_sleeping, 0);
+            break;
+        }
+        seen = e;
+        const Job j = job; /* a torn copy (a newer call being posted) is never used: its claims fail */
+        const long ly = j.T * j.g * BW;
+        long u;
+        while ((u = claim_unit(e, j.nu)) >= 0) {
+            const long d = atomic_load_explicit(&helper_delay_ns, memory_order_relaxed);
+            if (d) { /* tests: a helper descheduled while it holds a unit */
+                const struct timespec ts = {d / 1000000000L, d % 1000000000L};
+                nanosleep(&ts, NULL);
+            }
+            gemm_unit(xbuf, j.T, j.in, j.wb, j.in, j.out, j.bias, scratch + u * ly,
+                      j.g * BW, u, j.g);
+            atomic_store_explicit(&done[u], e, memory_order_release);
+            atomic_fetch_add_explicit(&helper_units, 1, memory_order_relaxed);
         }
     }
+    return NULL;
+}
+
+static void pool_after_fork(void) { /* the child has no helper thread */
+    helper_running = 0;
+    atomic_store(&pool_threads, 1);
+    atomic_store(&pool_busy, 0);
+}
+
+static int pool_set_threads(int n) {
+    if (n >= 2 && !helper_running) {
+        if (!xbuf) xbuf = malloc(XCAP * sizeof(float)); /* pages are touched on first use */
+        if (!scratch) scratch = malloc(SCAP * sizeof(float));
+        pthread_t t;
+        pthread_attr_t a;
+        pthread_attr_init(&a);
+        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+        if (xbuf && scratch && pthread_create(&t, &a, helper_main, NULL) == 0) {
+            helper_running = 1;
+            static int registered;
+            if (!registered) registered = !pthread_atfork(NULL, NULL, pool_after_fork);
+        }
+        pthread_attr_destroy(&a);
+    }
+    atomic_store(&pool_threads, n >= 2 && helper_running ? 2 : 1);
+    return atomic_load(&pool_threads);
+}
+
+/* x: [T, ldx] (row stride ldx >= in), wb: [nb][in][16], bias: [out] or NULL, y: [T, ldy]. */
+static TARGET void spec_gemm(const float *x, long T, long ldx, const float *wb, long in, long out,
+                             const float *bias, float *y, long ldy) {
+    if (T <= 0) return; /* no rows: nothing to write (the tiles assume T >= 1) */
+    const long g = unit_blocks(T), nb = (out + BW - 1) / BW, nu = (nb + g - 1) / g;
+    const long ly = T * g * BW;
+    int expected = 0;
+    if (T < 2 || nu < 2 || nu > MAX_UNITS || T * in > XCAP || nu * ly > SCAP ||
+        atomic_load_explicit(&pool_threads, memory_order_relaxed) < 2 ||
+        !atomic_compare_exchange_strong(&pool_busy, &expected, 1)) { /* one thread */
+        for (long u = 0; u < nu; u++)
+            gemm_unit(x, T, ldx, wb, in, out, bias, y + u * g * BW, ldy, u, g);
+        return;
+    }
+    for (long t = 0; t < T; t++) memcpy(xbuf + t * in, x + t * ldx, in * sizeof(float));
+    const uint32_t e = atomic_load(&epoch) + 1;
+    job = (Job){wb, bias, T, in, out, nu, g};
+    atomic_store(&claim, (uint64_t)e << 32);
+    atomic_store(&epoch, e);
+    if (atomic_load(&helper_sleeping)) syscall(SYS_futex, &epoch, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+    static unsigned char mine[MAX_UNITS];
+    memset(mine, 0, nu);
+    long u, own = 0;
+    const long t0 = now_ns();
+    while ((u = claim_unit(e, nu)) >= 0) {
+        gemm_unit(x, T, ldx, wb, in, out, bias, y + u * g * BW, ldy, u, g);
+        mine[u] = 1;
+        own++;
+    }
+    /* the helper holds at most one unit by now: wait for it about as long as a unit takes */
+    const long t1 = now_ns(), deadline = t1 + (own ? (t1 - t0) / own : 0) + 2000;
+    for (u = 0; u < nu; u++) {
+        if (mine[u]) continue;
+        while (atomic_load_explicit(&done[u], memory_order_acquire) != e && now_ns() < deadline)
+            __builtin_ia32_pause();
+        const long c0 = u * g * BW, nc = out - c0 < g * BW ? out - c0 : g * BW;
+        if (atomic_load_explicit(&done[u], memory_order_acquire) == e) {
+            const float *s = scratch + u * ly;
+            for (long t = 0; t < T; t++) memcpy(y + t * ldy + c0, s + t * g * BW, nc * sizeof(float));
+        } else { /* the helper is late (descheduled): the same unit here, the same bits */
+            gemm_unit(x, T, ldx, wb, in, out, bias, y + c0, ldy, u, g);
+            atomic_fetch_add_explicit(&redone_units, 1, memory_order_relaxed);
+        }
+    }
+    atomic_store(&pool_busy, 0);
 }
 
 /* One sequence's attention for T query rows (T new tokens at positions ctx_len - T ..
@@ -420,6 +585,30 @@ r1:
     return res;
 }
 
+static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
+    const long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1) return PyErr_Format(PyExc_ValueError, "set_threads(%ld): the count must be >= 1", n);
+    return PyLong_FromLong(pool_set_threads((int)n));
+}
+
+static PyObject *py_get_threads(PyObject *self, PyObject *unused) {
+    return PyLong_FromLong(atomic_load(&pool_threads));
+}
+
+/* _helper_stats(): (units the helper computed, units the caller redid); _helper_delay(ns): the
+ * helper sleeps ns after each claim (tests of a late helper) */
+static PyObject *py_helper_stats(PyObject *self, PyObject *unused) {
+    return Py_BuildValue("(ll)", atomic_load(&helper_units), atomic_load(&redone_units));
+}
+
+static PyObject *py_helper_delay(PyObject *self, PyObject *arg) {
+    const long ns = PyLong_AsLong(arg);
+    if (ns == -1 && PyErr_Occurred()) return NULL;
+    atomic_store(&helper_delay_ns, ns < 0 ? 0 : ns);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_supported(PyObject *self, PyObject *unused) {
     return PyBool_FromLong(cpu_supported());
 }
@@ -431,6 +620,15 @@ static PyMethodDef methods[] = {
      "attend(q, k, v, nh, nkv, scale, o): causal GQA attention of one sequence's last T rows"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
      "rms_norm(x, w, eps, y): RMSNorm row by row"},
+    {"set_threads", py_set_threads, METH_O,
+     "set_threads(n): 2 lets a helper thread take half of every product of 2+ rows, 1 stops "
+     "it; returns the count in force"},
+    {"get_threads", py_get_threads, METH_NOARGS,
+     "get_threads(): the count in force (1 in a child forked after set_threads(2))"},
+    {"_helper_stats", py_helper_stats, METH_NOARGS,
+     "_helper_stats(): (units computed by the helper, units the caller redid for a late helper)"},
+    {"_helper_delay", py_helper_delay, METH_O,
+     "_helper_delay(ns): the helper sleeps ns after each claim (tests of a late helper)"},
     {"supported", py_supported, METH_NOARGS, "True if this CPU has AVX2 and FMA"},
     {NULL, NULL, 0, NULL},
 };

@@ -16,6 +16,12 @@ Why 1: a decode step of a small model is a chain of short products (our C kernel
 single-threaded, ``models/cpu_kernels.py``) and of short torch ops; extra OpenMP threads buy
 nothing on a quiet machine and cost half the speed or more as soon as another process uses a
 core (docs/perf.md, "CPU", has the measurements).
+The C kernels' products of 2+ rows (verification passes, batches, prefills) are the exception:
+one core does not overlap a multi-row product's FMAs with its memory reads, so they take a helper
+thread on a second CPU (``cpu_kernels.set_threads``, ``kernel_threads``): 2 whenever the engine's
+count is 2 or more, and also with ``cpu_threads=None`` where 2+ CPUs are available. The helper
+sleeps between products and never holds up its caller for more than the unit of work it is
+late with, so a busy machine costs it nothing over one thread (docs/perf.md, "CPU").
 The GPU engine leaves the count alone (its host thread only launches work).
 """
 
@@ -27,6 +33,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+from speculant.models import cpu_kernels
 
 logger = logging.getLogger("speculant")
 
@@ -75,15 +83,28 @@ def resolve_cpu_threads(requested: int | None) -> tuple[int | None, str]:
     return auto_cpu_threads(), "automatic (cpu_threads=None)"
 
 
+def kernel_threads(requested: int | None, torch_count: int) -> int:
+    """Threads of the C kernels' multi-row products for ``EngineConfig.cpu_threads``: 2 when
+    torch's count in force is 2+, or when the choice is automatic (None) and 2+ CPUs are
+    available; else 1 (an explicit ``cpu_threads=1``, a user's one-thread setting)."""
+    auto = requested is None and user_setting() is None
+    return 2 if torch_count >= 2 or (auto and available_cpus() >= 2) else 1
+
+
 def apply_cpu_threads(requested: int | None) -> int:
-    """Set torch's thread count for a CPU engine (process-wide); returns the count in force."""
+    """Set torch's thread count for a CPU engine (process-wide) and the C kernels' (2 or 1,
+    ``kernel_threads``); returns torch's count in force."""
     global _applied
     n, why = resolve_cpu_threads(requested)
+    kernels = kernel_threads(requested, torch.get_num_threads() if n is None else n)
     if n is not None and n != torch.get_num_threads():
         torch.set_num_threads(n)
     if n is not None:
         _applied = n
-    logger.info("CPU threads: %d (%s)", torch.get_num_threads(), why)
+    if cpu_kernels.available():
+        kernels = cpu_kernels.set_threads(kernels)
+    logger.info("CPU threads: %d (%s); C kernels' multi-row products: %d", torch.get_num_threads(),
+                why, kernels)
     return torch.get_num_threads()
 
 
