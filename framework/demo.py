@@ -195,9 +195,7 @@ def run_demo(model: str | None = None, max_tokens: int = 128, k: int | None = No
     threads = base.engine.cpu_threads
     where = str(base.engine.device)
     if threads:
-        from speculant.models import cpu_kernels
-
-        helper = cpu_kernels.available() and cpu_kernels.threads() > 1
+        helper = (getattr(base.engine, "cpu_kernel_threads", None) or 1) > 1
         where = (f"CPU, {threads} thread{'s' if threads != 1 else ''}"
                  + (", products of 2+ rows on 2" if helper else ""))
         threads = max(threads, 2) if helper else threads

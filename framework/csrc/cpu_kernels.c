@@ -147,6 +147,8 @@ static TARGET void gemm_unit(const float *x, long T, long ldx, const float *wb, 
 #define MAX_UNITS 8192
 #define XCAP (4L << 20)  /* floats of x the helper can take (T * in): 16 MiB */
 #define SCAP (8L << 20)  /* floats of helper output (units * T * 16 g): 32 MiB */
+#define MIN_SHARED (1L << 20) /* multiply-adds (T * in * out) below which a product runs alone:
+                               * waking the helper (~10-50 us) costs more than it saves */
 #define HELPER_SPINS 256 /* pauses (a few us) before the helper sleeps until the next call */
 
 typedef struct {
@@ -244,7 +246,7 @@ static TARGET void spec_gemm(const float *x, long T, long ldx, const float *wb, 
     const long g = unit_blocks(T), nb = (out + BW - 1) / BW, nu = (nb + g - 1) / g;
     const long ly = T * g * BW;
     int expected = 0;
-    if (T < 2 || nu < 2 || nu > MAX_UNITS || T * in > XCAP || nu * ly > SCAP ||
+    if (T < 2 || nu < 2 || T * in * out < MIN_SHARED || nu > MAX_UNITS || T * in > XCAP || nu * ly > SCAP ||
         atomic_load_explicit(&pool_threads, memory_order_relaxed) < 2 ||
         !atomic_compare_exchange_strong(&pool_busy, &expected, 1)) { /* one thread */
         for (long u = 0; u < nu; u++)

@@ -27,7 +27,7 @@ from speculant.engine.sequence import SeedStream, Sequence
 from speculant.engine.spec_decode import SpecDecoder
 from speculant.engine.target import DecodeStep
 from speculant.engine.tp_runner import TPRunner
-from speculant.models import batch_invariant
+from speculant.models import batch_invariant, cpu_kernels
 from speculant.models.loader import load_config, load_model, load_tokenizer, resolve_model
 from speculant.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecMetrics
 from speculant.sampling_params import SamplingParams
@@ -56,8 +56,10 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device()
         self.cpu_threads = None  # torch's thread count a CPU engine runs with (process-wide)
+        self.cpu_kernel_threads = None  # the C kernels' for products of 2+ rows (1 or 2)
         if self.device.type == "cpu":  # before loading: load-time timings use it
             self.cpu_threads = apply_cpu_threads(config.cpu_threads)
+            self.cpu_kernel_threads = cpu_kernels.threads()
         folder = resolve_model(config.model)
         self.model_path = folder
         self.hf_config = load_config(folder)
