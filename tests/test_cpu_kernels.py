@@ -166,6 +166,29 @@ def test_a_late_helper_costs_only_its_unit(gemm_threads):
         assert np.array_equal(ck.gemm(x, wb, 4096), r)
 
 
+def test_freeing_a_weight_waits_for_a_late_helper(gemm_threads):
+    """A helper late with a unit still reads that call's weight: freeing a blocked weight first
+    waits until the helper holds no unit (``quiesce``, a finalizer of ``block_weight``'s array),
+    so a model can be dropped right after a product."""
+    import gc
+
+    gemm_threads(2)
+    ext = ck._require()
+    rng = np.random.default_rng(6)
+    for _ in range(10):
+        w = torch.from_numpy(_rand(rng, 2048, 576))
+        wb = ck.block_weight(w)
+        ext._helper_delay(3_000_000)  # the helper sleeps 3 ms holding a unit of this weight
+        x = _rand(rng, 5, 576)
+        y = ck.gemm(x, wb, 2048)
+        ref = x.astype(np.float64) @ w.numpy().T.astype(np.float64)
+        del wb, w
+        gc.collect()  # the finalizer waits for the helper: no read of freed memory
+        ext._helper_delay(0)
+        np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-3)
+    ext.quiesce()  # returns at once: the helper holds nothing now
+
+
 def test_a_forked_child_runs_on_one_thread(gemm_threads):
     """The helper thread does not survive fork(): the child's products run on its one thread,
     with the same results."""

@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -141,7 +142,9 @@ static TARGET void gemm_unit(const float *x, long T, long ldx, const float *wb, 
  *   unit is computed again by the caller (the same FMA chains, so the same bits); a late helper
  *   then writes only scratch of a finished call, and its next claim fails on the epoch;
  * - between calls the helper sleeps on a futex after a few microseconds of spinning, so it takes
- *   no CPU from other processes while the caller runs one-row products or Python.
+ *   no CPU from other processes while the caller runs one-row products or Python;
+ * - a late helper may still read a finished call's weights: quiesce() waits until it holds no
+ *   unit, and models/cpu_kernels.py calls it before a blocked weight is freed.
  * The outputs are those of the one-thread path bit for bit (each output's FMA chain is the same
  * whoever computes it). */
 #define MAX_UNITS 8192
@@ -161,6 +164,7 @@ static _Atomic uint32_t epoch, done[MAX_UNITS];  /* done[u]: the epoch whose uni
 static _Atomic int pool_threads = 1, helper_sleeping, pool_busy;
 static int helper_running;
 static _Atomic long helper_units, redone_units, helper_delay_ns; /* stats; a test's delay */
+static _Atomic int helper_active; /* set while the helper may read a call's weights */
 static float *xbuf, *scratch;
 
 static long now_ns(void) {
@@ -196,6 +200,7 @@ static void *helper_main(void *arg) {
             break;
         }
         seen = e;
+        atomic_store(&helper_active, 1); /* before its claims: quiesce() sees it (or no claim) */
         const Job j = job; /* a torn copy (a newer call being posted) is never used: its claims fail */
         const long ly = j.T * j.g * BW;
         long u;
@@ -210,6 +215,7 @@ static void *helper_main(void *arg) {
             atomic_store_explicit(&done[u], e, memory_order_release);
             atomic_fetch_add_explicit(&helper_units, 1, memory_order_relaxed);
         }
+        atomic_store(&helper_active, 0);
     }
     return NULL;
 }
@@ -254,7 +260,11 @@ static TARGET void spec_gemm(const float *x, long T, long ldx, const float *wb, 
         return;
     }
     for (long t = 0; t < T; t++) memcpy(xbuf + t * in, x + t * ldx, in * sizeof(float));
-    const uint32_t e = atomic_load(&epoch) + 1;
+    uint32_t e = atomic_load(&epoch) + 1;
+    if (e == 0) { /* wrapped: no stale done[] may equal a new epoch */
+        for (long i = 0; i < MAX_UNITS; i++) atomic_store(&done[i], 0);
+        e = 1;
+    }
     job = (Job){wb, bias, T, in, out, nu, g};
     atomic_store(&claim, (uint64_t)e << 32);
     atomic_store(&epoch, e);
@@ -594,6 +604,15 @@ static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
     return PyLong_FromLong(pool_set_threads((int)n));
 }
 
+/* quiesce(): returns once the helper holds no unit, so weights may be freed: a helper that was
+ * descheduled while holding a unit of a finished call still reads that call's weights. */
+static PyObject *py_quiesce(PyObject *self, PyObject *unused) {
+    Py_BEGIN_ALLOW_THREADS
+    while (atomic_load(&helper_active)) sched_yield();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_get_threads(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(atomic_load(&pool_threads));
 }
@@ -625,6 +644,8 @@ static PyMethodDef methods[] = {
     {"set_threads", py_set_threads, METH_O,
      "set_threads(n): 2 lets a helper thread take half of every product of 2+ rows, 1 stops "
      "it; returns the count in force"},
+    {"quiesce", py_quiesce, METH_NOARGS,
+     "quiesce(): wait until the helper thread holds no unit (before weights are freed)"},
     {"get_threads", py_get_threads, METH_NOARGS,
      "get_threads(): the count in force (1 in a child forked after set_threads(2))"},
     {"_helper_stats", py_helper_stats, METH_NOARGS,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,8 +55,9 @@ def generate_replies(model: str | None, prompts: list[Prompt], max_new_tokens: i
     """(prompt ids, greedy reply ids) of every prompt, as a chat turn, by speculant's engine.
 
     ``workers`` > 1 on the CPU: that many engine processes each reply to every
-    ``workers``-th prompt. A CPU engine decodes on one core (its C products are
-    single-threaded), so on N idle cores N processes reply ~N times as fast, and the replies are
+    ``workers``-th prompt, each on one thread (``OMP_NUM_THREADS=1``: no helper thread for the
+    C kernels, the processes already fill the cores), so on N idle cores N processes reply ~N
+    times as fast as one thread, and the replies are
     the same: a CPU forward is batch-invariant, so a sequence's tokens do not depend on which
     other sequences share its batches (tests/test_training.py checks)."""
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
@@ -92,7 +94,8 @@ def _replies_in_processes(model: str | None, prompts: list[Prompt], max_new_toke
                                            "prompts": [[p.category, p.text]
                                                        for p in prompts[w::workers]]}))
                 procs.append(subprocess.Popen([sys.executable, "-m", "speculant.training.data",
-                                               str(job), str(job.with_suffix(".out"))]))
+                                               str(job), str(job.with_suffix(".out"))],
+                                              env={**os.environ, "OMP_NUM_THREADS": "1"}))
             codes = [p.wait() for p in procs]
         finally:  # interrupted (Ctrl-C, an error): no worker outlives the call
             for p in procs:
