@@ -157,8 +157,10 @@ static TARGET void gemm_unit(const float *x, long T, long ldx, const float *wb, 
 typedef struct {
     const float *wb, *bias;
     long T, in, out, nu, g;
+    uint32_t e; /* the call's epoch */
 } Job;
-static Job job;                                  /* written by the caller before the epoch */
+static Job job;                /* written by the caller before the epoch, under job_seq */
+static _Atomic uint32_t job_seq; /* a seqlock: odd while the caller writes job */
 static _Atomic uint64_t claim;                   /* epoch << 32 | next unit */
 static _Atomic uint32_t epoch, done[MAX_UNITS];  /* done[u]: the epoch whose unit u is in scratch */
 static _Atomic int pool_threads = 1, helper_sleeping, pool_busy;
@@ -201,7 +203,14 @@ static void *helper_main(void *arg) {
         }
         seen = e;
         atomic_store(&helper_active, 1); /* before its claims: quiesce() sees it (or no claim) */
-        const Job j = job; /* a torn copy (a newer call being posted) is never used: its claims fail */
+        Job j;
+        uint32_t s0;
+        do { /* a consistent copy: never one torn by the next call being posted */
+            s0 = atomic_load_explicit(&job_seq, memory_order_acquire);
+            j = job;
+            atomic_thread_fence(memory_order_acquire);
+        } while ((s0 & 1) || s0 != atomic_load_explicit(&job_seq, memory_order_relaxed));
+        if (j.e != e) j.nu = 0; /* a newer call's job: call e is over, claim nothing */
         const long ly = j.T * j.g * BW;
         long u;
         while ((u = claim_unit(e, j.nu)) >= 0) {
@@ -224,6 +233,8 @@ static void pool_after_fork(void) { /* the child has no helper thread */
     helper_running = 0;
     atomic_store(&pool_threads, 1);
     atomic_store(&pool_busy, 0);
+    atomic_store(&helper_active, 0);
+    atomic_store(&helper_sleeping, 0);
 }
 
 static int pool_set_threads(int n) {
@@ -265,7 +276,10 @@ static TARGET void spec_gemm(const float *x, long T, long ldx, const float *wb, 
         for (long i = 0; i < MAX_UNITS; i++) atomic_store(&done[i], 0);
         e = 1;
     }
-    job = (Job){wb, bias, T, in, out, nu, g};
+    atomic_fetch_add_explicit(&job_seq, 1, memory_order_relaxed); /* odd: writing */
+    atomic_thread_fence(memory_order_release);
+    job = (Job){wb, bias, T, in, out, nu, g, e};
+    atomic_fetch_add_explicit(&job_seq, 1, memory_order_release); /* even: written */
     atomic_store(&claim, (uint64_t)e << 32);
     atomic_store(&epoch, e);
     if (atomic_load(&helper_sleeping)) syscall(SYS_futex, &epoch, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
