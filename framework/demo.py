@@ -15,9 +15,9 @@ How it times (the same work for both sides, so the comparison stays honest on a 
   flagged as such, never hidden;
 * every run is timed by the wall clock and by the CPU time the process used. The figures are
   wall-clock ones, unless the engine runs one thread (torch's and the C kernels') and the
-  process got less than ``STARVED``
-  of a CPU over the runs (more CPU-bound processes than cores: a run's wall time is then mostly
-  waiting for a core, in bursts that no number of repeats evens out); then they are CPU times,
+  process got less than ``STARVED`` of a CPU over the runs (more CPU-bound processes than cores:
+  a run's wall time is then mostly waiting for a core, in bursts that no number of repeats
+  evens out); then they are CPU times,
   the same work on both sides and what it takes on a free core, and the output says so and
   gives the wall-clock figures too.
 

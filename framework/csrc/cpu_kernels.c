@@ -131,7 +131,7 @@ static TARGET void gemm_unit(const float *x, long T, long ldx, const float *wb, 
  * Measured on a 2-core EPYC VM (docs/perf.md, "CPU"): one core streams a one-row product at the
  * memory's speed, but with 5 rows its FMAs and its loads do not overlap (a 5-row pass over
  * SmolLM2-135M's weights took 1.5-1.8x the one-row time); a second core taking half of the units
- * brings it to ~1.05x. Design rules, so that a busy or descheduled helper never costs more than
+ * brings it to ~1.0-1.15x. Design rules, so that a busy or descheduled helper never costs more than
  * the work it holds (with both cores busy elsewhere, products took what they take on one thread):
  * - units are claimed one at a time from one atomic word (epoch << 32 | next unit), by the caller
  *   and by the helper; the caller never waits for the helper to start;

@@ -12,8 +12,8 @@ the engine leaves it alone:
   since an engine last set it (a count set before that import cannot be told from torch's
   default: pass ``cpu_threads`` for it).
 
-Why 1: a decode step of a small model is a chain of short products (our C kernels are
-single-threaded, ``models/cpu_kernels.py``) and of short torch ops; extra OpenMP threads buy
+Why 1: a decode step of a small model is a chain of short products (our C kernels run a one-row
+product on the calling thread, ``models/cpu_kernels.py``) and of short torch ops; extra OpenMP threads buy
 nothing on a quiet machine and cost half the speed or more as soon as another process uses a
 core (docs/perf.md, "CPU", has the measurements).
 The C kernels' products of 2+ rows (verification passes, batches, prefills) are the exception:

@@ -8,8 +8,8 @@ it streams each block once and multiplies it with up to 6 rows in registers (6 r
 row). Products of 2+ rows can share their blocks with a helper thread on a second CPU
 (``set_threads(2)``, chosen by ``EngineConfig.cpu_threads``): one core does not overlap a
 multi-row product's FMAs with its memory reads, two do (a 5-row pass over SmolLM2-135M's weights
-1.5-1.8x the one-row time on one thread, ~1.05x with the helper; docs/perf.md, "CPU"). The
-results are bit for bit those of one thread.
+1.35-1.75x the one-row time on one thread, ~1.0-1.15x with the helper; docs/perf.md, "CPU").
+The results are bit for bit those of one thread.
 
 All three are batch-invariant: a row's result is the same arithmetic whatever the other rows of
 the call (each GEMM output is one FMA chain over ``in``; each attention row runs over its own
