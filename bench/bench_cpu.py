@@ -17,7 +17,8 @@ checked for equality (ours plain == ours ngram == HF plain, token for token).
 
     python bench/bench_cpu.py --threads 1 [--repeats 3] [--max-tokens 64] [-k 10] [--only engine|ngram]
 
-Writes bench/results/cpu_engine.json, cpu_ngram.json and cpu_bench.png; with torch threads other
+Writes bench/results/cpu_engine.json, cpu_ngram.json and the figure docs/cpu_bench.png (``--out``
+holds all three when given); with torch threads other
 than 1 (``--threads 2``, or torch's default on a machine with more cores) the names get a suffix,
 e.g. cpu_engine_2threads.json, so the 1-thread figures stay next to them.
 """
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DOCS = Path(__file__).resolve().parent.parent / "docs"  # the figure
 
 PLAIN_PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -422,7 +424,7 @@ def main() -> int:
         engine = json.loads((out / f"cpu_engine{sfx}.json").read_text())
     if ngram is None and (out / f"cpu_ngram{sfx}.json").exists():
         ngram = json.loads((out / f"cpu_ngram{sfx}.json").read_text())
-    plot(engine, ngram, out / f"cpu_bench{sfx}.png")
+    plot(engine, ngram, (DOCS if out == RESULTS else out) / f"cpu_bench{sfx}.png")
     print("\nsummary")
     if engine:
         if "bandwidth" in engine:

@@ -15,7 +15,8 @@ demo's prompts, on the embedded SmolLM2-135M-Instruct (fp32).
 
     python bench/cpu_threads.py [--repeats 3] [--max-tokens 128] [--only products|engine]
 
-Writes bench/results/cpu_threads.json and cpu_threads.png (docs/perf.md, "CPU").
+Writes bench/results/cpu_threads.json and the figure docs/cpu_threads.png (docs/perf.md, "CPU";
+``--out`` holds both when given).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DOCS = Path(__file__).resolve().parent.parent / "docs"  # the figures
 GEOMETRY = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 ROWS = (1, 2, 3, 4, 5, 6, 8)
 
@@ -184,8 +186,9 @@ def main() -> int:
         print("identical to plain:", res["engine"]["identical_to_plain"])
     res["loadavg_1_5_15_at_end"] = os.getloadavg()
     (out / "cpu_threads.json").write_text(json.dumps(res, indent=1))
-    plot(res, out / "cpu_threads.png")
-    print(f"wrote {out / 'cpu_threads.json'} and cpu_threads.png")
+    fig = (DOCS if out == RESULTS else out) / "cpu_threads.png"
+    plot(res, fig)
+    print(f"wrote {out / 'cpu_threads.json'} and {fig}")
     return 0
 
 

@@ -84,15 +84,6 @@ def block_weight(w: torch.Tensor, out: torch.Tensor | None = None) -> np.ndarray
         raise ValueError(f"block_weight needs a 2-D float32 weight, got {tuple(w.shape)} {w.dtype}")
     o, i = w.shape
     nb = -(-o // BLOCK)
-    if _ext or _load():  # freed only once the helper thread holds no unit that reads it
-        arr = _block(w, o, i, nb, out)
-        weakref.finalize(arr, _ext.quiesce)
-        return arr
-    return _block(w, o, i, nb, out)
-
-
-def _block(w: torch.Tensor, o: int, i: int, nb: int, out: torch.Tensor | None) -> np.ndarray:
-    """``block_weight``'s copy: [nb, i, 16] float32, in ``out``'s bytes if given."""
     if out is None:
         dst = torch.empty(nb, i, BLOCK, dtype=torch.float32)
     else:
@@ -104,7 +95,10 @@ def _block(w: torch.Tensor, o: int, i: int, nb: int, out: torch.Tensor | None) -
     if full < nb:
         dst[full].zero_()
         dst[full, :, : o - full * BLOCK].copy_(w[full * BLOCK :].t())
-    return dst.numpy()
+    arr = dst.numpy()
+    if _ext or _load():  # freed only once the helper thread holds no unit that reads it
+        weakref.finalize(arr, _ext.quiesce)
+    return arr
 
 
 def blocked_nbytes(w: torch.Tensor) -> int:
