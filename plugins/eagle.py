@@ -306,6 +306,19 @@ class _EagleBase(HeadStrategy):
             return self.hot.greedy(x)  # [rows, N] -> [rows]
         return row_argmax(self.target.compute_logits(x))  # [rows, vocab] -> [rows]
 
+    def _draft_space(self, x: torch.Tensor) -> torch.Tensor:  # [rows, H] -> [rows, N] fp32
+        """The logits the drafts come from: the hot ones with a token map, else the full row."""
+        return (self.hot.small(x) if self.hot is not None else self.target.compute_logits(x)).float()
+
+    def _pick(self, small: torch.Tensor) -> torch.Tensor:  # [rows, N] -> [rows] int64 token ids
+        return hot_argmax(small, self.hot.ids) if self.hot is not None else row_argmax(small)
+
+    def greedy_confidence(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``greedy(x)`` [rows], the head's probability of that token [rows] float32: the
+        softmax of the logits it comes from, ``_draft_space``), for ``confidence_stop``."""
+        small = self._draft_space(x)  # [rows, N]
+        return self._pick(small), torch.softmax(small, dim=-1).amax(dim=-1)
+
     # ----------------------------------------------------------------- DraftHead
     def catch_up(self, ids, feats, positions, fctx: ForwardContext) -> torch.Tensor:
         return self.draft(self._embed(ids), feats, positions, fctx, True)  # [rows, H]
@@ -424,7 +437,12 @@ class Eagle3Strategy(_EagleBase):
     def _greedy(self, x: torch.Tensor) -> torch.Tensor:  # [rows, H] -> [rows] int64 token ids
         """``row_argmax(self._logits(x))`` over the draft vocabulary only, mapped to target ids
         (``hot_argmax``), when the target ids ascend; else through the full row."""
-        small = self._draft_logits(x)  # [rows, draft_vocab]
+        return self._pick(self._draft_logits(x))  # [rows, draft_vocab] -> [rows]
+
+    def _draft_space(self, x: torch.Tensor) -> torch.Tensor:  # [rows, H] -> [rows, Vd] fp32
+        return self._draft_logits(x)
+
+    def _pick(self, small: torch.Tensor) -> torch.Tensor:  # [rows, Vd] -> [rows] int64 token ids
         if self.identity_vocab:
             return row_argmax(small)
         if self.ascending_targets:

@@ -126,6 +126,7 @@ class Reference:
     def drafts(self, tokens: list[int], k: int) -> list[tuple[int, float]]:
         """(draft token, margin between the best and second-best draft logit) for k steps."""
         hf, t = self.hf, self.t
+        self.top_probs: list[float] = []  # the head's probability of each draft (softmax)
         ids = torch.tensor([tokens[:-1]])
         out = hf.model(ids, output_hidden_states=True)
         embed = hf.model.embed_tokens.weight  # [V, H]
@@ -147,6 +148,7 @@ class Reference:
             top = logits.topk(2)
             tok = int(top.indices[0])
             res.append((tok, float(top.values[0] - top.values[1])))
+            self.top_probs.append(float(torch.softmax(logits, -1)[tok]))
             seq.append(tok)
             hid = torch.cat([hid, x[-1:]])
         return res
@@ -390,6 +392,68 @@ def test_prompt_lookup_options_and_one_hot_rows():
     assert torch.equal(merged.probs[1], torch.eye(5)[[3, 4, 0]])
     greedy = merge_lookups(Proposal(token_ids=[[], [7]]), {0: [5]})
     assert greedy.token_ids == [[5], [7]] and greedy.probs is None
+
+
+# thresholds that cut these random heads' chains at different lengths (their drafts' top
+# probabilities differ widely: a 64-token vocabulary, EAGLE-3's own sharper head)
+@pytest.mark.parametrize("which, stop", [("eagle-safetensors", 0.05), ("eagle3-safetensors", 0.9)])
+def test_confidence_stop(small_target, ckpts, prompts, reference, which, stop):
+    """``confidence_stop``: each chain keeps the drafts whose running product of the head's top
+    probabilities stays >= the threshold (checked against the float64 reference head, skipping
+    products within 1e-3 of it and near ties), so chains of several lengths happen (none: a
+    plain step); greedy output stays plain decoding's, alone and in a batch of 8."""
+    version = 3 if which.startswith("eagle3") else 1
+    k = 3
+    spec = {"model": str(ckpts[which]), "num_speculative_tokens": k, "confidence_stop": stop}
+    for bs in (1, 8):
+        llm = LLM(model=str(small_target), skip_tokenizer_init=True, max_num_seqs=8,
+                  speculative_config=spec)
+        seen = spy_proposals(llm)
+        assert generate_ids(llm, prompts[:bs], greedy_params(bs)) == reference[:bs]
+    ref = Reference(small_target, ckpts[which], version)
+    lengths, checked = set(), 0
+    for token_lists, drafts in seen:
+        for toks, got in zip(token_lists, drafts):
+            want = ref.drafts(toks, k)
+            run, kept, near = 1.0, 0, False
+            for (w, margin), p in zip(want, ref.top_probs):
+                run *= p
+                near |= abs(run - stop) < 1e-3 or margin < 1e-3
+                if run < stop:
+                    break
+                kept += 1
+            if near:
+                continue
+            assert got == [w for w, _ in want[:kept]], (toks, got, want, ref.top_probs)
+            lengths.add(len(got))
+            checked += 1
+    assert checked > 30 and 0 in lengths and len(lengths) >= 2, (checked, lengths)
+    m = llm.get_metrics()
+    assert m.num_draft_tokens < k * m.num_spec_steps
+
+
+def test_confidence_stop_sampled_and_options(small_target, ckpts, prompts):
+    """Sampled rows stop by the same rule (their chains shorten and the run finishes, seeded
+    output reproducible); the option must lie in (0, 1)."""
+    from pydantic import ValidationError
+
+    spec = {"model": str(ckpts["eagle-safetensors"]), "num_speculative_tokens": 3,
+            "confidence_stop": 0.05}
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=n)
+              for i, n in enumerate(MAX_TOKENS[:4])]
+    outs = []
+    for _ in range(2):
+        llm = LLM(model=str(small_target), skip_tokenizer_init=True, max_num_seqs=8,
+                  speculative_config=spec)
+        seen = spy_proposals(llm)
+        outs.append(generate_ids(llm, prompts[:4], params))
+        lens = {len(d) for _, drafts in seen for d in drafts}
+        assert len(lens) > 1 and max(lens) <= 3, lens
+    assert outs[0] == outs[1]
+    Config = get_strategy("eagle").Config
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ValidationError, match="confidence_stop"):
+            Config(model="x", confidence_stop=bad)
 
 
 def test_method_inference_from_path(ckpts, tmp_path):

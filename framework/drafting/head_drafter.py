@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,10 +48,12 @@ from speculant.drafting import head_graph
 from speculant.drafting.graphs import GraphCache, to_device_async
 from speculant.drafting.kv_cache import DraftKVCache, SeqCache, cache_slot
 from speculant.drafting.lookup import NgramIndex, check_lookup_range
-from speculant.drafting.sampling import DraftSampler, split_drafts
+from speculant.drafting.sampling import DraftSampler, row_argmax, split_drafts
 from speculant.hookspecs import Strategy
 from speculant.models.attention import AttentionMetadata, ForwardContext
 from speculant.spec_types import Proposal, SpecBatch, StrategyContext
+
+logger = logging.getLogger("speculant")
 
 
 class DraftHead(Protocol):
@@ -90,6 +93,10 @@ class DraftHead(Protocol):
         """Draft states [rows, H] -> [rows] int64 token ids: ``row_argmax(logits(x))``, ties
         included (it may skip the full-vocabulary row, e.g. ``hot_argmax``)."""
         ...
+
+    # optional: a head may define ``greedy_confidence(x) -> (tokens [rows] int64, top [rows]
+    # float32)``, ``greedy(x)`` and the probability the head gives that token (softmax of its
+    # logits). Only ``confidence_stop`` calls it; without it the drafter uses ``logits(x)``.
 
 
 @dataclass
@@ -158,6 +165,14 @@ class HeadDrafter:
         self.graph_width = -(-(max_positions + 1) // cache.block_size) + 1
         # tree mode (speculant.drafting.HeadTreeDrafter): propose its trees instead of chains
         self.tree: Any = None
+        # the head's HeadOptions.confidence_stop: an eager chain stops a row once the product
+        # of its drafts' top probabilities falls under it (None: every row drafts its k)
+        self.confidence_stop: float | None = getattr(
+            getattr(head, "config", None), "confidence_stop", None)
+        if self.confidence_stop is not None and self.graphs.enabled:
+            logger.info("%s: confidence_stop applies to eager draft chains; greedy proposes "
+                        "captured as CUDA graphs draft all k (enforce_eager=True applies it)",
+                        self.name)
 
     def plan(self, batch: SpecBatch, ahead: int | None = None) -> tuple[list[CatchUp], int]:
         """The sequences of ``batch`` that catch up (their cache reserved up to the last
@@ -213,6 +228,7 @@ class HeadDrafter:
         sampler = DraftSampler(
             [batch.seqs[p.i] for p in rows], [p.k for p in rows], self.generator, feats.device
         )
+        ks = [p.k for p in rows]
         if sampler.all_greedy and self.graphs.enabled and len(rows) <= 256:
             toks = head_graph.chain_greedy(self, x, rows, K)  # [len(rows), K]
         else:
@@ -220,9 +236,11 @@ class HeadDrafter:
             ints = stage_ints([head_graph.chain_ints(rows, K, len(rows), W, bs)], feats.device)
             ctx_lists = [[p.n - p.st.offset + j for p in rows] for j in range(K - 1)]
             choose = None if sampler.all_greedy else sampler  # all greedy: no q to keep
-            toks = self.chain(ints[0], x, K, W, choose, ctx_lists)  # [len(rows), K]
+            toks, kept = self.chain(ints[0], x, K, W, choose, ctx_lists,
+                                    stop=self.confidence_stop)  # [len(rows), <= K]
+            ks = [min(k, c) for k, c in zip(ks, kept)]
         ids = [p.i for p in rows]
-        drafts = split_drafts(toks, ids, [p.k for p in rows], B, self.graphs)
+        drafts = split_drafts(toks, ids, ks, B, self.graphs)
         return Proposal(token_ids=drafts, probs=sampler.probs(ids, B, self.ctx.vocab_size))
 
     def catch_up(
@@ -276,9 +294,16 @@ class HeadDrafter:
         W: int,
         sampler: DraftSampler | None,  # None: every row greedy
         ctx_lists: list[list[int]] | None = None,  # context lengths per step (torch attention)
-    ) -> torch.Tensor:  # [Bp, K] draft tokens
+        stop: float | None = None,  # confidence_stop
+    ) -> tuple[torch.Tensor, list[int]]:  # [Bp, steps run] draft tokens, drafts kept per row
         """K draft steps from the draft states ``x``: each step's tokens are ``sampler``'s choice
-        from the head's full-vocabulary logits, or with no sampler the head's ``greedy``."""
+        from the head's full-vocabulary logits, or with no sampler the head's ``greedy``.
+
+        With ``stop``, row r keeps only its first ``kept[r]`` drafts: those whose running
+        product of top probabilities (the softmax of the head's logits, temperature 1, at the
+        token it would draft greedily) stays >= ``stop``. The steps end once every row has
+        stopped (one host read per step). The rule reads only the head's outputs, never the
+        target's, so verification stays lossless. Without ``stop``, ``kept`` is K per row."""
         Bp, S, bs = x.shape[0], K - 1, self.cache.block_size
         o = 3 * S * Bp
         pos = ints[: S * Bp].view(S, Bp)
@@ -287,12 +312,28 @@ class HeadDrafter:
         qsl = ints[o : o + Bp + 1].to(torch.int32)
         tables = ints[o + Bp + 1 : o + Bp + 1 + Bp * W].view(Bp, W).to(torch.int32)
         out = []
+        kept = [K] * Bp
+        run = torch.ones(Bp, device=x.device) if stop is not None else None  # [Bp] product
         for j in range(K):
+            top = None
             if sampler is None:
-                tok = self.head.greedy(x)  # [Bp]
+                if run is None:
+                    tok = self.head.greedy(x)  # [Bp]
+                else:
+                    tok, top = self._greedy_confidence(x)  # [Bp], [Bp]
             else:
-                tok = sampler(j, self.head.logits(x))  # [Bp]
+                logits = self.head.logits(x)  # [Bp, vocab]
+                tok = sampler(j, logits)  # [Bp]
+                if run is not None:
+                    top = torch.softmax(logits.float(), dim=-1).amax(dim=-1)  # [Bp]
             out.append(tok)
+            if run is not None:
+                run = run * top
+                for r, low in enumerate((run < stop).tolist()):
+                    if low and kept[r] == K:
+                        kept[r] = j  # this draft and the later ones are dropped
+                if max(kept) < K:
+                    break
             if j + 1 == K:
                 break
             meta = AttentionMetadata(
@@ -306,7 +347,17 @@ class HeadDrafter:
             )
             fctx = ForwardContext(meta=meta, kv_caches=self.cache.kv_caches)
             x = self.head.step(tok, x, pos[j], fctx)  # [Bp, H]
-        return torch.stack(out, dim=1)  # [Bp, K]
+        return torch.stack(out, dim=1), kept  # [Bp, steps run]
+
+    def _greedy_confidence(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft states [rows, H] -> (greedy tokens [rows] int64, their probability under the
+        head [rows] float32): the head's ``greedy_confidence`` when it has one, else from
+        ``logits(x)``."""
+        own = getattr(self.head, "greedy_confidence", None)
+        if own is not None:
+            return own(x)
+        logits = self.head.logits(x).float()  # [rows, vocab]
+        return row_argmax(logits), torch.softmax(logits, dim=-1).amax(dim=-1)
 
     def capture_graphs(self, max_num_seqs: int, progress: bool) -> int:
         """The ``capture_graphs`` hook: the one-graph greedy proposes and draft-step chains of
@@ -344,6 +395,16 @@ class HeadOptions(BaseModel):
         "instead of the head's drafts; None: the head's drafts only",
     )
     prompt_lookup_max: int = Field(4, ge=1, le=64, description="longest n-gram looked up")
+    confidence_stop: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="stop a sequence's draft chain once the product of its drafts' "
+        "probabilities under the head (the top probability of each step) falls under this: "
+        "fewer draft steps and verification rows where the head is unsure (applies where the "
+        "chain runs eagerly: the CPU, or enforce_eager; a CUDA-graph propose drafts all k). "
+        "None: every chain drafts num_speculative_tokens",
+    )
 
     @model_validator(mode="after")
     def _lookup_order(self) -> HeadOptions:

@@ -192,7 +192,7 @@ def chain_entry(drafter: HeadDrafter, Bp: int, K: int, W: int):
 
     def fn(ints, xs, host):
         pinned_copy(host, ints)  # [n_ints] pinned -> device: the graph's first node
-        return drafter.chain(ints, xs, K, W, None)  # greedy
+        return drafter.chain(ints, xs, K, W, None)[0]  # greedy
 
     return key, bufs, fn
 
@@ -274,4 +274,4 @@ def propose_graph(
     x = gather_rows(out, last)  # [Bp, H] the draft state of each row's last position
     # greedy steps (no sampler): the head's greedy choice, which needs no full-vocabulary row
     # with a token map or a draft vocabulary
-    return drafter.chain(chain, x, K, W, None)
+    return drafter.chain(chain, x, K, W, None)[0]
