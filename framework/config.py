@@ -86,10 +86,10 @@ class EngineConfig(BaseModel):
         "(torch.set_num_threads: process-wide, every engine and torch op of the process); "
         "None: 1, the fastest for decoding small models on a quiet or a busy machine, unless "
         "OMP_NUM_THREADS / MKL_NUM_THREADS is set or torch.set_num_threads changed the count, "
-        "which is then kept (engine/cpu_threads.py). The C kernels' products of 2+ rows "
-        "(verification passes, batches, prefills) also take a helper thread on a second CPU "
-        "when the count is 2+, or when it is None and 2+ CPUs are available; 1 keeps them on one "
-        "thread. No effect on the GPU")
+        "which is then kept (engine/cpu_threads.py). The C kernels' products also take a "
+        "helper thread on a second CPU when the count is 2+, or when it is None and 2+ CPUs are "
+        "available (it keeps that CPU busy while requests run); 1 keeps them on one thread. "
+        "No effect on the GPU")
 
     @field_validator("dtype")
     @classmethod

@@ -24,9 +24,8 @@ How it times (the same work for both sides, so the comparison stays honest on a 
 On the CPU the engine runs with the thread count ``EngineConfig.cpu_threads`` chooses (1 unless
 the user set one, ``engine/cpu_threads.py``): with torch's default of one thread per core, a
 neighbour process on a 2-core machine made plain decoding ~2x slower and n-gram speculation come
-out at 0.72-0.96x of it. The C kernels' products of 2+ rows (verification passes, prefills) take
-a helper thread on a second CPU where there is one, for plain decoding's prefills as for
-speculation's passes (``cpu_kernels.set_threads``).
+out at 0.72-0.96x of it. The C kernels' products take a helper thread on a second CPU where there
+is one, for plain decoding as for speculation (``cpu_kernels.set_threads``).
 """
 
 from __future__ import annotations
@@ -147,7 +146,7 @@ DEFAULT_K = 5  # num_speculative_tokens of a method without its own (n-gram, a c
 def _method_config(method: str, k: int | None, base, scratch: Path) -> tuple[str, dict]:
     """(label, speculative_config) of one ``--methods`` entry, ``name`` or ``name=CHECKPOINT``.
     ``k`` None: a shipped head's own ``num_speculative_tokens`` (the draft steps it was trained
-    for), else ``DEFAULT_K``; a shipped head also gets its ``prompt_lookup_min``
+    for), else ``DEFAULT_K``; a shipped head also gets its ``prompt_lookup_min`` and ``confidence_stop``
     (``ShippedHead.demo_options``). ``medusa`` without a checkpoint runs untrained heads built here for
     the target (label ``medusa*``)."""
     from speculant.spec_registry.shipped import SHIPPED
@@ -197,7 +196,7 @@ def run_demo(model: str | None = None, max_tokens: int = 128, k: int | None = No
     if threads:
         helper = (getattr(base.engine, "cpu_kernel_threads", None) or 1) > 1
         where = (f"CPU, {threads} thread{'s' if threads != 1 else ''}"
-                 + (", products of 2+ rows on 2" if helper else ""))
+                 + (", the C kernels' products on 2" if helper else ""))
         threads = max(threads, 2) if helper else threads
     print(f"speculant demo: {len(prompts)} prompts, greedy, max_tokens={max_tokens}, one at a time "
           f"({where}); each prompt {repeats}x per configuration, interleaved, fastest run kept")
@@ -214,6 +213,9 @@ def run_demo(model: str | None = None, max_tokens: int = 128, k: int | None = No
             print(f"{label}: with prompt lookup (prompt_lookup_min {spec['prompt_lookup_min']}): "
                   "where the reply's last tokens occurred earlier, their continuation is drafted "
                   "instead of the head's")
+        if spec.get("confidence_stop"):
+            print(f"{label}: with a confidence stop ({spec['confidence_stop']}): a draft chain ends "
+                  "where the product of the head's probabilities for its drafts falls under it")
     if "medusa*" in methods:
         print("medusa*: untrained Medusa heads, random weights built for this model (no trained "
               "head given; --methods medusa=PATH runs one): their drafts are almost never "

@@ -24,6 +24,9 @@ class ShippedHead:
     # the prompt lookup ``speculant demo`` runs it with (the strategy's option of that name;
     # None: the head alone): copies of the prompt come from lookup, the rest from the head
     prompt_lookup_min: int | None = 2
+    # the confidence stop ``speculant demo`` runs it with (the option of that name; None: every
+    # chain drafts num_speculative_tokens): a chain ends where the head is unsure
+    confidence_stop: float | None = 0.25
 
     @property
     def demo_options(self) -> dict:
@@ -31,6 +34,8 @@ class ShippedHead:
         out: dict = {"num_speculative_tokens": self.num_speculative_tokens}
         if self.prompt_lookup_min is not None:
             out["prompt_lookup_min"] = self.prompt_lookup_min
+        if self.confidence_stop is not None:
+            out["confidence_stop"] = self.confidence_stop
         return out
 
     @property

@@ -118,7 +118,7 @@ def _products(rng, shapes, rows):
 
 
 def test_gemm_with_a_helper_thread_is_bit_for_bit_one_threads(gemm_threads):
-    """set_threads(2): products of 2+ rows share their units with a helper thread; every output
+    """set_threads(2): products (one row too) share their units with a helper thread; every output
     is the same FMA chain whoever computes it, so the result is one thread's bit for bit (and
     the helper did take part)."""
     rng = np.random.default_rng(3)

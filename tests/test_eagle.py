@@ -416,7 +416,7 @@ def test_confidence_stop(small_target, ckpts, prompts, reference, which, stop):
         for toks, got in zip(token_lists, drafts):
             want = ref.drafts(toks, k)
             run, kept, near = 1.0, 0, False
-            for (w, margin), p in zip(want, ref.top_probs):
+            for (_w, margin), p in zip(want, ref.top_probs):
                 run *= p
                 near |= abs(run - stop) < 1e-3 or margin < 1e-3
                 if run < stop:

@@ -254,11 +254,11 @@ def test_demo_methods(tmp_path, llama, prompts, reference):
         "eagle",
         {"method": "eagle", "num_speculative_tokens": 3, "model": "/x/head"},
     )
-    # a shipped head: its draft steps and its prompt lookup (ShippedHead.demo_options)
+    # a shipped head: its draft steps, prompt lookup and confidence stop (ShippedHead.demo_options)
     assert _method_config("eagle=smollm2-eagle", None, None, tmp_path) == (
         "smollm2-eagle",
         {"method": "eagle", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-         "model": "smollm2-eagle"},
+         "confidence_stop": 0.25, "model": "smollm2-eagle"},
     )
     base = SimpleNamespace(
         engine=SimpleNamespace(hf_config=SimpleNamespace(hidden_size=64), vocab_size=BIG_V)

@@ -127,11 +127,12 @@ static TARGET void gemm_unit(const float *x, long T, long ldx, const float *wb, 
         }
 }
 
-/* ---- A second core for products of 2+ rows (set_threads(2)) ----
- * Measured on a 2-core EPYC VM (docs/perf.md, "CPU"): one core streams a one-row product at the
- * memory's speed, but with 5 rows its FMAs and its loads do not overlap (a 5-row pass over
- * SmolLM2-135M's weights took 1.5-1.8x the one-row time); a second core taking half of the units
- * brings it to ~1.0-1.15x. Design rules, so that a busy or descheduled helper never costs more than
+/* ---- A second core for every product (set_threads(2)) ----
+ * Measured on a 2-core EPYC VM (docs/perf.md, "CPU"): one core streams a one-row product at
+ * ~17.5 GB/s, two cores at ~24.5 (a one-row pass over SmolLM2-135M's weights: 30.7 -> 21.9 ms),
+ * and with 5 rows one core's FMAs and loads do not overlap (1.5-1.8x the one-row time on one
+ * thread). So the caller and a helper thread share the units of every product of at least
+ * MIN_SHARED multiply-adds, one row included. Design rules, so that a busy or descheduled helper never costs more than
  * the work it holds (with both cores busy elsewhere, products took what they take on one thread):
  * - units are claimed one at a time from one atomic word (epoch << 32 | next unit), by the caller
  *   and by the helper; the caller never waits for the helper to start;
@@ -141,8 +142,11 @@ static TARGET void gemm_unit(const float *x, long T, long ldx, const float *wb, 
  * - a unit the helper claimed but has not finished after about the time the caller took per
  *   unit is computed again by the caller (the same FMA chains, so the same bits); a late helper
  *   then writes only scratch of a finished call, and its next claim fails on the epoch;
- * - between calls the helper sleeps on a futex after a few microseconds of spinning, so it takes
- *   no CPU from other processes while the caller runs one-row products or Python;
+ * - after a call the helper polls for the next one for HELPER_SPIN_NS (200 us), then sleeps on
+ *   a futex: a forward's products follow each other within tens of microseconds, so the helper
+ *   is awake at each one's start (a futex wake-up takes ~10-50 us; with 256 pauses of polling,
+ *   as first built, it slept between most products and a plain decode step ran at 27-30 tok/s
+ *   against 32-39 now), and between requests it takes no CPU from other processes;
  * - a late helper may still read a finished call's weights: quiesce() waits until it holds no
  *   unit, and models/cpu_kernels.py calls it before a blocked weight is freed.
  * The outputs are those of the one-thread path bit for bit (each output's FMA chain is the same
@@ -150,9 +154,9 @@ static TARGET void gemm_unit(const float *x, long T, long ldx, const float *wb, 
 #define MAX_UNITS 8192
 #define XCAP (4L << 20)  /* floats of x the helper can take (T * in): 16 MiB */
 #define SCAP (8L << 20)  /* floats of helper output (units * T * 16 g): 32 MiB */
-#define MIN_SHARED (1L << 20) /* multiply-adds (T * in * out) below which a product runs alone:
-                               * waking the helper (~10-50 us) costs more than it saves */
-#define HELPER_SPINS 256 /* pauses (a few us) before the helper sleeps until the next call */
+#define MIN_SHARED (1L << 18) /* multiply-adds (T * in * out) below which a product runs alone:
+                               * sharing its few blocks costs more than it saves */
+#define HELPER_SPIN_NS 200000L /* how long the helper polls for the next call before it sleeps */
 
 typedef struct {
     const float *wb, *bias;
@@ -190,8 +194,17 @@ static void *helper_main(void *arg) {
     uint32_t seen = atomic_load(&epoch);
     for (;;) {
         uint32_t e;
+        long t0 = -1;
         for (int n = 0; (e = atomic_load_explicit(&epoch, memory_order_acquire)) == seen; n++) {
-            if (n < HELPER_SPINS) {
+            if (n % 32) {
+                __builtin_ia32_pause();
+                continue;
+            }
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            const long now = ts.tv_sec * 1000000000L + ts.tv_nsec;
+            if (t0 < 0) t0 = now;
+            if (now - t0 < HELPER_SPIN_NS) {
                 __builtin_ia32_pause();
                 continue;
             }
@@ -263,7 +276,7 @@ static TARGET void spec_gemm(const float *x, long T, long ldx, const float *wb, 
     const long g = unit_blocks(T), nb = (out + BW - 1) / BW, nu = (nb + g - 1) / g;
     const long ly = T * g * BW;
     int expected = 0;
-    if (T < 2 || nu < 2 || T * in * out < MIN_SHARED || nu > MAX_UNITS || T * in > XCAP || nu * ly > SCAP ||
+    if (nu < 2 || T * in * out < MIN_SHARED || nu > MAX_UNITS || T * in > XCAP || nu * ly > SCAP ||
         atomic_load_explicit(&pool_threads, memory_order_relaxed) < 2 ||
         !atomic_compare_exchange_strong(&pool_busy, &expected, 1)) { /* one thread */
         for (long u = 0; u < nu; u++)
@@ -656,7 +669,7 @@ static PyMethodDef methods[] = {
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
      "rms_norm(x, w, eps, y): RMSNorm row by row"},
     {"set_threads", py_set_threads, METH_O,
-     "set_threads(n): 2 lets a helper thread take half of every product of 2+ rows, 1 stops "
+     "set_threads(n): 2 lets a helper thread take half of every product, 1 stops "
      "it; returns the count in force"},
     {"quiesce", py_quiesce, METH_NOARGS,
      "quiesce(): wait until the helper thread holds no unit (before weights are freed)"},

@@ -16,12 +16,13 @@ Why 1: a decode step of a small model is a chain of short products (our C kernel
 product on the calling thread, ``models/cpu_kernels.py``) and of short torch ops; extra OpenMP threads buy
 nothing on a quiet machine and cost half the speed or more as soon as another process uses a
 core (docs/perf.md, "CPU", has the measurements).
-The C kernels' products of 2+ rows (verification passes, batches, prefills) are the exception:
-one core does not overlap a multi-row product's FMAs with its memory reads, so they take a helper
+The C kernels' products are the exception: two cores stream a weight faster than one, and one
+core does not overlap a multi-row product's FMAs with its memory reads, so they take a helper
 thread on a second CPU (``cpu_kernels.set_threads``, ``kernel_threads``): 2 whenever the engine's
 count is 2 or more, and also with ``cpu_threads=None`` where 2+ CPUs are available. The helper
-sleeps between products and never holds up its caller for more than the unit of work it is
-late with, so a busy machine costs it nothing over one thread (docs/perf.md, "CPU").
+keeps the second CPU busy while a request runs (it polls for the next product for 200 us) and
+sleeps between requests; it never holds up its caller for more than the unit of work it is
+late with, so a busy machine costs the caller nothing over one thread (docs/perf.md, "CPU").
 The GPU engine leaves the count alone (its host thread only launches work).
 """
 

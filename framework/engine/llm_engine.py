@@ -56,7 +56,7 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device()
         self.cpu_threads = None  # torch's thread count a CPU engine runs with (process-wide)
-        self.cpu_kernel_threads = None  # the C kernels' for products of 2+ rows (1 or 2)
+        self.cpu_kernel_threads = None  # the C kernels' threads (1 or 2: with a helper)
         if self.device.type == "cpu":  # before loading: load-time timings use it
             self.cpu_threads = apply_cpu_threads(config.cpu_threads)
             self.cpu_kernel_threads = cpu_kernels.threads()

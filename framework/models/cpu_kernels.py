@@ -5,11 +5,10 @@ BLAS libraries pack the weight into panels on every call; with few rows that pas
 as the product (2.2-2.6x the one-row time for a 6-row verification pass on SmolLM2-135M).
 ``gemm`` runs on a copy of the weight BLOCKED as ``[ceil(out / 16), in, 16]`` (``block_weight``):
 it streams each block once and multiplies it with up to 6 rows in registers (6 rows ~1.6x of one
-row). Products of 2+ rows can share their blocks with a helper thread on a second CPU
-(``set_threads(2)``, chosen by ``EngineConfig.cpu_threads``): one core does not overlap a
-multi-row product's FMAs with its memory reads, two do (a 5-row pass over SmolLM2-135M's weights
-1.35-1.75x the one-row time on one thread, ~1.0-1.15x with the helper; docs/perf.md, "CPU").
-The results are bit for bit those of one thread.
+row). Products can share their blocks with a helper thread on a second CPU (``set_threads(2)``,
+chosen by ``EngineConfig.cpu_threads``): two cores stream a one-row product faster than one
+(~24.5 against ~17.5 GB/s here), and one core does not overlap a multi-row product's FMAs with
+its memory reads, two do (docs/perf.md, "CPU"). The results are bit for bit those of one thread.
 
 All three are batch-invariant: a row's result is the same arithmetic whatever the other rows of
 the call (each GEMM output is one FMA chain over ``in``; each attention row runs over its own
@@ -59,9 +58,9 @@ def _require():
 
 
 def set_threads(n: int) -> int:
-    """Threads of ``gemm`` (process-wide): 2 lets a helper thread take part of every product of
-    2+ rows (a verification pass, a batch, a prefill), 1 runs every product on the calling thread
-    alone. Returns the count in force (1 where the helper thread could not be started). A helper
+    """Threads of ``gemm`` (process-wide): 2 lets a helper thread take part of every product
+    (but the smallest), 1 runs every product on the calling thread alone. The helper polls for
+    the next product for 200 us after each one (a forward keeps it awake), then sleeps. Returns the count in force (1 where the helper thread could not be started). A helper
     that another process keeps from running costs only the unit of work it holds: the caller
     takes every unit the helper has not claimed and redoes one it is late with."""
     if n < 1:
