@@ -237,7 +237,7 @@ class HeadDrafter:
             ctx_lists = [[p.n - p.st.offset + j for p in rows] for j in range(K - 1)]
             choose = None if sampler.all_greedy else sampler  # all greedy: no q to keep
             toks, kept = self.chain(ints[0], x, K, W, choose, ctx_lists,
-                                    stop=self.confidence_stop)  # [len(rows), <= K]
+                                    stop=self.confidence_stop, wanted=ks)  # [len(rows), <= K]
             ks = [min(k, c) for k, c in zip(ks, kept)]
         ids = [p.i for p in rows]
         drafts = split_drafts(toks, ids, ks, B, self.graphs)
@@ -295,6 +295,7 @@ class HeadDrafter:
         sampler: DraftSampler | None,  # None: every row greedy
         ctx_lists: list[list[int]] | None = None,  # context lengths per step (torch attention)
         stop: float | None = None,  # confidence_stop
+        wanted: list[int] | None = None,  # [Bp] drafts each row uses (default K), with stop
     ) -> tuple[torch.Tensor, list[int]]:  # [Bp, steps run] draft tokens, drafts kept per row
         """K draft steps from the draft states ``x``: each step's tokens are ``sampler``'s choice
         from the head's full-vocabulary logits, or with no sampler the head's ``greedy``.
@@ -302,7 +303,7 @@ class HeadDrafter:
         With ``stop``, row r keeps only its first ``kept[r]`` drafts: those whose running
         product of top probabilities (the softmax of the head's logits, temperature 1, at the
         token it would draft greedily) stays >= ``stop``. The steps end once every row has
-        stopped (one host read per step). The rule reads only the head's outputs, never the
+        stopped or has its ``wanted`` drafts (one host read per step). The rule reads only the head's outputs, never the
         target's, so verification stays lossless. Without ``stop``, ``kept`` is K per row."""
         Bp, S, bs = x.shape[0], K - 1, self.cache.block_size
         o = 3 * S * Bp
@@ -313,6 +314,7 @@ class HeadDrafter:
         tables = ints[o + Bp + 1 : o + Bp + 1 + Bp * W].view(Bp, W).to(torch.int32)
         out = []
         kept = [K] * Bp
+        wanted = wanted or kept
         run = torch.ones(Bp, device=x.device) if stop is not None else None  # [Bp] product
         for j in range(K):
             top = None
@@ -332,7 +334,7 @@ class HeadDrafter:
                 for r, low in enumerate((run < stop).tolist()):
                     if low and kept[r] == K:
                         kept[r] = j  # this draft and the later ones are dropped
-                if max(kept) < K:
+                if all(c <= j or w <= j + 1 for c, w in zip(kept, wanted)):
                     break
             if j + 1 == K:
                 break
