@@ -5,8 +5,8 @@ demo's prompts, on the embedded SmolLM2-135M-Instruct (fp32).
 (a) ``products``: every weight of a SmolLM2-135M geometry (30 layers of qkv 960x576, o 576x576,
     gate/up 3072x576, down 576x1536, then the 49152x576 LM head; random, 0.54 GB, far beyond the
     caches, as in a decode step) multiplied with T = 1..8 rows, the two thread counts
-    interleaved, best of ``--repeats``. One core streams the one-row pass at the memory's speed
-    but does not overlap a multi-row pass's FMAs with its reads; the helper does.
+    interleaved, best of ``--repeats``. Two cores stream the one-row pass faster than one, and
+    one core does not overlap a multi-row pass's FMAs with its reads; the helper does.
 (b) ``engine``: ``speculant demo``'s four prompts, greedy, one at a time: plain decoding, n-gram
     (k = 5) and the shipped EAGLE head (its demo options: k = 4, prompt lookup), each with the
     kernels on one thread and with the helper; configurations interleaved per prompt, fastest
