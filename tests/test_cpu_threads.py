@@ -105,15 +105,17 @@ def test_default_count_is_replaced(threads):
 
 @pytest.mark.parametrize("cpus", [1, 2, 8])
 def test_kernel_threads(threads, monkeypatch, cpus):
-    """The C kernels' multi-row products take a helper thread (2) with 2+ torch threads, or
-    automatically where 2+ CPUs are available; an explicit or a user's count of 1 keeps them
-    on one thread."""
+    """The C kernels' products take a helper thread (2) with 2+ torch threads, or automatically
+    where there are 2+ CPUs for each process (a tensor-parallel group's ranks share them); an
+    explicit or a user's count of 1 keeps them on one thread."""
     monkeypatch.setattr(cpu_threads, "available_cpus", lambda: cpus)
     cpu_threads._applied = None
     torch.set_num_threads(cpu_threads._initial)
     assert cpu_threads.kernel_threads(None, 1) == (2 if cpus >= 2 else 1)
     assert cpu_threads.kernel_threads(1, 1) == 1
     assert cpu_threads.kernel_threads(2, 2) == 2
+    assert cpu_threads.kernel_threads(None, 1, processes=2) == (2 if cpus >= 4 else 1)
+    assert cpu_threads.kernel_threads(2, 2, processes=2) == 2  # the user's own count
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user's one thread
     assert cpu_threads.kernel_threads(None, 1) == 1
 

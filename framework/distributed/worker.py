@@ -397,7 +397,7 @@ def main(argv: list[str]) -> None:
         from speculant.engine.cpu_threads import apply_cpu_threads
 
         device = torch.device("cpu")
-        apply_cpu_threads(spec.config.cpu_threads)
+        apply_cpu_threads(spec.config.cpu_threads, spec.config.tensor_parallel_size)
     try:
         _report(status, state="joining")
         tp = init_tensor_parallel(int(rank), int(size), device, init)

@@ -84,27 +84,30 @@ def resolve_cpu_threads(requested: int | None) -> tuple[int | None, str]:
     return auto_cpu_threads(), "automatic (cpu_threads=None)"
 
 
-def kernel_threads(requested: int | None, torch_count: int) -> int:
-    """Threads of the C kernels' multi-row products for ``EngineConfig.cpu_threads``: 2 when
-    torch's count in force is 2+, or when the choice is automatic (None) and 2+ CPUs are
-    available; else 1 (an explicit ``cpu_threads=1``, a user's one-thread setting)."""
+def kernel_threads(requested: int | None, torch_count: int, processes: int = 1) -> int:
+    """Threads of the C kernels' products for ``EngineConfig.cpu_threads``: 2 when torch's
+    count in force is 2+, or when the choice is automatic (None) and there are 2+ CPUs for
+    each of the ``processes`` that share them (the ranks of a tensor-parallel group: a helper
+    polls its CPU while its request runs, so two ranks' helpers on 2 CPUs would take them from
+    the other rank); else 1 (an explicit ``cpu_threads=1``, a user's one-thread setting)."""
     auto = requested is None and user_setting() is None
-    return 2 if torch_count >= 2 or (auto and available_cpus() >= 2) else 1
+    return 2 if torch_count >= 2 or (auto and available_cpus() >= 2 * processes) else 1
 
 
-def apply_cpu_threads(requested: int | None) -> int:
+def apply_cpu_threads(requested: int | None, processes: int = 1) -> int:
     """Set torch's thread count for a CPU engine (process-wide) and the C kernels' (2 or 1,
-    ``kernel_threads``); returns torch's count in force."""
+    ``kernel_threads``; ``processes``: the engine's processes on this machine, its tensor-
+    parallel ranks); returns torch's count in force."""
     global _applied
     n, why = resolve_cpu_threads(requested)
-    kernels = kernel_threads(requested, torch.get_num_threads() if n is None else n)
+    kernels = kernel_threads(requested, torch.get_num_threads() if n is None else n, processes)
     if n is not None and n != torch.get_num_threads():
         torch.set_num_threads(n)
     if n is not None:
         _applied = n
     if cpu_kernels.available():
         kernels = cpu_kernels.set_threads(kernels)
-    logger.info("CPU threads: %d (%s); C kernels' multi-row products: %d", torch.get_num_threads(),
+    logger.info("CPU threads: %d (%s); C kernels' products: %d", torch.get_num_threads(),
                 why, kernels)
     return torch.get_num_threads()
 

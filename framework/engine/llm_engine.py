@@ -58,7 +58,7 @@ class LLMEngine:
         self.cpu_threads = None  # torch's thread count a CPU engine runs with (process-wide)
         self.cpu_kernel_threads = None  # the C kernels' threads (1 or 2: with a helper)
         if self.device.type == "cpu":  # before loading: load-time timings use it
-            self.cpu_threads = apply_cpu_threads(config.cpu_threads)
+            self.cpu_threads = apply_cpu_threads(config.cpu_threads, config.tensor_parallel_size)
             self.cpu_kernel_threads = cpu_kernels.threads()
         folder = resolve_model(config.model)
         self.model_path = folder
