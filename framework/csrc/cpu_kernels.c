@@ -129,11 +129,12 @@ static TARGET void gemm_unit(const float *x, long T, long ldx, const float *wb, 
 
 /* ---- A second core for every product (set_threads(2)) ----
  * Measured on a 2-core EPYC VM (docs/perf.md, "CPU"): one core streams a one-row product at
- * ~17.5 GB/s, two cores at ~24.5 (a one-row pass over SmolLM2-135M's weights: 30.7 -> 21.9 ms),
+ * ~18.5 GB/s, two cores at ~24.8 (a one-row pass over SmolLM2-135M's weights: 29.0 -> 21.7 ms),
  * and with 5 rows one core's FMAs and loads do not overlap (1.5-1.8x the one-row time on one
  * thread). So the caller and a helper thread share the units of every product of at least
- * MIN_SHARED multiply-adds, one row included. Design rules, so that a busy or descheduled helper never costs more than
- * the work it holds (with both cores busy elsewhere, products took what they take on one thread):
+ * MIN_SHARED multiply-adds, one row included. Design rules, so that a busy or descheduled
+ * helper never costs more than the work it holds (with both cores busy elsewhere, products
+ * took what they take on one thread):
  * - units are claimed one at a time from one atomic word (epoch << 32 | next unit), by the caller
  *   and by the helper; the caller never waits for the helper to start;
  * - the helper reads only memory owned here (a copy of x) and the weights, and writes its units
