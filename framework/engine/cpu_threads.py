@@ -20,9 +20,10 @@ The C kernels' products are the exception: two cores stream a weight faster than
 core does not overlap a multi-row product's FMAs with its memory reads, so they take a helper
 thread on a second CPU (``cpu_kernels.set_threads``, ``kernel_threads``): 2 whenever the engine's
 count is 2 or more, and also with ``cpu_threads=None`` where there are 2+ CPUs for each of the
-engine's processes (its tensor-parallel ranks). The helper keeps the second CPU busy while a request runs (it polls for the next product for 200 us) and
-sleeps between requests; it never holds up its caller for more than the unit of work it is
-late with, so a busy machine costs the caller nothing over one thread (docs/perf.md, "CPU").
+engine's processes (its tensor-parallel ranks). The helper keeps the second CPU busy while a
+request runs (it polls for the next product for 200 us) and sleeps between requests; it never
+holds up its caller for more than the unit of work it is late with, so a busy machine costs the
+caller nothing over one thread (docs/perf.md, "CPU").
 The GPU engine leaves the count alone (its host thread only launches work).
 """
 
