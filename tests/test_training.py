@@ -159,6 +159,33 @@ def test_each_method_learns_and_its_checkpoint_runs_losslessly(method, target, d
     assert m.num_draft_tokens > 0
 
 
+def test_eagle3_learns_on_layer_inputs_and_its_checkpoint_runs_losslessly(tiny_factory, tmp_path):
+    """EAGLE-3 reads three target layers' inputs: a 4-layer target, data with aux_layers, a
+    draft vocabulary of the 96 most frequent reply tokens written as d2t."""
+    from speculant.training import train
+
+    deep = tiny_factory("llama", num_hidden_layers=4)
+    out = tmp_path / "eagle3"
+    res = train("eagle3", out, str(deep), num_prompts=8, max_new_tokens=24,
+                head_options={"steps": 2, "aux_layers": [0, 1, 3], "hot_vocab": 96}, steps=20,
+                batch_size=4, lr=3e-3, warmup=3, save_dtype="float32", progress=False,
+                device="cpu", cache_dir=tmp_path / "data")
+    losses = [h["loss"] for h in res.history]
+    assert sum(losses[-3:]) < 0.9 * sum(losses[:3]), losses
+    assert len(res.history[-1]["acc"]) == 2
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 96
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
+
+    llm = LLM(model=str(deep), speculative_config={"model": str(out)})  # method inferred
+    strategy = llm.engine.spec.strategy
+    assert strategy.name == "eagle3" and strategy.aux_hidden_layers == (0, 1, 3)
+    assert replies(llm) == replies(LLM(model=str(deep)))
+    assert llm.get_metrics().num_accepted_tokens > 0  # the trained head drafts the target's tokens
+    with pytest.raises(ValueError, match="aux_layers needs 3 distinct target layers"):
+        make_head("eagle3", TargetInfo.load(deep), aux_layers=(0, 9, 1))
+
+
 @pytest.mark.slow  # two short training runs: CI's slow run keeps it
 def test_resume_continues_exactly(target, data, tmp_path):
     def run(out: Path, resume: bool, stop_at: int | None = None) -> dict:
@@ -284,7 +311,7 @@ def test_eagle_hot_vocab_writes_a_token_map_that_loads(target, plain, tmp_path):
     auto = LLM(model=str(target), speculative_config={"method": "eagle", "model": str(out)})
     assert auto.engine.spec.strategy.hot is not None
     assert replies(auto) == plain
-    with pytest.raises(ValueError, match="hot_vocab is for method 'eagle' only"):
+    with pytest.raises(ValueError, match="hot_vocab is for methods 'eagle' and 'eagle3' only"):
         train("medusa", tmp_path / "m", str(target), head_options={"hot_vocab": 8})
 
 

@@ -7,8 +7,8 @@ as the product (2.2-2.6x the one-row time for a 6-row verification pass on SmolL
 it streams each block once and multiplies it with up to 6 rows in registers (6 rows ~1.6x of one
 row). Products can share their blocks with a helper thread on a second CPU (``set_threads(2)``,
 chosen by ``EngineConfig.cpu_threads``): two cores stream a one-row product faster than one
-(~24.5 against ~17.5 GB/s here), and one core does not overlap a multi-row product's FMAs with
-its memory reads, two do (docs/perf.md, "CPU"). The results are bit for bit those of one thread.
+(24.8 against 18.5 GB/s here, ``bench/cpu_threads.py``), and one core does not overlap a
+multi-row product's FMAs with its memory reads, two do (docs/perf.md, "CPU"). The results are bit for bit those of one thread.
 
 All three are batch-invariant: a row's result is the same arithmetic whatever the other rows of
 the call (each GEMM output is one FMA chain over ``in``; each attention row runs over its own

@@ -43,7 +43,8 @@ def train(method: str, out: str | Path, model: str | None = None, *, num_prompts
     layout ``speculative_config={"method": method, "model": out}`` loads. The eagle head option
     ``hot_vocab`` (N) trains its token loss over the N most frequent reply tokens only and writes
     them as ``out/token_map.json`` (pass ``"token_map": ".../token_map.json"`` to load it so,
-    which also makes drafting cheaper). ``train_options``
+    which also makes drafting cheaper); for ``eagle3`` those N tokens are the head's own draft
+    vocabulary (its ``lm_head`` rows and ``d2t``). ``train_options``
     are :class:`TrainConfig` fields (steps, lr, batch_size, ...); ``cache_dir`` (default
     ``out/data``) keeps the distilled data for later runs; ``stop_at``: see ``train_head``;
     ``val_prompts``: that many held-out prompts (distilled the same way) are evaluated every
@@ -56,9 +57,9 @@ def train(method: str, out: str | Path, model: str | None = None, *, num_prompts
     target = TargetInfo.load(folder)
     options = dict(head_options or {})
     hot_vocab = options.pop("hot_vocab", None)
-    if hot_vocab is not None and method != "eagle":
-        raise ValueError(f"head option hot_vocab is for method 'eagle' only (got {method!r}); "
-                         "remove it")
+    if hot_vocab is not None and method not in ("eagle", "eagle3"):
+        raise ValueError(f"head option hot_vocab is for methods 'eagle' and 'eagle3' only (got "
+                         f"{method!r}); remove it")
     head = make_head(method, target, **options)  # fails early on a bad method or option
     data = build_dataset(str(folder), "train", num_prompts, max_new_tokens,
                          aux_layers=tuple(head.aux_layers),
@@ -70,7 +71,7 @@ def train(method: str, out: str | Path, model: str | None = None, *, num_prompts
                             aux_layers=tuple(head.aux_layers),
                             cache_dir=cache_dir if cache_dir is not None else Path(out) / "data",
                             progress=progress, cpu_threads=cpu_threads)
-    if hot_vocab is not None:  # the N most frequent reply tokens: a token map (FR-Spec)
+    if hot_vocab is not None:  # the N most frequent reply tokens: a token map (FR-Spec) / d2t
         options["hot_ids"] = hot_token_ids(data.token_counts(), int(hot_vocab))
     torch.manual_seed(config.seed)  # the head's initial weights follow the run's seed
     head = make_head(method, target, **options)

@@ -19,7 +19,7 @@ def _json_object(text: str, flag: str) -> dict:
 def add_parsers(sub) -> None:
     t = sub.add_parser("train", help="train a speculation head on the target's own greedy "
                        "replies (self-distillation; docs/training.md)")
-    t.add_argument("method", help="eagle, mlp_speculator or medusa")
+    t.add_argument("method", help="eagle, eagle3, mlp_speculator or medusa")
     t.add_argument("--model", default=None, help="the target: HF folder, .gguf file, hub id; "
                    "default: the embedded SmolLM2-135M-Instruct")
     t.add_argument("--out", required=True, help="folder of the trained head (and its trainer "

@@ -8,6 +8,9 @@ self-distillation data) and a ``save_pretrained`` (that layout: config.json + sa
   target's LM head on the head's output against the target's greedy token, unrolled over
   ``steps`` draft steps as at inference ("training-time test", EAGLE-3): step s feeds the state
   of step s-1 back and attends to the step-1 keys of the positions before it plus its own.
+* :class:`Eagle3Head` (``method="eagle3"``, EAGLE-3, arXiv 2503.01840): fc fuses the inputs of
+  three target layers; one midlayer over concat[embed(token p+s), that state]; its own
+  draft-vocabulary LM head (``d2t``). Objective: cross-entropy only, unrolled the same way.
 * :class:`MLPSpeculatorHead` (``method="mlp_speculator"``, arXiv 2404.19124): stage j reads the
   previous state and the true token t_{p+1+j}; per-stage cross-entropy against t_{p+2+j}.
 * :class:`MedusaHead` (``method="medusa"``, arXiv 2401.10774, the ``speculant-medusa`` example
@@ -117,8 +120,8 @@ def _save(out: Path, config: dict, tensors: dict[str, torch.Tensor], file: str,
           dtype: torch.dtype) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file({k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()},
-              str(out / file), metadata={"format": "pt"})
+    save_file({k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+               for k, v in tensors.items()}, str(out / file), metadata={"format": "pt"})
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,20 +158,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class EagleLayer(nn.Module):
-    """A Llama decoder layer (HF tensor names) whose attention reads an explicit key cache."""
+    """A Llama decoder layer (HF tensor names) whose attention reads an explicit key cache;
+    ``in_dim``: the width q/k/v read (EAGLE-3's midlayer: 2H)."""
 
-    def __init__(self, cfg: dict, first: bool) -> None:
+    def __init__(self, cfg: dict, first: bool, in_dim: int | None = None) -> None:
         super().__init__()
         H, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
         self.nh, self.nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
         self.hd = cfg.get("head_dim") or H // self.nh
-        bias = bool(cfg.get("attention_bias", False))
+        bias, D = bool(cfg.get("attention_bias", False)), in_dim or H
         self.input_layernorm = None if first else RMSNorm(H, eps)
         self.self_attn = nn.Module()
         a = self.self_attn
-        a.q_proj = nn.Linear(H, self.nh * self.hd, bias=bias)
-        a.k_proj = nn.Linear(H, self.nkv * self.hd, bias=bias)
-        a.v_proj = nn.Linear(H, self.nkv * self.hd, bias=bias)
+        a.q_proj = nn.Linear(D, self.nh * self.hd, bias=bias)
+        a.k_proj = nn.Linear(D, self.nkv * self.hd, bias=bias)
+        a.v_proj = nn.Linear(D, self.nkv * self.hd, bias=bias)
         a.o_proj = nn.Linear(self.nh * self.hd, H, bias=False)
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.mlp = nn.Module()
@@ -177,11 +181,11 @@ class EagleLayer(nn.Module):
         self.mlp.up_proj = nn.Linear(H, inter, bias=False)
         self.mlp.down_proj = nn.Linear(inter, H, bias=False)
 
-    def forward(self, x, cos, sin, cache: list, mask):
-        # x: [B, T, H]; cos/sin: [T, hd] of this step's positions; cache: this layer's earlier
-        # steps' (k, v) [B, nkv, T, hd], extended here; mask: [T, steps * T] bool (True: attend)
-        B, T, _ = x.shape
-        h = x if self.input_layernorm is None else self.input_layernorm(x)
+    def attention(self, h, cos, sin, cache: list, mask) -> torch.Tensor:
+        # h: [B, T, D] normed input -> [B, T, H]; cos/sin: [T, hd] of this step's positions;
+        # cache: this layer's earlier steps' (k, v) [B, nkv, T, hd], extended here; mask:
+        # [T, steps * T] bool (True: attend)
+        B, T, _ = h.shape
         a = self.self_attn
         q = apply_rope(a.q_proj(h).view(B, T, self.nh, self.hd).transpose(1, 2), cos, sin)
         k = apply_rope(a.k_proj(h).view(B, T, self.nkv, self.hd).transpose(1, 2), cos, sin)
@@ -191,9 +195,15 @@ class EagleLayer(nn.Module):
         K = torch.cat([c[0] for c in cache], 2).repeat_interleave(rep, 1)  # [B, nh, sT, hd]
         V = torch.cat([c[1] for c in cache], 2).repeat_interleave(rep, 1)
         o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)  # [B, nh, T, hd]
-        x = x + a.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        return a.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+    def mlp_block(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H]: x + mlp(norm(x))
         m, y = self.mlp, self.post_attention_layernorm(x)
         return x + m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y))
+
+    def forward(self, x, cos, sin, cache: list, mask):  # x: [B, T, H] -> [B, T, H]
+        h = x if self.input_layernorm is None else self.input_layernorm(x)
+        return self.mlp_block(x + self.attention(h, cos, sin, cache, mask))
 
 
 def unroll_mask(T: int, s: int, device) -> torch.Tensor:
@@ -275,6 +285,95 @@ class Eagle1Head(nn.Module):
         _save(Path(out), cfg, tensors, "model.safetensors", dtype)
         if self.hot_ids is not None:  # the token map the head was trained for
             (Path(out) / "token_map.json").write_text(json.dumps(self.hot_ids.tolist()))
+
+
+# --------------------------------------------------------------------------------------------
+# EAGLE-3
+# --------------------------------------------------------------------------------------------
+class Eagle3MidLayer(EagleLayer):
+    """EAGLE-3's ``midlayer``: attention over concat[input_layernorm(embed), hidden_norm(g)]
+    (2H wide), the residual stream starting from g itself."""
+
+    def __init__(self, cfg: dict) -> None:
+        super().__init__(cfg, first=False, in_dim=2 * cfg["hidden_size"])
+        self.hidden_norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+
+    def forward(self, emb, g, cos, sin, cache: list, mask):  # emb, g: [B, T, H] -> [B, T, H]
+        h = torch.cat([self.input_layernorm(emb), self.hidden_norm(g)], -1)  # [B, T, 2H]
+        return self.mlp_block(g + self.attention(h, cos, sin, cache, mask))
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 (arXiv 2503.01840): ``fc`` fuses the inputs of three target layers (low, middle,
+    high; ``aux_layers``, default ``(2, L // 2, L - 3)`` as the loader's) into g; one
+    ``midlayer``; logits ``lm_head(norm(x))`` over its own draft vocabulary (``hot_ids``: the
+    target ids of the draft ids, written as ``d2t``; None: the whole vocabulary), the
+    ``lm_head`` starting as those rows of the target's and trained. Objective: cross-entropy
+    against the target's greedy token only (no feature regression), unrolled over ``steps`` as
+    :class:`Eagle1Head`: step s feeds step s-1's pre-norm output back in place of g."""
+
+    method = "eagle3"
+
+    def __init__(self, target: TargetInfo, steps: int = 4, aux_layers: tuple[int, ...] | None = None,
+                 hot_ids: torch.Tensor | None = None, max_positions: int = 4096) -> None:
+        super().__init__()
+        cfg = dict(target.config)
+        H, V, L = target.hidden_size, target.vocab_size, int(cfg["num_hidden_layers"])
+        layers = tuple(sorted({int(i) for i in (aux_layers or (2, L // 2, L - 3))}))
+        if len(layers) != 3 or not all(0 <= i < L for i in layers):
+            raise ValueError(f"eagle3 head option aux_layers needs 3 distinct target layers in "
+                             f"[0, {L}), got {aux_layers or layers}; set aux_layers")
+        self.cfg, self.aux_layers, self.num_positions = cfg, layers, steps
+        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.midlayer = Eagle3MidLayer(cfg)
+        for p in self.midlayer.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+        self.norm = RMSNorm(H, cfg.get("rms_norm_eps", 1e-6))
+        ids = hot_ids if hot_ids is not None else torch.arange(V)  # [Vd] target ids, ascending
+        self.lm_head = nn.Linear(H, len(ids), bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target.lm_head[ids])
+        self.register_buffer("d2t", ids - torch.arange(len(ids)), persistent=False)  # [Vd]
+        lookup = torch.full((V,), -1, dtype=torch.long)  # [V]: draft id of a target id, or -1
+        lookup[ids] = torch.arange(len(ids))
+        self.register_buffer("lookup", lookup, persistent=False)
+        self.register_buffer("embed", target.embed, persistent=False)  # [V, H] frozen
+        cos, sin = rope_tables(cfg, self.midlayer.hd, max_positions)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def loss(self, batch: Batch) -> HeadLoss:
+        tokens, target = batch.tokens, batch.target  # [B, T], [B, T]
+        if batch.aux is None:
+            raise ValueError("eagle3 trains on the target's layer inputs: build the data with "
+                             f"aux_layers={self.aux_layers} (build_dataset(..., aux_layers=...))")
+        B, T, _ = batch.aux.shape
+        cache: list = []
+        x = self.fc(batch.aux)  # [B, T, 3H] -> g [B, T, H]
+        total_loss = x.new_zeros(())
+        correct, total = [], []
+        for s in range(1, self.num_positions + 1):
+            emb = self.embed[shifted(tokens, s)]  # [B, T, H]: embed(t_{p+s})
+            pos = torch.arange(T, device=x.device) + (s - 1)
+            x = self.midlayer(emb, x, self.cos[pos], self.sin[pos], cache, unroll_mask(T, s, x.device))
+            labels = self.lookup[shifted(tokens, s + 1)]  # [B, T]: draft id of t_{p+s+1}, or -1
+            valid = shifted(target, s + 1, False)  # [B, T]
+            ce, c, n = token_loss(self.norm(x), self.lm_head.weight, labels, valid)
+            correct.append(c)
+            total.append(n)
+            total_loss = total_loss + 0.8 ** (s - 1) * ce
+        return HeadLoss(total_loss, torch.stack(correct), torch.stack(total))
+
+    def save_pretrained(self, out: Path, dtype: torch.dtype = torch.float16) -> None:
+        H = int(self.cfg["hidden_size"])
+        cfg = dict(self.cfg, architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                   num_hidden_layers=1, draft_vocab_size=self.lm_head.out_features,
+                   target_hidden_size=H, torch_dtype=str(dtype).removeprefix("torch."),
+                   eagle_config={"eagle_aux_hidden_state_layer_ids": list(self.aux_layers)})
+        cfg.pop("auto_map", None)
+        tensors = dict(self.named_parameters(), d2t=self.d2t)
+        _save(Path(out), cfg, tensors, "model.safetensors", dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,5 +479,6 @@ class MedusaHead(nn.Module):
 
 
 HEADS: dict[str, type[nn.Module]] = {
-    "eagle": Eagle1Head, "mlp_speculator": MLPSpeculatorHead, "medusa": MedusaHead,
+    "eagle": Eagle1Head, "eagle3": Eagle3Head, "mlp_speculator": MLPSpeculatorHead,
+    "medusa": MedusaHead,
 }

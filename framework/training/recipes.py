@@ -43,6 +43,16 @@ RECIPES: dict[str, Recipe] = {
                "grad_clip": 1.0, "checkpoint_every": 50, "eval_every": 100, "seed": 0,
                "save_dtype": "float16"},
     ),
+    # docs/training.md, "EAGLE-3": the same data and schedule as smollm2-eagle, an EAGLE-3 head
+    # (the inputs of target layers 2, 15 and 27; its own 8,192-token draft vocabulary)
+    "smollm2-eagle3": Recipe(
+        name="smollm2-eagle3", method="eagle3", target="default", max_new_tokens=192,
+        head_options={"steps": 4, "hot_vocab": 8192},
+        val_prompts=20,
+        train={"steps": 1200, "batch_size": 8, "lr": 1e-3, "warmup": 50, "weight_decay": 0.0,
+               "grad_clip": 1.0, "checkpoint_every": 50, "eval_every": 100, "seed": 0,
+               "save_dtype": "float16"},
+    ),
 }
 
 # what a recipe run copies into the shipped head's folder (the rest of OUT, the distilled data
