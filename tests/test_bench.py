@@ -82,7 +82,7 @@ def test_bench_cli_writes_json_and_png(tiny_factory, tmp_path, capsys):
     assert runs[("plain", 2)]["speedup_trimmed"] == 1.0
 
 
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_bench_repeats_report_the_median_run(tiny_factory, tmp_path, monkeypatch):
     """--repeats 3: three timed runs (and three cost passes) per cell; the row is the run of
     median step time, with every run's step time listed and its own acceptance."""
@@ -116,7 +116,7 @@ def test_bench_repeats_report_the_median_run(tiny_factory, tmp_path, monkeypatch
         main(["bench", "--model", str(model), "--repeats", "0", "--out", str(tmp_path)])
 
 
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_bench_builds_a_strategy_once_across_batch_sizes(tiny_factory, monkeypatch):
     """A non-oracle strategy is built once and reset between batch sizes (the oracle, whose
     references differ per batch size, once per batch size); rows come back ordered by batch

@@ -159,7 +159,7 @@ def test_a_failed_phase_still_summarises_and_plots(tmp_path):
     assert png.read_bytes()[:8] == PNG and "plot_error" not in json.loads(json_path.read_text())
 
 
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_write_result_and_replot(tmp_path):
     json_path, png = gpu_tp.write_result(fake_result(), tmp_path / "run")
     saved = json.loads(json_path.read_text())

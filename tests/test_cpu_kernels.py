@@ -166,7 +166,7 @@ def test_a_late_helper_costs_only_its_unit(gemm_threads):
         assert np.array_equal(ck.gemm(x, wb, 4096), r)
 
 
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_freeing_a_weight_waits_for_a_late_helper(gemm_threads):
     """A helper late with a unit still reads that call's weight: freeing a blocked weight first
     waits until the helper holds no unit (``quiesce``, a finalizer of ``block_weight``'s array),

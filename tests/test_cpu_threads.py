@@ -120,7 +120,7 @@ def test_kernel_threads(threads, monkeypatch, cpus):
     assert cpu_threads.kernel_threads(None, 1) == 1
 
 
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_engine_applies_it(threads, tiny_llama):
     llm = speculant.LLM(model=str(tiny_llama), cpu_threads=1)
     assert llm.engine.cpu_threads == 1 == torch.get_num_threads() == cpu_kernels.threads()

@@ -206,7 +206,7 @@ def test_sampling_follows_the_target_distribution(target, joint, configs, method
 @pytest.mark.parametrize("method", [pytest.param("ngram", marks=pytest.mark.slow), "draft_model",
                                     pytest.param("mlp_speculator", marks=pytest.mark.slow), "eagle",
                                     pytest.param("eagle3", marks=pytest.mark.slow)])
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_the_check_rejects_blind_acceptance(target, joint, configs, method, monkeypatch):
     """Negative control: forcing every acceptance uniform to 0 accepts each draft the target
     does not rule out (p > 0), whatever min(1, p/q) says; the output then follows the drafter,

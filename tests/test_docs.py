@@ -228,7 +228,7 @@ def registered():
         unregister(n)
 
 
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_class_attribute_is_the_default_k_and_the_user_overrides_it(registered, tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm = LLM(model=str(tiny_llama), speculative_config={"method": "docs_repeat_last"})

@@ -102,7 +102,7 @@ def test_common_prefix_matches_a_plain_scan():
     pytest.param("small", 1, marks=pytest.mark.slow), pytest.param("same", 3, marks=pytest.mark.slow),
     pytest.param("small", 5, marks=pytest.mark.slow),
 ])
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_greedy_equivalence_batch_1_and_8(target, small_draft, plain_ref, which, k):
     draft = target if which == "same" else small_draft
     llm = _spec_llm(target, draft, k)
@@ -123,7 +123,7 @@ def test_greedy_equivalence_batch_1_and_8(target, small_draft, plain_ref, which,
     assert strat.runner.block_manager.num_free_blocks == strat.runner.block_manager.num_blocks
 
 
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_draft_catches_up_after_preemption(target, plain_ref):
     """Few target KV blocks: the scheduler preempts, the draft frees the sequence's cache and
     prefills it again when it comes back; acceptance stays ~1 with draft == target."""
@@ -135,7 +135,7 @@ def test_draft_catches_up_after_preemption(target, plain_ref):
     assert not llm.engine.spec.strategy.runner.states
 
 
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_full_draft_cache_degrades_to_fewer_drafts(target, plain_ref):
     """A draft KV cache of 8 blocks (128 tokens) for 8 sequences: some sequences get no drafts
     some steps, output stays identical."""
@@ -332,7 +332,7 @@ def test_vocab_size_mismatch_names_both_files(target, tiny_factory):
     assert "vocab_size=16" in msg and "vocab_size=49152" in msg
 
 
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_tokenizer_mismatch_is_explained(target, tmp_path):
     draft = tmp_path / "swapped"
     shutil.copytree(target, draft)
@@ -346,7 +346,7 @@ def test_tokenizer_mismatch_is_explained(target, tmp_path):
     assert str(draft) in str(e.value)
 
 
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_tensor_parallel_draft_is_refused(target):
     with pytest.raises(StrategyError, match="tensor parallelism is not supported yet"):
         LLM(model=str(target), speculative_config={

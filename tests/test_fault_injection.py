@@ -167,7 +167,7 @@ FAST = {"oov", "nan", "raise_nth"}
 
 @pytest.mark.parametrize("mode", [m if m in FAST else pytest.param(m, marks=pytest.mark.slow)
                                   for m in CONTAINED])
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_a_contained_fault_costs_no_one_their_output(tiny_llama, reference, mode, caplog):
     plain, ref = reference
     probs, faults = CONTAINED[mode]
@@ -527,7 +527,7 @@ def test_a_seeded_request_whose_point_mass_strategy_faults_is_its_plain_seeded_r
 
 @pytest.mark.parametrize("mode", ["nan", pytest.param("negative", marks=pytest.mark.slow),
                                   pytest.param("zero_at_draft", marks=pytest.mark.slow)])
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_a_seeded_request_whose_sampled_drafts_fault_depends_only_on_its_seed(
         tiny_llama, faulty_plugin, plain_seeded, mode):
     """Sampled drafts (``probs``): a step that verifies them keys its accept test and recovery

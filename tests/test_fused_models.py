@@ -75,7 +75,7 @@ def test_silu_mul():
                     "on CUDA tests/test_gpu_engine.py covers it end to end")
 # the default run: the one-row path (~5 s on the interpreter); the multi-row one is slow
 @pytest.mark.parametrize("path", ["gemv", pytest.param("fused", marks=pytest.mark.slow)])
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_llama_gemv_path_equals_layer_path(tiny_llama, monkeypatch, path):
     """The CUDA paths of the Llama layers against the torch layer path, over a prefill of 5
     tokens, 2 decode steps, a 3-token (verification-like) step and a 20-token one (qkv and gate/up
@@ -252,7 +252,7 @@ def _rope_tables(D, n=64):
 @pytest.mark.parametrize("split", [1, pytest.param(2, marks=pytest.mark.slow), 3])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4), (3, 1)])
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_reduce_rope_store_equals_gemv_then_rope_store(split, bias, heads):
     """models/fused.reduce_rope_store_ (the QKV projection's split-K reduce, RoPE and the K/V
     store in one kernel) on gemv_partials' pieces against gemv (same launch configuration) then

@@ -102,7 +102,7 @@ def reference(tiny_llama):
     pytest.param(kind, fn, id=f"{kind}-{fn.__name__}",
                  marks=pytest.mark.slow if kind == "ngram" and fn is not wrong_shape else ())
     for fn in BAD for kind in SPECS])
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_a_bad_processor_aborts_its_request_alone(tiny_llama, reference, kind, fn):
     ref, plain_bad = reference
     llm = LLM(model=str(tiny_llama), speculative_config=SPECS[kind])

@@ -327,7 +327,7 @@ def test_tree_nodes_are_each_heads_ranked_tokens(tmp_path, llama):
 
 
 @pytest.mark.parametrize("bs", [1, 8])
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_tree_greedy_matches_plain_decoding(tmp_path, llama, bs):
     prompts8 = prompts_for(BIG_V, 8, seed=5)[:bs]
     ref = generate_ids(LLM(model=str(llama), max_num_seqs=8), prompts8, greedy(16))
@@ -442,7 +442,7 @@ def test_tree_graph_path_gives_the_eager_trees(tmp_path, llama, monkeypatch):
         assert all(not strategy.graphs.inputs[k][0].any() for k in keys)  # padding: zeros
 
 
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_tree_greedy_through_the_graph_path_matches_plain(tmp_path, llama, monkeypatch):
     """The graph path through the engine (its function "replayed" eagerly on the CPU): greedy
     output equals plain decoding."""

@@ -108,7 +108,7 @@ def test_registered_plugin_proposes_and_engine_uses_it(throwaway, tiny_llama):
         ("garbage_long", lambda s: [1] * (s.max_draft + 2), "more than its limit"),
     ],
 )
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_garbage_proposals_get_a_clear_error(throwaway, tiny_llama, name, drafts, message,
                                             caplog):
     """A garbage proposal is a contained fault (docs/hooks.md "Faults"): logged naming the
@@ -147,7 +147,7 @@ def test_unknown_method_lists_installed_strategies(tiny_llama):
     assert "ngarm" in msg and "ngram" in msg and "bigram" in msg
 
 
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_cli_plugins_lists_versions_and_hooks():
     out = subprocess.run([sys.executable, "-m", "speculant.cli", "plugins", "--json"],
                          capture_output=True, text=True, check=True)

@@ -98,7 +98,7 @@ def _case_id(p):
                  marks=() if (i + with_q) % 2 == 0 else pytest.mark.slow)
     for with_q in (False, True) for i, p in enumerate(CASES)
 ])
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_first_and_second_token_follow_target(logits, params, with_q):
     torch.manual_seed(0)
     q = torch.softmax(torch.randn(2, V), -1)  # a draft distribution unlike the target

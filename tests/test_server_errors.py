@@ -242,7 +242,7 @@ def test_a_failing_logits_processor_fails_its_request_alone(served, monkeypatch)
                  marks=pytest.mark.slow),
     ({"stop_token_ids": [V]}, "stop_token_ids", f"[0, {V})"),
 ])
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_offline_values_beyond_the_vocabulary(tiny_llama, kw, field, text):
     llm = LLM(model=str(tiny_llama), max_model_len=64)
     with pytest.raises(ValueError) as e:  # was: "selected index k out of range" in the sampler

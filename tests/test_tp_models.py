@@ -314,7 +314,7 @@ def test_draft_model_is_whole_under_tensor_parallel(tiny_llama, monkeypatch):
     assert target.tp.size == 2 and target.kv_cache_shape() == (1, 16)
 
 
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_llm_load_format_dummy(tiny_llama):
     """``LLM(load_format="dummy")``: random weights from the seed instead of the checkpoint's."""
     from speculant import LLM, SamplingParams

@@ -167,7 +167,7 @@ def _count_calls(monkeypatch, owner, name: str) -> list[int]:
     pytest.param("ngram", 1, marks=pytest.mark.slow),
     pytest.param("ngram", 4, marks=pytest.mark.slow),
 ])
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_tp2_tree_greedy_equals_tp1_plain(tiny, plain, how, batch, monkeypatch):
     import speculant.engine.tp_runner as tp_runner
 

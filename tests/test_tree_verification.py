@@ -381,7 +381,7 @@ def check_distribution(shape: str, mode: str, n_samples: int) -> tuple[float, fl
     return z, tv
 
 
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_distribution_of_a_2x2_tree_without_replacement():
     check_distribution("tree2x2", "distinct", 3000)
 

@@ -138,7 +138,7 @@ def test_target(broken, name):
 
 @pytest.mark.parametrize("name", ["truncated", "header_not_json", "no_weights", "config_not_json",
                                   "tokenizer_not_json"])
-@pytest.mark.slow  # moved out of the default run (its time budget); CI's slow run keeps it
+@pytest.mark.slow
 def test_draft_model(tiny_llama, broken, name):
     """The same errors for a draft model, prefixed with the method (a StrategyError)."""
     folder = broken(name)
